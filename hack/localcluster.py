@@ -296,6 +296,7 @@ class LocalCluster:
         ])  # fmt: skip
         self._spawn("kwok", [
             str(self.bin_dir / "kwok"), f"--kubeconfig={self.admin_kubeconfig}",
+            f"--config={self.bin_dir / 'kwok-stages.yaml'}",
             "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={FAKE_NODE_ANNOTATION}=fake",
             "--manage-nodes-with-label-selector=", "--manage-single-node=",
             "--cidr=10.0.0.0/24", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",

@@ -97,11 +97,19 @@ setup_k8s() {
 }
 
 setup_kwok() {
-  if stamp_ok "$BIN/.kwok-stamp" "$KWOK_VERSION" && [ -x "$BIN/kwok" ]; then
+  if stamp_ok "$BIN/.kwok-stamp" "$KWOK_VERSION" && [ -x "$BIN/kwok" ] && [ -s "$BIN/kwok-stages.yaml" ]; then
     log "kwok $KWOK_VERSION up to date"; return
   fi
   log "building kwok $KWOK_VERSION"
   GOBIN="$BIN" go install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  # kwok runs no stages unless told: take its own "fast" node and pod stages
+  # from the module it was built from.
+  local stages; stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage"
+  : > "$BIN/kwok-stages.yaml"
+  for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+    { echo "---"; cat "$stages/$f"; } >> "$BIN/kwok-stages.yaml"
+  done
   echo "$KWOK_VERSION" > "$BIN/.kwok-stamp"
 }
 

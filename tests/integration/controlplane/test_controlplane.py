@@ -64,5 +64,6 @@ def test_server_side_apply_tracks_field_managers(cluster: LocalCluster, namespac
          "--server-side", "--field-manager=test-manager", "-f", "-"],
         input=json.dumps(patch), text=True, check=True, capture_output=True,
     )  # fmt: skip
-    managers = {m["manager"] for m in get(cluster, "deployment", "ssa", namespace)["metadata"]["managedFields"]}
+    shown = cluster.kubectl("get", "deployment", "ssa", "-n", namespace, "-o", "json", "--show-managed-fields")
+    managers = {m["manager"] for m in json.loads(shown.stdout)["metadata"]["managedFields"]}
     assert "test-manager" in managers
