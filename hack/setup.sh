@@ -58,7 +58,7 @@ EOF
     "$ROOT/.venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
   fi
   # Console scripts of the dependencies (lmcache, kopf) live in the shared venv.
-  for tool in lmcache kopf ruff; do
+  for tool in lmcache kopf ruff hadolint; do
     ln -sfn "$DEPS_VENV/bin/$tool" "$ROOT/.venv/bin/$tool"
   done
 }
@@ -84,13 +84,21 @@ setup_etcd() {
 }
 
 setup_k8s() {
-  local want="$K8S_VERSION|$(sha256sum "$ROOT/hack/k8s/go.mod" "$ROOT/hack/k8s/go.sum" | sha256sum | cut -c1-16)"
+  local want="$K8S_VERSION|versioned|$(sha256sum "$ROOT/hack/k8s/go.mod" "$ROOT/hack/k8s/go.sum" | sha256sum | cut -c1-16)"
   if stamp_ok "$BIN/.k8s-stamp" "$want" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ]; then
     log "kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION up to date"; return
   fi
   log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION from the k8s.io/kubernetes module (10-20 min cold on 2 cores)"
   local t0=$SECONDS
-  (cd "$ROOT/hack/k8s" && go build -trimpath -ldflags="-s -w" -o "$BIN/" \
+  # Stamp the version the way Kubernetes' own build does, so /version (and Helm's
+  # kubeVersion checks, and the operator's native-sidecar detection) see it.
+  local minor; minor="$(echo "$K8S_VERSION" | cut -d. -f2)"
+  local vpkg
+  local ldflags="-s -w"
+  for vpkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $vpkg.gitVersion=$K8S_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor -X $vpkg.gitTreeState=clean"
+  done
+  (cd "$ROOT/hack/k8s" && go build -trimpath -ldflags="$ldflags" -o "$BIN/" \
      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler)
   echo "$want" > "$BIN/.k8s-stamp"
   log "built in $((SECONDS - t0)) s"

@@ -1,0 +1,99 @@
+# syntax=docker/dockerfile:1.7
+# kvoffload images. Targets:
+#   operator          the kopf operator (no torch, no lmcache)
+#   sidecar           LMCache's cache server + kvoffload's supervisor, health and /metrics
+#   connector-bundle  files the operator's init container copies into TensorRT-LLM pods
+#   trtllm            optional: TensorRT-LLM release image with the connector baked in
+#
+#   docker build --target operator -t kvoffload/operator:0.1.0 .
+
+ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
+ARG BUNDLE_BASE_IMAGE=busybox:1.37.0-musl
+ARG TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc26
+# lmcache 0.5.6's compiled CUDA extension (lmcache.cuda_ops) was built against
+# torch 2.13.0 (the build pin in its source distribution's pyproject.toml); with
+# another torch it fails to load and LMCache silently falls back to slow copies.
+ARG TORCH_VERSION=2.13.0
+ARG LMCACHE_VERSION=0.5.6
+
+# --- build the kvoffload wheel once ------------------------------------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvoffload/ kvoffload/
+COPY operator/ operator/
+COPY sidecar/ sidecar/
+COPY connector/ connector/
+# hadolint ignore=DL3013
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# --- operator ------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS operator-venv
+COPY --from=wheel /wheels /wheels
+# Versions are pinned by the package's "operator" extra.
+# hadolint ignore=DL3013
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir "$(find /wheels -name 'kvoffload-*.whl')[operator]"
+
+FROM ${PYTHON_IMAGE} AS operator
+LABEL org.opencontainers.image.title="kvoffload-operator" \
+      org.opencontainers.image.description="Injects an LMCache cache server and the kvoffload KV connector into annotated TensorRT-LLM workloads"
+COPY --from=operator-venv /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+USER 65532:65532
+EXPOSE 8080 8081
+ENTRYPOINT ["kvoffload-operator"]
+
+# --- sidecar -------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS sidecar-venv
+ARG TORCH_VERSION
+ARG LMCACHE_VERSION
+COPY --from=wheel /wheels /wheels
+# torch first, pinned to the build lmcache's extension expects; then the rest.
+# hadolint ignore=DL3013
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
+    && /opt/venv/bin/pip install --no-cache-dir "lmcache==${LMCACHE_VERSION}" "$(find /wheels -name 'kvoffload-*.whl')[sidecar]" \
+    && /opt/venv/bin/python -c "import torch, lmcache; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
+
+FROM ${PYTHON_IMAGE} AS sidecar
+LABEL org.opencontainers.image.title="kvoffload-sidecar" \
+      org.opencontainers.image.description="LMCache multi-process cache server beside TensorRT-LLM, with health, one /metrics per pod and supervision"
+COPY --from=sidecar-venv /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    LMCACHE_TRACK_USAGE=false \
+    DO_NOT_TRACK=1
+USER 65532:65532
+EXPOSE 9455
+ENTRYPOINT ["kvoffload-sidecar"]
+
+# --- connector bundle ------------------------------------------------------------
+# TensorRT-LLM's image already has torch, numpy, transformers and CUDA; the
+# bundle carries kvoffload's connector, lmcache itself (without its deps) and
+# the few pure-Python packages lmcache imports that TensorRT-LLM's image lacks.
+FROM ${PYTHON_IMAGE} AS bundle-build
+ARG LMCACHE_VERSION
+COPY --from=wheel /wheels /wheels
+COPY hack/bundle-requirements.txt /tmp/bundle-requirements.txt
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir --no-deps --target /kvoffload-bundle/python \
+        "$(find /wheels -name 'kvoffload-*.whl')" "lmcache==${LMCACHE_VERSION}" \
+    && pip install --no-cache-dir --no-deps --only-binary=:all: --target /kvoffload-bundle/deps -r /tmp/bundle-requirements.txt \
+    && find /kvoffload-bundle -name '__pycache__' -prune -exec rm -rf {} +
+
+FROM ${BUNDLE_BASE_IMAGE} AS connector-bundle
+LABEL org.opencontainers.image.title="kvoffload-connector-bundle" \
+      org.opencontainers.image.description="kvoffload's TensorRT-LLM KV connector for Python 3.12, copied into TensorRT-LLM pods by an init container"
+COPY --from=bundle-build /kvoffload-bundle /kvoffload-bundle
+USER 65532:65532
+ENTRYPOINT ["/bin/cp", "-a", "/kvoffload-bundle/.", "/opt/kvoffload/"]
+
+# --- optional: TensorRT-LLM with the connector baked in ------------------------
+FROM ${TRTLLM_IMAGE} AS trtllm
+COPY --from=bundle-build /kvoffload-bundle /opt/kvoffload
+ENV PYTHONPATH=/opt/kvoffload/python \
+    PYTHONHASHSEED=0

@@ -1,0 +1,164 @@
+"""The Helm chart: lint, schema, rendering choices, and install/uninstall on the real apiserver."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hack.localcluster import LocalCluster
+
+pytestmark = [pytest.mark.chart]
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "kvoffload"
+RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
+
+
+def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    argv = ["helm", *args]
+    if kubeconfig:
+        argv += ["--kubeconfig", str(kubeconfig)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed:\n{result.stderr}")
+    return result
+
+
+def render(*set_args: str) -> list[dict[str, Any]]:
+    args = ["template", "kvo", str(CHART), "--namespace", "kvoffload-system"]
+    for s in set_args:
+        args += ["--set", s] if not s.startswith("--") else [s]
+    docs = yaml.safe_load_all(helm(*args).stdout)
+    return [d for d in docs if d]
+
+
+def kinds(docs: list[dict[str, Any]]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def test_helm_lint_is_clean_in_strict_mode() -> None:
+    result = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("setting", "complaint"),
+    [
+        ("defaults.cache.l1Size=lots", "/defaults/cache/l1Size"),
+        ("defaults.mode=everywhere", "/defaults/mode"),
+        ("defaults.cache.evictionPolicy=FIFO", "/defaults/cache/evictionPolicy"),
+        ("defaults.cache.chunkSize=100", "/defaults/cache/chunkSize"),
+        ("operator.replicaCount=-1", "/operator/replicaCount"),
+        ("operator.logLevel=loud", "/operator/logLevel"),
+        ("defaults.connector.lookupTimeoutMs=0", "/defaults/connector/lookupTimeoutMs"),
+        ("operator.watchNamespaces[0]=Bad_Name", "/operator/watchNamespaces/0"),
+        ("unknownTopLevel=1", "unknownTopLevel"),
+    ],
+)
+def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:
+    result = helm("template", "kvo", str(CHART), "--set", setting, check=False)
+    assert result.returncode != 0
+    assert complaint in result.stderr
+
+
+def test_default_render_has_operator_rbac_and_no_prometheus_operator_objects() -> None:
+    docs = render()
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ConfigMap"} <= kinds(docs)
+    assert not kinds(docs) & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+
+def test_prometheus_operator_objects_need_both_enabled_and_the_crds() -> None:
+    enabled = [
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.podMonitor.enabled=true",
+        "metrics.prometheusRule.enabled=true",
+    ]
+    assert not kinds(render(*enabled)) & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    with_crds = render(*enabled, "--api-versions=monitoring.coreos.com/v1")
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds(with_crds)
+
+
+def test_cluster_role_is_exactly_the_shared_rules_file() -> None:
+    role = next(d for d in render() if d["kind"] == "ClusterRole")
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
+
+
+def test_operator_pod_is_hardened() -> None:
+    deployment = next(d for d in render() if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["resources"]["limits"]["memory"]
+    assert container["livenessProbe"] and container["readinessProbe"]
+    assert "topologySpreadConstraints" not in pod
+    spread = next(d for d in render("operator.replicaCount=2") if d["kind"] == "Deployment")
+    assert spread["spec"]["template"]["spec"]["topologySpreadConstraints"]
+
+
+def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    docs = render("metrics.prometheusRule.enabled=true", "--api-versions=monitoring.coreos.com/v1")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {
+        "KvoffloadSidecarDown",
+        "KvoffloadLookupHitRateCollapsed",
+        "KvoffloadTransferErrors",
+        "KvoffloadOperatorReconcileErrors",
+    } <= alerts
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(yaml.safe_dump(rule["spec"]))
+    result = subprocess.run(["promtool", "check", "rules", str(rules_file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_is_valid_json_with_the_promised_panels() -> None:
+    configmap = next(d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    dashboard = json.loads(configmap["data"]["kvoffload.json"])
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Lookup hit rate (tokens)", "Retrieve / store throughput", "L1 cache usage"} <= titles
+    assert any("restarts" in t.lower() for t in titles)
+
+
+@pytest.mark.controlplane
+def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) -> None:
+    kubeconfig = cluster.admin_kubeconfig
+    ns = "kvoffload-system"
+    cluster.kubectl("create", "namespace", ns, check=False)
+    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
+    install = helm("install", "kvo", str(CHART), "-n", ns, "--wait=false", kubeconfig=kubeconfig)
+    assert "kubectl annotate deployment" in install.stdout  # NOTES tells the user what to do next
+
+    crd = json.loads(cluster.kubectl("get", "crd", "kvcachepolicies.kvoffload.io", "-o", "json").stdout)
+    assert crd["spec"]["names"]["kind"] == "KVCachePolicy"
+    role = json.loads(cluster.kubectl("get", "clusterrole", "kvo-kvoffload-operator", "-o", "json").stdout)
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
+
+    # The operator's pods pass PodSecurity "restricted": the ReplicaSet creates them.
+    def operator_pods() -> list[dict[str, Any]]:
+        out = cluster.kubectl("get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=operator", "-o", "json")
+        return json.loads(out.stdout)["items"]  # type: ignore[no-any-return]
+
+    from tests.support.workloads import wait_for
+
+    wait_for(operator_pods, timeout=60, what="operator pods admitted under PodSecurity restricted")
+
+    helm("upgrade", "kvo", str(CHART), "-n", ns, "--set", "defaults.cache.l1Size=40Gi", kubeconfig=kubeconfig)
+    defaults = json.loads(cluster.kubectl("get", "configmap", "kvo-kvoffload-defaults", "-n", ns, "-o", "json").stdout)
+    assert json.loads(defaults["data"]["defaults.json"])["cache"]["l1Size"] == "40Gi"
+
+    helm("uninstall", "kvo", "-n", ns, "--wait", kubeconfig=kubeconfig)
+    leftovers = cluster.kubectl(
+        "get", "deployment,service,configmap,serviceaccount,clusterrole,clusterrolebinding", "-A",
+        "-l", "app.kubernetes.io/instance=kvo", "-o", "name",
+    ).stdout.strip()  # fmt: skip
+    assert leftovers == ""
+    # Helm never deletes CRDs from crds/ (policies users created stay); docs/operator.md says so.
+    assert cluster.kubectl("get", "crd", "kvcachepolicies.kvoffload.io", check=False).returncode == 0

