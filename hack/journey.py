@@ -1,0 +1,492 @@
+"""The user's journey on the local control plane, step by step.
+
+Shared by the demo (``python -m hack.demo``, which narrates it) and the
+end-to-end test (``tests/e2e``, which asserts on it). Everything is real:
+helm, kubectl, kube-apiserver and controllers, the operator running with the
+chart's ServiceAccount, LMCache's server started from the sidecar command the
+apiserver stores, the connector loaded by the names in the generated options
+file, and a Prometheus server scraping the pod's one /metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hack.localcluster import LocalCluster, free_port
+from kvoffload import contract
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHART = REPO_ROOT / "charts" / "kvoffload"
+RELEASE = "kvoffload"
+RELEASE_NAMESPACE = "kvoffload-system"
+OPERATOR_SERVICE_ACCOUNT = "kvoffload"  # the chart's fullname for release "kvoffload"
+APISERVER_MANAGED = ("creationTimestamp", "generation", "resourceVersion", "uid", "managedFields")
+
+
+class JourneyError(RuntimeError):
+    """A step of the journey did not do what a user would expect; the message says which."""
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll until ``predicate`` returns something truthy, else raise naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise JourneyError(f"timed out after {timeout:.0f} s waiting for {what} (last: {str(last)[:300]})")
+
+
+def shared_prefix_prompts(num_requests: int = 6, prefix_tokens: int = 1024, suffix_tokens: int = 96) -> list[Any]:
+    """Phases for the stand-in engine: a first request, device eviction, then requests sharing its prefix."""
+    prefix = [(i * 7919) % 32000 + 1 for i in range(prefix_tokens)]
+
+    def request(i: int) -> dict[str, Any]:
+        suffix = [(i * 104729 + j * 31) % 32000 + 1 for j in range(suffix_tokens)]
+        return {"request_id": i, "prompt": prefix + suffix, "max_new_tokens": 4}
+
+    return [[request(0)], "evict", [request(i) for i in range(1, num_requests)]]
+
+
+@dataclass
+class LocalPod:
+    """A pod's containers run as local processes, with volumes as local folders."""
+
+    pod: dict[str, Any]
+    workdir: Path
+    cluster: LocalCluster
+    volume_dirs: dict[str, Path] = field(default_factory=dict)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def container(self, name: str) -> dict[str, Any]:
+        spec = self.pod["spec"]
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            if c["name"] == name:
+                return c  # type: ignore[no-any-return]
+        raise JourneyError(f"pod {self.pod['metadata']['name']} has no container {name!r}")
+
+    def materialize_volumes(self, bundle_source: Path) -> None:
+        """emptyDirs become folders; ConfigMap volumes get their keys as files; the bundle is 'copied' in."""
+        ns = self.pod["metadata"]["namespace"]
+        for volume in self.pod["spec"].get("volumes", []):
+            path = self.workdir / "volumes" / volume["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            self.volume_dirs[volume["name"]] = path
+            if "configMap" in volume:
+                cm = json.loads(
+                    self.cluster.kubectl("get", "configmap", volume["configMap"]["name"], "-n", ns, "-o", "json").stdout
+                )
+                items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in cm.get("data", {})]
+                for item in items:
+                    (path / item["path"]).write_text(cm["data"][item["key"]])
+        # The connector-bundle init container copies /kvoffload-bundle/. into its volume;
+        # locally the same files come from a --target install of this checkout.
+        if contract.VOLUME_BUNDLE in self.volume_dirs:
+            init = self.container(contract.BUNDLE_INIT_CONTAINER)
+            assert any(m["name"] == contract.VOLUME_BUNDLE for m in init["volumeMounts"])
+            dest = self.volume_dirs[contract.VOLUME_BUNDLE]
+            shutil.copytree(bundle_source, dest, dirs_exist_ok=True)
+
+    def _mounts(self, container: dict[str, Any]) -> list[tuple[str, Path]]:
+        mounts = []
+        for m in container.get("volumeMounts", []):
+            local = self.volume_dirs[m["name"]]
+            if m.get("subPath"):
+                local = local / m["subPath"]
+            mounts.append((m["mountPath"].rstrip("/"), local))
+        return sorted(mounts, key=lambda m: -len(m[0]))
+
+    def local_path(self, container: dict[str, Any], value: str) -> str:
+        """Rewrite container paths inside ``value`` (also ':'-separated lists) to local folders."""
+        parts = []
+        for part in value.split(":"):
+            for mount_path, local in self._mounts(container):
+                if part == mount_path or part.startswith(mount_path + "/"):
+                    part = str(local) + part[len(mount_path) :]
+                    break
+            parts.append(part)
+        return ":".join(parts)
+
+    def env(self, container: dict[str, Any]) -> dict[str, str]:
+        """The container's env exactly as injected, with valueFrom resolved the way kubelet would."""
+        ns = self.pod["metadata"]["namespace"]
+        env: dict[str, str] = {}
+        for var in container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = self.local_path(container, var["value"])
+                continue
+            source = var.get("valueFrom", {})
+            if "fieldRef" in source:
+                path = source["fieldRef"]["fieldPath"]
+                env[var["name"]] = {
+                    "metadata.name": self.pod["metadata"]["name"],
+                    "metadata.namespace": ns,
+                    "status.podIP": "127.0.0.1",
+                    "spec.nodeName": self.pod["spec"].get("nodeName", ""),
+                }.get(path, "")
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                out = self.cluster.kubectl(
+                    "get", "secret", ref["name"], "-n", ns, "-o", f"jsonpath={{.data.{ref['key']}}}"
+                ).stdout
+                import base64
+
+                env[var["name"]] = base64.b64decode(out).decode()
+            elif "resourceFieldRef" in source:
+                env[var["name"]] = "0"
+        return env
+
+    def start(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "KVOFFLOAD_CACHE")}
+        proc = subprocess.Popen(
+            argv, env={**base, **env}, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.processes.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.processes):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """Status and body of a GET; (0, error) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+    except OSError as err:
+        return 0, str(err)
+
+
+@dataclass
+class Journey:
+    """The steps a platform engineer takes, against a running ``LocalCluster``."""
+
+    cluster: LocalCluster
+    workdir: Path
+    say: Callable[[str], None] = lambda _msg: None
+    namespace: str = "llm"
+    workload: str = "llama"
+    operator: subprocess.Popen[bytes] | None = None
+    operator_metrics_port: int = 0
+    prometheus: subprocess.Popen[bytes] | None = None
+    prometheus_port: int = 0
+    sidecar_port: int = 0
+    local_pod: LocalPod | None = None
+    original_template: dict[str, Any] = field(default_factory=dict)
+    installed: bool = False
+
+    # --- helpers -------------------------------------------------------------
+    def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl(*args, **kw)
+
+    def helm(self, *args: str) -> str:
+        result = subprocess.run(
+            [str(self.cluster.bin_dir / "helm"), "--kubeconfig", str(self.cluster.admin_kubeconfig), *args],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise JourneyError(f"helm {' '.join(args)} failed: {result.stderr.strip()}")
+        return result.stdout
+
+    def get_json(self, *args: str) -> dict[str, Any]:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)  # type: ignore[no-any-return]
+
+    def deployment(self) -> dict[str, Any]:
+        return self.get_json("deployment", self.workload, "-n", self.namespace)
+
+    # --- 1. helm install --------------------------------------------------------
+    def install_chart(self) -> str:
+        """``helm install`` into a namespace that enforces PodSecurity restricted; returns NOTES."""
+        self.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
+        self.kubectl("label", "namespace", RELEASE_NAMESPACE, "pod-security.kubernetes.io/enforce=restricted",
+                     "--overwrite")  # fmt: skip
+        notes = self.helm("install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE)
+        self.installed = True
+        self.say(f"helm install {RELEASE} charts/kvoffload -n {RELEASE_NAMESPACE}: CRD, RBAC, operator Deployment")
+        return notes
+
+    def start_operator(self) -> None:
+        """Run the operator as a local process with the chart's ServiceAccount credentials."""
+        kubeconfig = self.cluster.service_account_kubeconfig(
+            RELEASE_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, self.workdir / "operator.kubeconfig"
+        )
+        defaults = self.get_json("configmap", f"{RELEASE}-defaults", "-n", RELEASE_NAMESPACE)["data"]["defaults.json"]
+        defaults_file = self.workdir / "defaults.json"
+        defaults_file.write_text(defaults)
+        deployment = self.get_json("deployment", f"{RELEASE}-operator", "-n", RELEASE_NAMESPACE)
+        chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        self.operator_metrics_port = free_port()
+        args = [a for a in chart_args if not a.startswith(("--defaults-file", "--metrics-port", "--health-port"))]
+        args += [f"--defaults-file={defaults_file}", f"--metrics-port={self.operator_metrics_port}",
+                 f"--health-port={free_port()}", f"--kubeconfig={kubeconfig}"]  # fmt: skip
+        log = open(self.workdir / "operator.log", "wb")  # noqa: SIM115
+        self.operator = subprocess.Popen(
+            ["kvoffload-operator", *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_until(
+            lambda: http_get(f"http://127.0.0.1:{self.operator_metrics_port}/metrics")[0] == 200,
+            60,
+            "the operator's /metrics endpoint",
+        )
+        self.say(f"operator running as system:serviceaccount:{RELEASE_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}")
+
+    # --- 2. a TensorRT-LLM Deployment -------------------------------------------
+    def create_workload(self, options_from_configmap: bool) -> None:
+        from tests.support.workloads import trtllm_container, trtllm_deployment
+
+        self.kubectl("create", "namespace", self.namespace, check=False)
+        self.kubectl("label", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=baseline", "--overwrite")
+        volumes: list[dict[str, Any]] = []
+        container = trtllm_container()
+        if options_from_configmap:
+            options = {"kv_cache_config": {"free_gpu_memory_fraction": 0.85}, "max_batch_size": 64}
+            cm = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": f"{self.workload}-options", "namespace": self.namespace},
+                  "data": {"options.yaml": yaml.safe_dump(options)}}  # fmt: skip
+            self.kubectl("apply", "-f", "-", input=json.dumps(cm))
+            volumes = [{"name": "options", "configMap": {"name": f"{self.workload}-options"}}]
+            container = trtllm_container(options_file="/config/options.yaml")
+            container["volumeMounts"] = [{"name": "options", "mountPath": "/config"}]
+        manifest = trtllm_deployment(self.workload, self.namespace, containers=[container], volumes=volumes)
+        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        wait_until(lambda: self.running_pods(injected=False), 90, "the TensorRT-LLM pod Running")
+        self.original_template = self.deployment()["spec"]["template"]
+        variant = "options file from a ConfigMap" if options_from_configmap else "no options file"
+        self.say(f"created Deployment {self.namespace}/{self.workload} (trtllm-serve, 1 GPU, {variant}): pod Running")
+
+    def running_pods(self, injected: bool) -> list[dict[str, Any]]:
+        pods = self.get_json("pods", "-n", self.namespace, "-l", f"app={self.workload}")["items"]
+        out = []
+        for pod in pods:
+            spec = pod["spec"]
+            names = {c["name"] for c in spec.get("initContainers", []) + spec["containers"]}
+            if (contract.SIDECAR_CONTAINER in names) != injected or pod["metadata"].get("deletionTimestamp"):
+                continue
+            if pod.get("status", {}).get("phase") == "Running":
+                out.append(pod)
+        return out
+
+    # --- 3. annotate -------------------------------------------------------------
+    def annotate(self) -> dict[str, Any]:
+        self.kubectl("annotate", "deployment", self.workload, "-n", self.namespace, f"{contract.ANN_ENABLED}=true")
+        self.say(f"kubectl annotate deployment {self.workload} {contract.ANN_ENABLED}=true")
+        pod = wait_until(lambda: self.running_pods(injected=True), 120, "an injected pod Running")[0]
+        template = self.deployment()["spec"]["template"]
+        injected = sorted(
+            c["name"]
+            for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]
+            if c["name"].startswith("kvoffload")
+        )
+        self.say(f"new ReplicaSet rolled out; pod {pod['metadata']['name']} Running with {', '.join(injected)}")
+        return pod  # type: ignore[no-any-return]
+
+    # --- 4. run the pod for real -----------------------------------------------
+    def run_pod_locally(self, pod: dict[str, Any], prompts: list[Any]) -> dict[str, Any]:
+        """Start the sidecar's command and a TensorRT-LLM stand-in with the injected wiring."""
+        local = LocalPod(pod=pod, workdir=self.workdir / "pod", cluster=self.cluster)
+        self.local_pod = local
+        local.workdir.mkdir(parents=True, exist_ok=True)
+        local.materialize_volumes(self.build_bundle())
+
+        sidecar = local.container(contract.SIDECAR_CONTAINER)
+        sidecar_env = local.env(sidecar)
+        argv = [*sidecar["command"], *sidecar.get("args", [])]
+        local.start(argv, sidecar_env, "sidecar")
+        port = next(p["containerPort"] for p in sidecar["ports"] if p["name"] == contract.SIDECAR_PORT_NAME)
+        probe = sidecar["startupProbe"]["httpGet"]["path"]
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}{probe}")[0] == 200, 120, "the sidecar's startupProbe")
+        self.sidecar_port = port
+        self.say(f"sidecar started from the stored pod spec: {' '.join(argv)}; {probe} answers 200")
+
+        engine = next(c for c in pod["spec"]["containers"] if c["name"] != contract.SIDECAR_CONTAINER)
+        engine_env = local.env(engine)
+        options = self.options_path(engine)
+        prompts_file = local.workdir / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        report_file = local.workdir / "engine-report.json"
+        # The stand-in's own code is found at the END of sys.path, after the injected
+        # PYTHONPATH, so the connector really loads from the bundle volume.
+        launcher = (
+            f"import sys; sys.path.append({str(REPO_ROOT)!r}); "
+            "from tests.support.trtllm_executor import main; sys.exit(main(sys.argv[1:]))"
+        )
+        proc = local.start(
+            [sys.executable, "-c", launcher, "--options", local.local_path(engine, options),
+             "--prompts", str(prompts_file), "--out", str(report_file)],
+            engine_env, "engine",
+        )  # fmt: skip
+        code = proc.wait(timeout=600)
+        if code != 0:
+            tail = (local.workdir / "engine.log").read_text(errors="replace")[-3000:]
+            raise JourneyError(f"the TensorRT-LLM stand-in exited with {code}:\n{tail}")
+        report: dict[str, Any] = json.loads(report_file.read_text())
+        return report
+
+    def options_path(self, engine: dict[str, Any]) -> str:
+        args = [*engine.get("command", []), *engine.get("args", [])]
+        for flag in ("--extra_llm_api_options", "--config"):
+            for i, arg in enumerate(args):
+                if arg == flag and i + 1 < len(args):
+                    return args[i + 1]
+                if arg.startswith(flag + "="):
+                    return arg.split("=", 1)[1]
+        raise JourneyError(f"the TensorRT-LLM container's args name no options file: {args}")
+
+    def build_bundle(self) -> Path:
+        """What the connector-bundle image holds: this checkout's package, installed with --target."""
+        bundle = self.workdir / "bundle"
+        python_dir = bundle / Path(contract.BUNDLE_PYTHONPATH).relative_to(contract.BUNDLE_MOUNT_PATH)
+        if not python_dir.exists():
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                 "--target", str(python_dir), str(REPO_ROOT)],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        return bundle
+
+    # --- 5/6. Prometheus ---------------------------------------------------------
+    def start_prometheus(self) -> None:
+        """A real Prometheus scraping the pod's /metrics, with the chart's alert rules loaded."""
+        rendered = subprocess.run(
+            [str(self.cluster.bin_dir / "helm"), "template", RELEASE, str(CHART),
+             "--set", "metrics.prometheusRule.enabled=true", "--api-versions", "monitoring.coreos.com/v1"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        rule = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "PrometheusRule")
+        prom_dir = self.workdir / "prometheus"
+        prom_dir.mkdir(parents=True, exist_ok=True)
+        (prom_dir / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+        pod_name = self.local_pod.pod["metadata"]["name"] if self.local_pod else "pod"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(prom_dir / "rules.yaml")],
+            "scrape_configs": [
+                {
+                    "job_name": "kvoffload-pods",
+                    "static_configs": [
+                        {
+                            "targets": [f"127.0.0.1:{self.sidecar_port}"],
+                            "labels": {"namespace": self.namespace, "pod": pod_name},
+                        }
+                    ],
+                }
+            ],
+        }
+        (prom_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.prometheus_port = free_port()
+        log = open(prom_dir / "prometheus.log", "wb")  # noqa: SIM115
+        self.prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={prom_dir / 'prometheus.yml'}", f"--storage.tsdb.path={prom_dir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.prometheus_port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        wait_until(lambda: http_get(self.prom_url("/-/ready"))[0] == 200, 60, "Prometheus ready")
+        self.say(f"Prometheus scraping 127.0.0.1:{self.sidecar_port}/metrics at {self.prom_url('')}")
+
+    def prom_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.prometheus_port}{path}"
+
+    def promql(self, query: str) -> float | None:
+        """The single value of an instant query, or None when it returns nothing."""
+        status, body = http_get(self.prom_url("/api/v1/query?" + urllib.parse.urlencode({"query": query})))
+        if status != 200:
+            raise JourneyError(f"PromQL {query!r} failed: {body[:300]}")
+        result = json.loads(body)["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+
+    def loaded_alert_rules(self) -> set[str]:
+        _, body = http_get(self.prom_url("/api/v1/rules"))
+        groups = json.loads(body)["data"]["groups"]
+        return {r["name"] for g in groups for r in g["rules"]}
+
+    # --- 7. remove the annotation -------------------------------------------------
+    def remove_annotation(self) -> dict[str, Any]:
+        self.kubectl("annotate", "deployment", self.workload, "-n", self.namespace, f"{contract.ANN_ENABLED}-")
+        self.say(f"kubectl annotate deployment {self.workload} {contract.ANN_ENABLED}-")
+        wait_until(
+            lambda: self.running_pods(injected=False) and not self.running_pods(injected=True),
+            120,
+            "pods without the sidecar",
+        )
+        template = self.deployment()["spec"]["template"]
+        self.say("pods rolled back; the pod template equals the one before annotation")
+        return template  # type: ignore[no-any-return]
+
+    # --- 8. helm uninstall ---------------------------------------------------------
+    def uninstall(self) -> str:
+        self.stop_operator()
+        self.helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait")
+        self.installed = False
+        leftovers = self.kubectl(
+            "get", "deployment,service,configmap,serviceaccount,clusterrole,clusterrolebinding", "-A",
+            "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "name",
+        ).stdout.strip()  # fmt: skip
+        self.say("helm uninstall: operator, RBAC and config removed; the KVCachePolicy CRD stays (Helm keeps CRDs)")
+        return leftovers
+
+    def stop_operator(self) -> None:
+        if self.operator and self.operator.poll() is None:
+            os.killpg(self.operator.pid, signal.SIGTERM)
+            self.operator.wait(timeout=30)
+
+    def close(self) -> None:
+        """Stop every process this journey started."""
+        if self.local_pod:
+            self.local_pod.stop()
+        self.stop_operator()
+        if self.prometheus and self.prometheus.poll() is None:
+            os.killpg(self.prometheus.pid, signal.SIGTERM)
+            self.prometheus.wait(timeout=30)
+        if self.installed:
+            with contextlib.suppress(JourneyError):
+                self.helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait")
+            self.installed = False
+
+
+def strip_server_fields(template: dict[str, Any]) -> dict[str, Any]:
+    """A pod template without the fields the apiserver or controllers fill in."""
+    clean = json.loads(json.dumps(template))
+    for key in APISERVER_MANAGED:
+        clean.get("metadata", {}).pop(key, None)
+    return clean  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def journey_workdir() -> Iterator[Path]:
+    """A temporary folder for one journey's files, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="kvoffload-journey-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
