@@ -168,6 +168,7 @@ def server_url(port: int = REQUEST_PORT) -> str:
     """The URL the connector uses to reach the sidecar in the same pod."""
     return f"tcp://127.0.0.1:{port}"
 
+
 # --- Operator (appended by the operator; only the operator spells these) ------
 FIELD_MANAGER_HANDOFF: Final = "kvoffload-operator-handoff"
 """Field manager that keeps the user's own args when the operator lets go of them on removal."""

@@ -1,0 +1,146 @@
+"""Settings -> the ``lmcache server`` command line and environment (pure).
+
+Why each fixed flag is there:
+
+- ``--host 127.0.0.1`` / ``--http-host 127.0.0.1``: the connector reaches the server over
+  the pod's loopback; LMCache's admin HTTP API has no authentication, so nothing of it
+  is reachable on the pod IP. Kubelet probes hit the sidecar's own port instead.
+- ``--worker-reap-timeout-seconds 0``: LMCache's TensorRT-LLM path never PINGs, so a
+  registered worker that stays quiet longer than the registration grace (3600 s) would
+  be reaped while alive, and its later STORE/RETRIEVE would fail. ``0`` stops the
+  reaper thread entirely (``modules/management.py``).
+- ``--supported-transfer-mode auto``: serves both server-driven (STORE/RETRIEVE) and
+  engine-driven (PREPARE/COMMIT) clients.
+- ``--shm-name`` + ``--no-l1-use-lazy``: LMCache only puts L1 in a named POSIX SHM
+  segment (needed for engine-driven transfer without pickling) when L1 is allocated
+  eagerly; with lazy allocation it silently ignores the name. It also falls back to
+  pickle when ``/dev/shm`` has less free space than L1. So the sidecar asks for SHM
+  only when ``/dev/shm`` can hold all of L1 (the caller measures the free space).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvoffload import contract
+from kvoffload.quantity import bytes_to_gb
+
+from .settings import SidecarSettings
+
+LMCACHE_ENV_RESP_PASSWORD = "LMCACHE_RESP_PASSWORD"
+"""LMCache's RESP adapter reads the Redis password from here when its JSON spec has none."""
+LMCACHE_ENV_RESP_USERNAME = "LMCACHE_RESP_USERNAME"
+LOOPBACK = "127.0.0.1"
+
+# Env the sidecar reads that must not leak into LMCache: the metrics dir would switch
+# any prometheus_client metric in the server to multiprocess files, and the password
+# is handed over under LMCache's own name only.
+_NOT_INHERITED = (
+    contract.ENV_PROMETHEUS_MULTIPROC_DIR,
+    "prometheus_multiproc_dir",
+    contract.ENV_L2_REDIS_PASSWORD,
+)
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    """What to exec for the LMCache server."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    uses_shm: bool
+    """Whether L1 lives in the named SHM segment (engine-driven transfer without pickle)."""
+
+    def redacted_env_keys(self) -> list[str]:
+        """Env names set for LMCache beyond the inherited ones, for logging."""
+        return sorted(k for k in self.env if k.startswith(("LMCACHE_", "KVOFFLOAD_")))
+
+
+def l2_adapter_specs(settings: SidecarSettings, fs_capacity_bytes: int | None = None) -> list[dict[str, object]]:
+    """The ``--l2-adapter`` JSON objects, in tier order (filesystem first, then Redis).
+
+    LMCache 0.5.6's ``fs`` adapter has no size bound, so a sized filesystem tier uses
+    ``fs_native`` with ``max_capacity_gb`` and an LRU ``eviction`` block, which bounds it.
+    ``fs_capacity_bytes`` is what is left of the size for this server (see ``l2fs``);
+    ``None`` means all of it.
+    """
+    specs: list[dict[str, object]] = []
+    if settings.l2_fs is not None:
+        if settings.l2_fs.size_bytes is None:
+            specs.append({"type": "fs", "base_path": settings.l2_fs.path})
+        else:
+            specs.append(
+                {
+                    "type": "fs_native",
+                    "base_path": settings.l2_fs.path,
+                    "max_capacity_gb": bytes_to_gb(
+                        settings.l2_fs.size_bytes if fs_capacity_bytes is None else fs_capacity_bytes
+                    ),
+                    "eviction": {"eviction_policy": "LRU"},
+                }
+            )
+    if settings.l2_redis is not None:
+        # No password here: argv is world-readable in /proc; it goes through the env.
+        specs.append({"type": "resp", "host": settings.l2_redis.host, "port": settings.l2_redis.port})
+    return specs
+
+
+def build_server_command(
+    settings: SidecarSettings,
+    base_env: Mapping[str, str],
+    shm_free_bytes: int | None,
+    python: str = sys.executable,
+    fs_capacity_bytes: int | None = None,
+) -> ServerCommand:
+    """The LMCache server's argv and env.
+
+    ``shm_free_bytes`` is ``/dev/shm``'s free space (``None``: unknown); ``fs_capacity_bytes``
+    the sized filesystem tier's capacity left for this server (``None``: its whole size).
+    """
+    uses_shm = shm_free_bytes is not None and shm_free_bytes >= settings.l1_size_bytes
+    argv = [
+        python,
+        "-m",
+        "lmcache.cli.main",
+        "server",
+        "--instance-id",
+        settings.instance_id,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(settings.request_port),
+        "--http-host",
+        LOOPBACK,
+        "--http-port",
+        str(settings.lmcache_http_port),
+        "--l1-size-gb",
+        format(bytes_to_gb(settings.l1_size_bytes), ".12g"),
+        "--eviction-policy",
+        settings.eviction_policy,
+        "--chunk-size",
+        str(settings.chunk_size),
+        "--max-workers",
+        str(settings.max_workers),
+        "--supported-transfer-mode",
+        "auto",
+        "--worker-reap-timeout-seconds",
+        "0",
+    ]
+    if uses_shm:
+        argv += ["--shm-name", settings.shm_name, "--no-l1-use-lazy"]
+    for spec in l2_adapter_specs(settings, fs_capacity_bytes):
+        argv += ["--l2-adapter", json.dumps(spec, sort_keys=True)]
+
+    env = {k: v for k, v in base_env.items() if k not in _NOT_INHERITED}
+    env[contract.ENV_LMCACHE_TRACK_USAGE] = "true" if settings.track_usage else "false"
+    env.pop(LMCACHE_ENV_RESP_PASSWORD, None)
+    env.pop(LMCACHE_ENV_RESP_USERNAME, None)
+    if settings.l2_redis is not None:
+        if settings.l2_redis.password:
+            env[LMCACHE_ENV_RESP_PASSWORD] = settings.l2_redis.password
+        if settings.l2_redis.username:
+            env[LMCACHE_ENV_RESP_USERNAME] = settings.l2_redis.username
+    return ServerCommand(argv=tuple(argv), env=env, uses_shm=uses_shm)

@@ -1,0 +1,54 @@
+"""The in-process backend: LMCache's engine inside the (stand-in) TensorRT-LLM process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvoffload import contract
+from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
+
+pytestmark = pytest.mark.connector
+
+
+@pytest.fixture
+def inprocess_env(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(contract.ENV_BACKEND, contract.BACKEND_INPROCESS)
+    monkeypatch.setenv(contract.ENV_CHUNK_SIZE, str(CHUNK))
+    monkeypatch.setenv(contract.ENV_L1_SIZE, "128Mi")
+    yield
+    from kvoffload.connector.backends.inprocess import stop_engine
+
+    stop_engine()
+
+
+@pytest.mark.usefixtures("inprocess_env")
+def test_inprocess_store_evict_load_bit_exact() -> None:
+    """Request 1 stores into the in-process engine; after eviction request 2 loads the prefix bit-exact."""
+    ex = StandinExecutor(connector_llm_args("inproc-model", None), num_blocks=64)
+    try:
+        p1 = make_prompt(11, 170)
+        (r1,) = ex.run([PromptRequest(1, p1, 3)])
+        assert ex.evict_device_cache() > 0
+        p2 = p1 + make_prompt(12, 50)
+        (r2,) = ex.run([PromptRequest(2, p2, 3)])
+        expected = (len(p1) // CHUNK) * CHUNK
+        assert not r1.failed and not r2.failed
+        assert r2.connector_matched_tokens == expected
+        assert r2.computed_prompt_tokens == len(p2) - expected
+        assert ex.kv_mismatches == 0
+    finally:
+        ex.close()
+
+
+def test_inprocess_rejects_tensor_parallel(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP>1 needs one store shared by all ranks: the in-process backend refuses with a precise error."""
+    from kvoffload.connector.backends.inprocess import start_engine
+    from kvoffload.connector.settings import SettingsError, parse_settings
+
+    monkeypatch.setenv(contract.ENV_BACKEND, contract.BACKEND_INPROCESS)
+    settings = parse_settings(dict(os.environ), connector_llm_args("m", None, tp=2))
+    with pytest.raises(SettingsError, match="tensor_parallel_size=1"):
+        start_engine(settings)

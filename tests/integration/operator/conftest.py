@@ -1,0 +1,65 @@
+"""Fixtures: the CRD, the operator's ServiceAccount bound to the chart's RBAC rules, the operator.
+
+The ServiceAccount is bound to a ClusterRole built from the chart's
+``files/operator-clusterrole-rules.yaml``, the same file the Helm chart renders, so these tests
+prove that exactly those rules suffice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_support import CRD_FILE, OPERATOR_NAMESPACE, OPERATOR_SA, RULES_FILE, OperatorProcess
+
+from hack.localcluster import LocalCluster
+
+
+def _apply_json(cluster: LocalCluster, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CRD installed; a ServiceAccount bound to the chart's ClusterRole rules; its kubeconfig."""
+    cluster.kubectl("apply", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kvcachepolicies.kvoffload.io", "--timeout=60s")
+    _apply_json(cluster, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
+    _apply_json(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
+                          "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}})  # fmt: skip
+    rules = yaml.safe_load(RULES_FILE.read_text())
+    _apply_json(cluster, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": "kvoffload-operator-test"}, "rules": rules,
+    })  # fmt: skip
+    _apply_json(cluster, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "kvoffload-operator-test"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kvoffload-operator-test"},
+        "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}],
+    })  # fmt: skip
+    path = tmp_path_factory.mktemp("operator") / "operator.kubeconfig"
+    return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, path)
+
+
+@pytest.fixture(scope="session")
+def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """One operator process for the session (tests that kill it start it again)."""
+    proc = OperatorProcess(kubeconfig=operator_kubeconfig, workdir=tmp_path_factory.mktemp("operator-run"))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def running_operator(operator: OperatorProcess) -> OperatorProcess:
+    """The session operator, restarted if an earlier test left it stopped."""
+    if operator.popen is None or operator.popen.poll() is not None:
+        operator.start()
+    return operator

@@ -1,0 +1,192 @@
+"""Support for the operator's integration tests: the operator process and shared steps.
+
+The operator runs as a real process against the real control plane, as its own ServiceAccount.
+
+The ServiceAccount is bound to a ClusterRole built from the chart's
+``files/operator-clusterrole-rules.yaml``, the same file the Helm chart renders, so these tests
+prove that exactly those rules suffice.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from hack.localcluster import LocalCluster, free_port
+from kvoffload import contract as c
+from tests.conftest import REPO_ROOT
+from tests.support.workloads import get, list_objects, wait_for
+
+CHART = REPO_ROOT / "charts" / "kvoffload"
+RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
+CRD_FILE = CHART / "crds" / "kvcachepolicies.yaml"
+OPERATOR_NAMESPACE = "kvoffload-system"
+OPERATOR_SA = "kvoffload-operator"
+SIDECAR_IMAGE = "registry.example/kvoffload/sidecar:test"
+BUNDLE_IMAGE = "registry.example/kvoffload/connector-bundle:test"
+
+
+@dataclass
+class OperatorProcess:
+    """``python -m kvoffload.operator`` with the ServiceAccount kubeconfig; restartable."""
+
+    kubeconfig: Path
+    workdir: Path
+    extra_args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+    health_port: int = 0
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"operator-{self.starts}.log"
+
+    def start(self) -> None:
+        self.starts += 1
+        self.metrics_port, self.health_port = free_port(), free_port()
+        argv = [
+            sys.executable, "-m", "kvoffload.operator",
+            "--kubeconfig", str(self.kubeconfig),
+            "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
+            "--sidecar-image", SIDECAR_IMAGE, "--bundle-image", BUNDLE_IMAGE,
+            "--default-l1-size", "4Gi", "--default-shm-size", "1Gi",
+            "--resync-seconds", "0", "--log-level", "info", *self.extra_args,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise AssertionError(f"operator exited with {self.popen.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"operator not healthy within 90 s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when a node dies."""
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Current samples: {(name, sorted labels): value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+
+    def metric_sum(self, name: str, **labels: str) -> float:
+        return sum(
+            v for (n, lbls), v in self.metrics().items()
+            if n == name and all(dict(lbls).get(k) == val for k, val in labels.items())
+        )  # fmt: skip
+
+
+APISERVER_TEMPLATE_KEYS = ("creationTimestamp",)
+
+
+def kind_of(resource: str) -> str:
+    return {"deployment": "Deployment", "statefulset": "StatefulSet"}[resource]
+
+
+def annotate(cluster: LocalCluster, resource: str, name: str, namespace: str, *pairs: str) -> dict[str, Any]:
+    """``kubectl annotate``; returns the object right after (a Deployment's generation counts
+    annotation changes too, so tests measure the operator's own changes from here)."""
+    out = cluster.kubectl("annotate", "--overwrite", resource, name, "-n", namespace, *pairs, "-o", "json")
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def template(obj: dict[str, Any]) -> dict[str, Any]:
+    """The pod template, minus what only the apiserver writes."""
+    tpl = copy.deepcopy(obj["spec"]["template"])
+    for key in APISERVER_TEMPLATE_KEYS:
+        tpl.get("metadata", {}).pop(key, None)
+    return tpl  # type: ignore[no-any-return]
+
+
+def all_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec.get("containers", [])]
+
+
+def is_injected(obj: dict[str, Any]) -> bool:
+    annotations = obj["spec"]["template"].get("metadata", {}).get("annotations", {})
+    return c.ANN_CONFIG_HASH in annotations and any(x["name"] == c.SIDECAR_CONTAINER for x in all_containers(obj))
+
+
+def is_clean(obj: dict[str, Any]) -> bool:
+    spec = obj["spec"]["template"]["spec"]
+    names = {x["name"] for x in all_containers(obj)} | {v["name"] for v in spec.get("volumes", [])}
+    return not any(n.startswith("kvoffload-") for n in names) and not any(
+        m.get("manager") == c.FIELD_MANAGER for m in obj["metadata"].get("managedFields", [])
+    )
+
+
+def wait_injected(cluster: LocalCluster, resource: str, name: str, namespace: str, timeout: float = 90
+                  ) -> dict[str, Any]:  # fmt: skip
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (o := get(cluster, resource, name, namespace)) and is_injected(o) and o,
+        timeout=timeout, what=f"{resource}/{name} injected",
+    )  # fmt: skip
+
+
+def wait_clean(cluster: LocalCluster, resource: str, name: str, namespace: str, timeout: float = 90
+               ) -> dict[str, Any]:  # fmt: skip
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (o := get(cluster, resource, name, namespace)) and is_clean(o) and o,
+        timeout=timeout, what=f"{resource}/{name} back to its original template",
+    )  # fmt: skip
+
+
+def events_for(cluster: LocalCluster, namespace: str, name: str, reason: str | None = None) -> list[dict[str, Any]]:
+    items = list_objects(cluster, "events", namespace)
+    return [
+        e for e in items
+        if e["involvedObject"].get("name") == name and (reason is None or e.get("reason") == reason)
+    ]  # fmt: skip
+
+
+def running_pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    return [
+        p for p in list_objects(cluster, "pods", namespace, selector) if p.get("status", {}).get("phase") == "Running"
+    ]
+
+
+def server_side_apply(cluster: LocalCluster, manager: str, obj: dict[str, Any], force: bool = False) -> None:
+    args = ["apply", "--server-side", f"--field-manager={manager}", "-f", "-"]
+    if force:
+        args.append("--force-conflicts")
+    cluster.kubectl(*args, input=json.dumps(obj))

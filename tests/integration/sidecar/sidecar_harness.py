@@ -1,0 +1,260 @@
+"""Harness for the sidecar as a real process: the sidecar, a Redis server, an LMCache client.
+
+Every process started here is stopped in teardown (process groups, killed by id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvoffload import contract
+
+READY_TIMEOUT_S = 180.0
+"""Bound on start-up: LMCache imports torch and pins L1 on a shared 2-core machine."""
+CLIENT = Path(__file__).with_name("lmcache_client.py")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """Status and body; 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def metric_value(body: str, name: str, labels: str = "") -> float | None:
+    """The value of the sample ``name{labels}`` in an exposition, ``None`` when absent."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in body.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        if sample == wanted:
+            return float(value)
+    return None
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct child PIDs of ``pid`` (Linux ``/proc``)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+@dataclass
+class Sidecar:
+    """One ``python -m kvoffload.sidecar`` process and its ports."""
+
+    workdir: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.workdir / "sidecar.log"
+
+    @property
+    def port(self) -> int:
+        return int(self.env[contract.ENV_SIDECAR_HTTP_PORT])
+
+    @property
+    def request_port(self) -> int:
+        return int(self.env[contract.ENV_REQUEST_PORT])
+
+    @property
+    def lmcache_http_port(self) -> int:
+        return int(self.env[contract.ENV_LMCACHE_HTTP_PORT])
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def start(self) -> Sidecar:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvoffload.sidecar"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def ready(self) -> bool:
+        return http_get(self.url(contract.PATH_READY), timeout=2)[0] == 200
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        assert self.proc is not None
+        wait_for(
+            lambda: self.proc is not None and (self.proc.poll() is not None or self.ready()),
+            timeout,
+            "sidecar readiness",
+        )
+        assert self.proc.poll() is None, f"sidecar exited {self.proc.returncode}:\n{self.log_tail()}"
+
+    def metrics(self) -> str:
+        status, body = http_get(self.url(contract.PATH_METRICS))
+        assert status == 200, body
+        return body
+
+    def server_pid(self) -> int:
+        assert self.proc is not None
+        kids = children_of(self.proc.pid)
+        assert len(kids) == 1, f"expected one LMCache child, found {kids}"
+        return kids[0]
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        # The whole group: the sidecar and its LMCache child (the sidecar may already be gone).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def sidecar_env(workdir: Path, **extra: str) -> dict[str, str]:
+    """Env for a sidecar with free ports, a small L1 and its own dirs under ``workdir``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env.pop(contract.ENV_PROMETHEUS_MULTIPROC_DIR, None)
+    env.update(
+        {
+            contract.ENV_REQUEST_PORT: str(free_port()),
+            contract.ENV_LMCACHE_HTTP_PORT: str(free_port()),
+            contract.ENV_SIDECAR_HTTP_PORT: str(free_port()),
+            contract.ENV_L1_SIZE: "256Mi",
+            contract.ENV_MAX_WORKERS: "2",
+            contract.ENV_INSTANCE_ID: f"test-{workdir.name}"[-60:].strip("-_.") or "test",
+            contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(workdir / "metrics"),
+            contract.ENV_POLICY_FILE: "",
+            contract.ENV_GRACE_SECONDS: "20",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def make_sidecar(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
+    """Factory: ``make_sidecar(**env)`` starts a sidecar; all are killed in teardown."""
+    started: list[Sidecar] = []
+
+    def make(**extra: str) -> Sidecar:
+        workdir = tmp_path / f"sidecar{len(started)}"
+        workdir.mkdir()
+        sidecar = Sidecar(workdir=workdir, env=sidecar_env(workdir, **extra))
+        started.append(sidecar)
+        return sidecar.start()
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()
+
+
+@dataclass
+class RedisServer:
+    port: int
+    password: str
+    proc: subprocess.Popen[bytes]
+
+    def dbsize(self) -> int:
+        import redis
+
+        return int(redis.Redis(host="127.0.0.1", port=self.port, password=self.password).dbsize())
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` (Debian package) on a free port, with a password; stopped afterwards."""
+    port = free_port()
+    password = "kvo-test-pw"
+    proc = subprocess.Popen(
+        [
+            "/usr/bin/redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            password,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    server = RedisServer(port=port, password=password, proc=proc)
+
+    def answers() -> bool:
+        try:
+            server.dbsize()
+            return True
+        except Exception:
+            return False
+
+    try:
+        wait_for(answers, 30, "redis-server")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def lmcache_client(sidecar: Sidecar, op: str, sequence: int | str) -> dict[str, object]:
+    """STORE or LOOKUP synthetic requests (one, or a range "a-b") with LMCache's own client, in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, str(CLIENT), str(sidecar.request_port), str(sidecar.lmcache_http_port), op, str(sequence)],
+        capture_output=True,
+        timeout=180,
+        check=False,
+    )
+    lines = [ln for ln in out.stdout.decode().splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, f"client {op} failed ({out.returncode}):\n{out.stderr.decode()[-3000:]}"
+    result: dict[str, object] = json.loads(lines[-1])
+    return result

@@ -1,0 +1,206 @@
+"""The sidecar as a real process around a real LMCache server: probes, /metrics, restarts, drain, L2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload import contract
+
+from .sidecar_harness import RedisServer, Sidecar, http_get, lmcache_client, metric_value, wait_for
+
+pytestmark = pytest.mark.sidecar
+
+CONNECTOR = f"""
+import fcntl, os, sys
+from prometheus_client import Counter, Gauge
+directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+lock = os.open(os.path.join(directory, {contract.METRICS_LIVE_LOCK_TEMPLATE!r}.format(pid=os.getpid())), os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(lock, fcntl.LOCK_EX)  # held for life: the sidecar's liveness signal
+requests = Counter({contract.M_LOOKUP_REQUESTS!r}, "lookups", ["model", "backend"])
+up = Gauge({contract.M_BACKEND_UP!r}, "backend up", ["model", "backend"], multiprocess_mode="livesum")
+requests.labels("m", "sidecar").inc(int(sys.argv[1]))
+up.labels("m", "sidecar").set(1)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def sample_sum(body: str, name: str) -> float | None:
+    """Sum over all label sets of sample ``name``; ``None`` if there is none."""
+    values = [s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+    return sum(values) if values else None
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp) with a LISTEN socket on ``port``."""
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":
+                found.add(address)
+    return found
+
+
+def start_connector(env: dict[str, str], count: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONNECTOR, str(count)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    return proc
+
+
+def test_ready_probes_admin_api_on_loopback_and_one_metrics_with_three_families(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    sidecar = make_sidecar()
+    sidecar.wait_ready()
+    for path in (contract.PATH_STARTUP, contract.PATH_READY, contract.PATH_LIVE):
+        assert http_get(sidecar.url(path))[0] == 200, path
+    assert http_get(sidecar.url("/nope"))[0] == 404
+    assert listening_addresses(sidecar.lmcache_http_port) == {"0100007F"}  # 127.0.0.1 only
+    assert listening_addresses(sidecar.request_port) == {"0100007F"}
+    assert listening_addresses(sidecar.port) == {"00000000"}  # kubelet reaches the pod IP
+
+    env = dict(sidecar.env)
+    connectors = [start_connector(env, 3), start_connector(env, 4)]
+    try:
+        body = sidecar.metrics()
+        # LMCache's own series, re-exposed; its process/GC series are not.
+        assert "lmcache_mp_l1_usage_ratio" in body
+        assert "python_gc_objects_collected_total" not in body
+        # The sidecar's own.
+        assert metric_value(body, contract.M_SIDECAR_SERVER_RESTARTS + "_total") == 0
+        assert metric_value(body, contract.M_SIDECAR_SERVER_UP) == 1
+        assert sample_sum(body, contract.M_SIDECAR_CONFIG_INFO + "_info") == 1
+        # The connector's, summed across its processes.
+        assert sample_sum(body, contract.M_LOOKUP_REQUESTS + "_total") == 7
+        assert sample_sum(body, contract.M_BACKEND_UP) == 2
+
+        connectors[1].kill()
+        connectors[1].wait()
+        body = sidecar.metrics()
+        assert sample_sum(body, contract.M_LOOKUP_REQUESTS + "_total") == 7, "a dead process's counts stay"
+        assert sample_sum(body, contract.M_BACKEND_UP) == 1, "a dead process's live gauge goes"
+        assert metric_value(body, contract.M_SIDECAR_SERVER_UP) == 1
+    finally:
+        for proc in connectors:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_drains_and_exits_zero_within_the_grace_period(make_sidecar: Callable[..., Sidecar]) -> None:
+    grace = 20.0
+    sidecar = make_sidecar(**{contract.ENV_GRACE_SECONDS: str(grace)})
+    sidecar.wait_ready()
+    server = sidecar.server_pid()
+    assert sidecar.proc is not None
+    sidecar.proc.send_signal(signal.SIGTERM)
+    seen: list[int] = []
+
+    def not_ready() -> bool:
+        seen.append(http_get(sidecar.url(contract.PATH_READY), timeout=2)[0])
+        return seen[-1] != 200
+
+    wait_for(not_ready, 10, "readiness to drop")
+    assert seen[-1] == 503, "the sidecar itself answers not-ready while it drains"
+    assert sidecar.proc.wait(timeout=grace) == 0
+    assert not Path(f"/proc/{server}").exists() or "Z" in Path(f"/proc/{server}/stat").read_text().split()[2]
+    log = sidecar.log_path.read_text(errors="replace")
+    assert "MPCacheServer closed" in log, "LMCache must stop through its own graceful shutdown"
+    shm = Path(contract.SHM_MOUNT_PATH) / f"lmcache_l1_pool_kvoffload_{sidecar.env[contract.ENV_INSTANCE_ID]}"
+    assert not shm.exists()
+
+
+def _kill_server_and_wait_for_restart(sidecar: Sidecar) -> None:
+    old = sidecar.server_pid()
+    os.kill(old, signal.SIGKILL)
+    live_statuses: list[int] = []
+
+    def restarted() -> bool:
+        live_statuses.append(http_get(sidecar.url(contract.PATH_LIVE), timeout=2)[0])
+        body = http_get(sidecar.url(contract.PATH_METRICS))[1]
+        return metric_value(body, contract.M_SIDECAR_SERVER_RESTARTS + "_total") == 1 and sidecar.ready()
+
+    wait_for(restarted, 180, "the LMCache server's supervised restart")
+    assert set(live_statuses) == {200}, "liveness stays OK during a supervised restart"
+    assert sidecar.server_pid() != old
+
+
+def test_kill9_restarts_counted_and_fs_l2_serves_earlier_kv(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    l2 = tmp_path / "l2"
+    sidecar = make_sidecar(**{contract.ENV_L2_FS_PATH: str(l2)})
+    sidecar.wait_ready()
+    assert lmcache_client(sidecar, "store", 11) == {"stored": True, "chunks": 2}
+    wait_for(lambda: len(list(l2.glob("*.data"))) >= 2, 60, "both chunks written to the fs L2")
+    assert lmcache_client(sidecar, "lookup", 11)["hit"] == 2
+
+    _kill_server_and_wait_for_restart(sidecar)
+
+    assert lmcache_client(sidecar, "lookup", 11) == {"hit": 2, "total": 2, "error": None}
+    assert lmcache_client(sidecar, "lookup", 12)["hit"] == 0
+    body = sidecar.metrics()
+    assert (sample_sum(body, "lmcache_mp_lookup_hit_l2_tokens_total") or 0) >= 512, "served from L2"
+
+
+def test_redis_l2_serves_earlier_kv_after_restart(
+    make_sidecar: Callable[..., Sidecar], redis_server: RedisServer
+) -> None:
+    sidecar = make_sidecar(
+        **{
+            contract.ENV_L2_REDIS_URL: f"redis://127.0.0.1:{redis_server.port}/0",
+            contract.ENV_L2_REDIS_PASSWORD: redis_server.password,
+        }
+    )
+    sidecar.wait_ready()
+    assert redis_server.password not in Path(f"/proc/{sidecar.server_pid()}/cmdline").read_text()
+    assert lmcache_client(sidecar, "store", 21) == {"stored": True, "chunks": 2}
+    wait_for(lambda: redis_server.dbsize() >= 2, 60, "both chunks written to Redis")
+
+    _kill_server_and_wait_for_restart(sidecar)
+
+    assert lmcache_client(sidecar, "lookup", 21) == {"hit": 2, "total": 2, "error": None}
+    assert lmcache_client(sidecar, "lookup", 22)["hit"] == 0
+    assert (sample_sum(sidecar.metrics(), "lmcache_mp_lookup_hit_l2_tokens_total") or 0) >= 512
+
+
+def test_sized_fs_l2_stays_bounded_and_serves_after_restart(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    # A chunk here is 128 KiB (256 tokens x 2 layers x 2 x 2 heads x 32 x fp16); 16 chunks = 2 MiB.
+    l2 = tmp_path / "l2"
+    sidecar = make_sidecar(**{contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Mi"})
+    sidecar.wait_ready()
+    assert lmcache_client(sidecar, "store", 31) == {"stored": True, "chunks": 2}
+    wait_for(lambda: len(list(l2.glob("*.data"))) >= 2, 60, "the first request's chunks in the fs L2")
+
+    _kill_server_and_wait_for_restart(sidecar)
+    assert lmcache_client(sidecar, "lookup", 31)["hit"] == 2, "sized tier serves earlier KV after a restart"
+
+    assert lmcache_client(sidecar, "store", "40-47") == {"stored": True, "chunks": 16}
+
+    def bounded() -> bool:
+        body = sidecar.metrics()
+        evicted = sample_sum(body, "lmcache_mp_l2_evicted_objects_chunks_total") or 0
+        return evicted > 0 and (sample_sum(body, "lmcache_mp_l2_usage_bytes") or 0) <= 2**20 - 2 * 2**17
+
+    # LMCache evicts 20% per 1 s tick once above its 0.8 watermark of its capacity.
+    wait_for(bounded, 120, "L2 eviction to bring this server's share under its capacity")
+    # The 2 chunks from before the restart were kept (under half the size), so this server got
+    # 1Mi - 256Ki: old files + new ones stay within the 1Mi (8 chunks) on disk.
+    assert len(list(l2.glob("*.data"))) <= 8

@@ -1,0 +1,150 @@
+"""Start and stop a real ``lmcache server`` (LMCache 0.5.6 MP server) for tests.
+
+The server runs as a child process on free ports with the flags the connector's
+data path needs: worker-driven transfer (``--supported-transfer-mode auto``)
+over POSIX shared memory (``--shm-name`` plus ``--no-l1-use-lazy``: LMCache
+only advertises its SHM pool when L1 is allocated eagerly, otherwise it falls
+back to pickling every chunk through ZMQ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LMCacheServer:
+    """One ``lmcache server`` child process; ``start()``/``stop()`` may repeat on the same ports."""
+
+    chunk_size: int
+    log_dir: Path
+    l1_size_gb: float = 0.25
+    port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    shm_name: str = field(default_factory=lambda: f"kvo_test_{uuid.uuid4().hex[:10]}")
+    extra_args: Sequence[str] = ()
+    _proc: subprocess.Popen[bytes] | None = None
+    _starts: int = 0
+
+    @property
+    def url(self) -> str:
+        """ZMQ request URL the connector uses."""
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"lmcache-server-{self.port}-{self._starts}.log"
+
+    def command(self) -> list[str]:
+        """The server command line (``lmcache server`` through its module entry point)."""
+        return [
+            sys.executable,
+            "-m",
+            "lmcache.v1.multiprocess.http_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--chunk-size",
+            str(self.chunk_size),
+            "--l1-size-gb",
+            str(self.l1_size_gb),
+            "--no-l1-use-lazy",
+            "--eviction-policy",
+            "LRU",
+            "--max-workers",
+            "1",
+            "--supported-transfer-mode",
+            "auto",
+            "--shm-name",
+            self.shm_name,
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the server and wait until ``/healthcheck`` answers 200."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._starts += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("LMCACHE_TRACK_USAGE", "false")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("PYTHONHASHSEED", "0")
+        log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"lmcache server exited with {self._proc.returncode}; log: {self.log_path}\n"
+                    + self.log_path.read_text(errors="replace")[-4000:]
+                )
+            if self.healthy():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"lmcache server not healthy after {timeout_s}s; log: {self.log_path}")
+
+    def healthy(self) -> bool:
+        """Whether ``GET /healthcheck`` answers 200 right now."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=1) as resp:
+                return int(resp.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, not a graceful stop)."""
+        self._signal_and_wait(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL after 15 s."""
+        self._signal_and_wait(signal.SIGTERM)
+
+    def _signal_and_wait(self, sig: int) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+        self._proc = None
+        # A killed server leaves its SHM segment behind; a restarted one unlinks stale segments itself.
+        if sig == signal.SIGTERM:
+            shm = Path("/dev/shm") / f"lmcache_l1_pool_{self.shm_name}"
+            shm.unlink(missing_ok=True)
+
+    def log_text(self) -> str:
+        """All logs of this server's starts, concatenated."""
+        parts = sorted(self.log_dir.glob(f"lmcache-server-{self.port}-*.log"))
+        return "\n".join(p.read_text(errors="replace") for p in parts)

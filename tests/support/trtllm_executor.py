@@ -1,0 +1,620 @@
+"""A faithful stand-in for TensorRT-LLM's PyExecutor, for driving KV connectors on CPU.
+
+What it keeps from TensorRT-LLM (reference: /work/shared/reference/trtllm-kv-connector.md):
+- connector classes loaded by module/class NAME from ``kv_connector_config``; the scheduler only on
+  rank 0, a worker on every rank; metadata pickled from rank 0 to the other ranks (broadcast);
+- a KV pool of the real layout ``[num_blocks, num_layers, 2, num_kv_heads * tokens_per_block * head_dim]``
+  (per layer and K/V: ``[num_kv_heads, tokens_per_block, head_dim]``, HND), block id = index on dim 0;
+- one iteration in the order of §1.5: device prefix reuse -> ``get_num_new_matched_tokens`` ->
+  allocation -> ``update_state_after_alloc`` -> ``build_connector_meta`` -> ``bind_connector_meta`` ->
+  ``start_load_kv`` -> per layer ``wait_for_layer_load`` / layer / ``save_kv_layer`` -> ``wait_for_save``
+  -> sampling -> ``request_finished`` -> ``get_finished`` (ids act only when every rank returned them);
+- GPU prefix-block reuse (full blocks, chained hashes incl. cache salt) with LRU eviction, chunked
+  prefill, ``RequestData`` with ``computed_position`` = device-reused prefix for the first chunk;
+- a connector exception in a hook fails the requests of that iteration (TensorRT-LLM's error path).
+
+Its "forward" writes each token's KV as a deterministic function of (token prefix, layer, K/V, head,
+dim), so after every forward every valid position of every request is checked bit-exact, and it
+counts the prompt tokens it had to compute. Sampling reads the KV from the pool, so wrong KV would
+also change the output tokens. TP=2 runs rank 1 as a separate process (heads split across ranks).
+
+CLI (what the end-to-end test starts with the env the operator injects)::
+
+    python -m tests.support.trtllm_executor --options extra-llm-api-options.yaml --model M \
+        --prompts prompts.json [--tp 2] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STANDIN_PATH = str(Path(__file__).resolve().parent.parent / "standin")
+REPO_ROOT = str(Path(__file__).resolve().parent.parent.parent)
+RANK_ENV = "KVOFFLOAD_STANDIN_RANK"
+WORLD_ENV = "KVOFFLOAD_STANDIN_WORLD_SIZE"
+_MOD = (1 << 61) - 1
+_VALUE_MOD = 2039  # values < 2048 are exact in float16
+VOCAB = 32000
+CHUNK = 64
+"""LMCache chunk size the connector tests use (small, so prompts of a few hundred tokens span chunks)."""
+BLOCK = 16
+"""tokens_per_block the connector tests use."""
+
+
+def _ensure_paths() -> None:
+    for path in (STANDIN_PATH, REPO_ROOT):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def prefix_hashes(tokens: list[int], start: int = 0, prev: int = 0) -> list[int]:
+    """Rolling hash of every prefix: element i identifies ``tokens[:start+i+1]``."""
+    out = []
+    h = prev
+    for tok in tokens[start:]:
+        h = (h * 1000003 + tok + 1) % _MOD
+        out.append(h)
+    return out
+
+
+def kv_values(hashes: torch.Tensor, layer: int, head_offset: int, num_heads: int, head_dim: int) -> torch.Tensor:
+    """KV of tokens with these prefix hashes: ``[2, num_heads, n, head_dim]`` float16, exact integers."""
+    kv = torch.arange(2, dtype=torch.int64).view(2, 1, 1, 1)
+    heads = (torch.arange(num_heads, dtype=torch.int64) + head_offset).view(1, num_heads, 1, 1)
+    dims = torch.arange(head_dim, dtype=torch.int64).view(1, 1, 1, head_dim)
+    h = (hashes % 1000000007).view(1, 1, -1, 1)
+    vals = (h * 31 + layer * 7919 + kv * 104729 + heads * 1299709 + dims * 15485863) % _VALUE_MOD
+    return vals.to(torch.float16)
+
+
+@dataclass
+class PromptRequest:
+    """One request to run: prompt tokens, generation length and optional tenant salt."""
+
+    request_id: int
+    prompt: list[int]
+    max_new_tokens: int = 2
+    cache_salt: str | None = None
+
+
+@dataclass
+class RequestResult:
+    """What happened to one request."""
+
+    request_id: int
+    output_tokens: list[int] = field(default_factory=list)
+    computed_prompt_tokens: int = 0
+    device_reused_tokens: int = 0
+    connector_matched_tokens: int = 0
+    failed: bool = False
+    error: str = ""
+
+
+class StandinLlmRequest:
+    """The parts of ``LlmRequest`` a connector reads."""
+
+    def __init__(self, req: PromptRequest) -> None:
+        self.request_id = req.request_id
+        self.py_request_id = req.request_id
+        self.prompt_len = len(req.prompt)
+        self.cache_salt = req.cache_salt
+        self.tokens = list(req.prompt)
+        self.max_new_tokens = req.max_new_tokens
+        self.hashes = prefix_hashes(self.tokens)
+        self.block_ids: list[int] = []
+        self.reported_blocks = 0
+        self.context_pos = 0  # tokens with KV (context_current_position)
+        self.first_chunk_done = False
+        self.generated: list[int] = []
+        self.result = RequestResult(req.request_id)
+        self.reused_blocks: list[int] = []
+
+    def get_tokens(self, beam: int = 0) -> list[int]:
+        return list(self.tokens)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self.hashes.extend(prefix_hashes(self.tokens, len(self.tokens) - 1, self.hashes[-1] if self.hashes else 0))
+
+
+class BlockManager:
+    """Device KV blocks: free list, refcounts, and prefix reuse of full blocks with LRU eviction."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.refs: dict[int, int] = {}
+        self.reuse: dict[tuple[str, int], int] = {}  # (salt, chain hash) -> block
+        self.block_key: dict[int, tuple[str, int]] = {}
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # reusable, unreferenced, LRU first
+        self.evicted: list[int] = []
+
+    def match(self, salt: str, hashes: list[int], tokens_per_block: int, max_tokens: int) -> list[int]:
+        blocks = []
+        for i in range(max_tokens // tokens_per_block):
+            block = self.reuse.get((salt, hashes[(i + 1) * tokens_per_block - 1]))
+            if block is None:
+                break
+            blocks.append(block)
+        for block in blocks:
+            self.refs[block] = self.refs.get(block, 0) + 1
+            self.cached_free.pop(block, None)
+        return blocks
+
+    def allocate(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            if self.free:
+                block = self.free.pop()
+            elif self.cached_free:
+                block, _ = self.cached_free.popitem(last=False)
+                self._forget(block)
+            else:
+                raise RuntimeError("stand-in KV pool exhausted")
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def _forget(self, block: int) -> None:
+        key = self.block_key.pop(block, None)
+        if key is not None and self.reuse.get(key) == block:
+            del self.reuse[key]
+        self.evicted.append(block)
+
+    def release(self, blocks: list[int], commit: dict[int, tuple[str, int]]) -> None:
+        """Drop one reference per block; ``commit`` names full blocks that become reusable."""
+        for block in blocks:
+            if block in commit and commit[block] not in self.reuse:
+                self.reuse[commit[block]] = block
+                self.block_key[block] = commit[block]
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                if block in self.block_key:
+                    self.cached_free[block] = None
+                else:
+                    self.free.append(block)
+
+    def evict_all(self) -> list[int]:
+        """Drop every unreferenced reusable block (as if other traffic had evicted them)."""
+        out = list(self.cached_free)
+        for block in out:
+            self._forget(block)
+            self.free.append(block)
+        self.cached_free.clear()
+        return out
+
+
+def load_connector_classes(llm_args: Any) -> tuple[type, type]:
+    """Import the connector the way TensorRT-LLM does: ``kv_connector_config`` module + class names."""
+    cfg = llm_args.kv_connector_config
+    module = importlib.import_module(cfg.connector_module)
+    return getattr(module, cfg.connector_scheduler_class), getattr(module, cfg.connector_worker_class)
+
+
+class RankState:
+    """One rank's pool, worker and forward; rank 0 holds it in-process, rank 1 in its own process."""
+
+    def __init__(self, rank: int, llm_args: Any, geometry: dict[str, int]) -> None:
+        _ensure_paths()
+        os.environ[RANK_ENV] = str(rank)
+        self.rank = rank
+        self.tp = llm_args.tensor_parallel_size
+        self.block = llm_args.kv_cache_config.tokens_per_block
+        self.layers = geometry["num_layers"]
+        self.heads = geometry["num_kv_heads"] // self.tp
+        self.head_offset = rank * self.heads
+        self.head_dim = geometry["head_dim"]
+        self.pool = torch.zeros(
+            geometry["num_blocks"], self.layers, 2, self.heads * self.block * self.head_dim, dtype=torch.float16
+        )
+        _, worker_cls = load_connector_classes(llm_args)
+        self.worker = worker_cls(llm_args)
+        self.worker.register_forward_pass_callable()
+        self.worker.register_kv_caches(self.pool)
+        self.mismatches = 0
+
+    def _block_view(self, block: int, layer: int) -> torch.Tensor:
+        return self.pool[block, layer].view(2, self.heads, self.block, self.head_dim)
+
+    def scribble(self, blocks: list[int]) -> None:
+        """Overwrite evicted blocks so stale KV can never pass a check by accident."""
+        for block in blocks:
+            self.pool[block].fill_(-1.0)
+
+    def step(self, meta: Any, work: list[tuple[int, list[int], list[int], int, int]]) -> dict[str, Any]:
+        """bind metadata, start_load_kv, per-layer forward of ``work`` (hashes, blocks, [start, end)), wait_for_save."""
+        self.worker.bind_connector_meta(meta)
+        try:
+            self.worker.start_load_kv(None)
+        except Exception as exc:  # TensorRT-LLM's executor fails the iteration's requests
+            self.worker._clear_connector_meta()
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        for layer in range(self.layers):
+            self.worker.wait_for_layer_load(layer, None)
+            for _rid, hashes, blocks, start, end in work:
+                self._forward_layer(layer, hashes, blocks, start, end)
+            self.worker.save_kv_layer(layer, None)
+        self.worker.wait_for_save(None)
+        self.worker._clear_connector_meta()
+        partial = {}
+        for rid, hashes, blocks, _start, end in work:
+            self.mismatches += self._check(hashes, blocks, end)
+            partial[rid] = self._attend(blocks, end)
+        return {"partial": partial, "mismatches": self.mismatches}
+
+    def finish(self, new_saving_ids: list[int]) -> list[int]:
+        """Step 6 on this rank: ``get_finished`` with the ids that started saving this iteration."""
+        done_saving, _done_loading = self.worker.get_finished(new_saving_ids, [])
+        return list(done_saving)
+
+    def _forward_layer(self, layer: int, hashes: list[int], blocks: list[int], start: int, end: int) -> None:
+        h = torch.tensor(hashes[start:end], dtype=torch.int64)
+        vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim)
+        for pos in range(start, end):
+            view = self._block_view(blocks[pos // self.block], layer)
+            view[:, :, pos % self.block, :] = vals[:, :, pos - start, :]
+
+    def _check(self, hashes: list[int], blocks: list[int], end: int) -> int:
+        bad = 0
+        h = torch.tensor(hashes[:end], dtype=torch.int64)
+        for layer in range(self.layers):
+            expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim)
+            for b in range((end + self.block - 1) // self.block):
+                lo, hi = b * self.block, min(end, (b + 1) * self.block)
+                got = self._block_view(blocks[b], layer)[:, :, : hi - lo, :]
+                if not torch.equal(got, expected[:, :, lo:hi, :]):
+                    bad += 1
+        return bad
+
+    def _attend(self, blocks: list[int], end: int) -> int:
+        """A stand-in for attention: a checksum of the request's KV as read from the pool."""
+        total = 0
+        for b in range((end + self.block - 1) // self.block):
+            n = min(self.block, end - b * self.block)
+            view = self.pool[blocks[b]].view(self.layers, 2, self.heads, self.block, self.head_dim)
+            total += int(view[:, :, :, :n, :].to(torch.int64).sum()) * (b + 1)
+        return total
+
+    def close(self) -> None:
+        shutdown = getattr(self.worker, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    try:
+        state = RankState(rank, llm_args, geometry)
+        conn.send({"ready": True})
+        while True:
+            msg = conn.recv()
+            if msg[0] == "step":
+                conn.send(state.step(msg[1], msg[2]))
+            elif msg[0] == "finish":
+                conn.send(state.finish(msg[1]))
+            elif msg[0] == "scribble":
+                state.scribble(msg[1])
+                conn.send(None)
+            elif msg[0] == "stop":
+                state.close()
+                conn.send(None)
+                return
+    except Exception:
+        conn.send({"fatal": traceback.format_exc()})
+
+
+class StandinExecutor:
+    """Runs requests through a connector like TensorRT-LLM's PyExecutor would (see module docstring)."""
+
+    def __init__(
+        self,
+        llm_args: Any,
+        *,
+        num_blocks: int = 64,
+        num_layers: int = 2,
+        num_kv_heads: int = 2,
+        head_dim: int = 8,
+        context_chunk_size: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        _ensure_paths()
+        self.llm_args = llm_args
+        self.block = llm_args.kv_cache_config.tokens_per_block
+        self.chunk = context_chunk_size
+        self.tp = llm_args.tensor_parallel_size
+        geometry = {
+            "num_blocks": num_blocks,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
+        os.environ[WORLD_ENV] = str(self.tp)
+        self.blocks = BlockManager(num_blocks)
+        self.followers: list[tuple[Any, Any]] = []
+        child_env = dict(env or {})
+        child_env[WORLD_ENV] = str(self.tp)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_follower_main, args=(child, rank, llm_args, geometry, child_env), daemon=True)
+            proc.start()
+            self.followers.append((parent, proc))
+        scheduler_cls, _ = load_connector_classes(llm_args)
+        # TensorRT-LLM builds rank 0's scheduler and worker concurrently; sequential is equivalent here.
+        self.rank0 = RankState(0, llm_args, geometry)
+        self.scheduler = scheduler_cls(llm_args)
+        for parent, _proc in self.followers:
+            reply = parent.recv()
+            if "fatal" in reply:
+                raise RuntimeError(f"rank process failed to start:\n{reply['fatal']}")
+        self.scheduler.wait_for_initialization()
+        self.saving: dict[int, StandinLlmRequest] = {}
+        self.results: dict[int, RequestResult] = {}
+        self.iterations = 0
+        self._mismatches = 0
+        self._announced: set[int] = set()
+        self._done_votes: dict[int, int] = {}
+
+    @property
+    def kv_mismatches(self) -> int:
+        """KV positions (block x layer) that differed from the deterministic forward, max over ranks."""
+        return self._mismatches
+
+    def evict_device_cache(self) -> int:
+        """Evict every reusable-but-unused block on all ranks (request 1's KV leaves the GPU)."""
+        evicted = self.blocks.evict_all()
+        self.rank0.scribble(evicted)
+        for parent, _ in self.followers:
+            parent.send(("scribble", evicted))
+            parent.recv()
+        return len(evicted)
+
+    def run(self, prompts: list[PromptRequest], max_iterations: int = 10000) -> list[RequestResult]:
+        """Admit all ``prompts`` now and iterate until every one finished (or failed)."""
+        pending = [StandinLlmRequest(p) for p in prompts]
+        active: list[StandinLlmRequest] = []
+        for _ in range(max_iterations):
+            if not pending and not active and not self.saving:
+                break
+            self._iteration(pending, active)
+            pending = []
+        return [self.results[p.request_id] for p in prompts]
+
+    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int]]:
+        salt = req.cache_salt or ""
+        full = min(req.context_pos, len(req.tokens)) // self.block
+        return {req.block_ids[i]: (salt, req.hashes[(i + 1) * self.block - 1]) for i in range(full)}
+
+    def _iteration(self, new: list[StandinLlmRequest], active: list[StandinLlmRequest]) -> None:
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+
+        self.iterations += 1
+        output = SchedulerOutput()
+        work: list[tuple[int, list[int], list[int], int, int]] = []
+        scheduled: list[tuple[StandinLlmRequest, int, int]] = []
+        # Step 2: first context chunk of new requests: device reuse -> connector -> allocate.
+        for req in new:
+            salt = req.cache_salt or ""
+            max_reuse = ((req.prompt_len - 1) // self.block) * self.block
+            reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
+            num_reused = len(reused) * self.block
+            matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
+            if is_async and matched == 0:
+                raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
+            assert not is_async, "stand-in implements synchronous loads only"
+            need = -(-req.prompt_len // self.block) - len(reused)
+            req.block_ids = reused + self.blocks.allocate(need)
+            req.reused_blocks = reused
+            self.scheduler.update_state_after_alloc(req, list(req.block_ids))
+            req.context_pos = num_reused + matched
+            req.result.device_reused_tokens = num_reused
+            req.result.connector_matched_tokens = matched
+            n = self._chunk_len(req)
+            output.new_requests.append(
+                RequestData(
+                    request_id=req.request_id,
+                    new_tokens=list(req.tokens),
+                    new_block_ids=list(req.block_ids),
+                    computed_position=req.context_pos - matched,
+                    num_scheduled_tokens=n,
+                    cache_salt=req.cache_salt,
+                )
+            )
+            req.reported_blocks = len(req.block_ids)
+            scheduled.append((req, req.context_pos, req.context_pos + n))
+            active.append(req)
+        new_ids = {r.request_id for r in new}
+        for req in active:
+            if req.request_id in new_ids:
+                continue
+            if req.context_pos < req.prompt_len:  # later context chunk
+                n = self._chunk_len(req)
+                output.cached_requests.append(
+                    RequestData(req.request_id, [], [], req.context_pos, n, cache_salt=req.cache_salt)
+                )
+                scheduled.append((req, req.context_pos, req.context_pos + n))
+            else:  # generation: KV of the last sampled token
+                pos = len(req.tokens) - 1
+                new_blocks: list[int] = []
+                if pos // self.block >= len(req.block_ids):
+                    new_blocks = self.blocks.allocate(1)
+                    req.block_ids.extend(new_blocks)
+                output.cached_requests.append(
+                    RequestData(req.request_id, [req.tokens[-1]], new_blocks, pos, 1, cache_salt=req.cache_salt)
+                )
+                scheduled.append((req, pos, pos + 1))
+        for req, start, end in scheduled:
+            work.append((req.request_id, req.hashes, list(req.block_ids), start, end))
+        # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
+        meta = self.scheduler.build_connector_meta(output)
+        replies = self._step_all_ranks(meta, work)
+        errors = [r["error"] for r in replies if "error" in r]
+        if errors:
+            for req, _s, _e in scheduled:
+                self._fail(req, active, errors[0])
+            return
+        self._mismatches = max(r["mismatches"] for r in replies)
+        # Forward done: positions computed, then sampling for requests whose prompt is complete.
+        finished: list[StandinLlmRequest] = []
+        for req, start, end in scheduled:
+            if end <= req.prompt_len:
+                req.result.computed_prompt_tokens += end - start
+            req.context_pos = end
+            if end >= len(req.tokens):
+                checksum = sum(r["partial"][req.request_id] for r in replies)
+                token = (checksum + req.hashes[end - 1]) % VOCAB
+                req.generated.append(token)
+                req.result.output_tokens.append(token)
+                if len(req.generated) >= req.max_new_tokens:
+                    finished.append(req)
+                else:
+                    req.append(token)
+        # Step 5: request_finished; True holds the blocks until every rank reports the save done.
+        for req in finished:
+            active.remove(req)
+            self.results[req.request_id] = req.result
+            if self.scheduler.request_finished(req, list(req.block_ids)):
+                self.saving[req.request_id] = req
+            else:
+                self.blocks.release(req.block_ids, self._commit_keys(req))
+        # Step 6: get_finished with the ids that started saving now; act on ids every rank returned.
+        newly_saving = [rid for rid in self.saving if rid not in self._announced]
+        self._announced.update(newly_saving)
+        for parent, _ in self.followers:
+            parent.send(("finish", newly_saving))
+        per_rank = [self.rank0.finish(newly_saving)] + [parent.recv() for parent, _ in self.followers]
+        for ids in per_rank:
+            for rid in ids:
+                self._done_votes[rid] = self._done_votes.get(rid, 0) + 1
+        for rid in [r for r, votes in self._done_votes.items() if votes >= self.tp]:
+            del self._done_votes[rid]
+            req = self.saving.pop(rid)
+            self._announced.discard(rid)
+            self.blocks.release(req.block_ids, self._commit_keys(req))
+
+    def _chunk_len(self, req: StandinLlmRequest) -> int:
+        remaining = req.prompt_len - req.context_pos
+        return remaining if self.chunk is None else min(remaining, self.chunk)
+
+    def _step_all_ranks(self, meta: Any, work: list[Any]) -> list[dict[str, Any]]:
+        for parent, _ in self.followers:
+            parent.send(("step", meta, work))
+        replies = [self.rank0.step(meta, work)]
+        for parent, _ in self.followers:
+            reply = parent.recv()
+            if "fatal" in reply:
+                raise RuntimeError(f"rank process died:\n{reply['fatal']}")
+            replies.append(reply)
+        return replies
+
+    def _fail(self, req: StandinLlmRequest, active: list[StandinLlmRequest], error: str) -> None:
+        req.result.failed = True
+        req.result.error = error
+        self.results[req.request_id] = req.result
+        if req in active:
+            active.remove(req)
+        self.scheduler.request_finished(req, list(req.block_ids))
+        self.blocks.release(req.block_ids, {})
+
+    def close(self) -> None:
+        """Stop rank processes and the connectors' threads."""
+        for parent, proc in self.followers:
+            try:
+                parent.send(("stop",))
+                parent.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.rank0.close()
+        close = getattr(self.scheduler, "_backend", None)
+        if close is not None:
+            close.close()
+
+
+def connector_llm_args(model: str, server_url: str | None, tp: int = 1, block: int = BLOCK) -> Any:
+    """``TorchLlmArgs`` naming the kvoffload connector in ``kv_connector_config``, as the operator writes it."""
+    _ensure_paths()
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+
+    from kvoffload import contract
+
+    return TorchLlmArgs(
+        model=model,
+        tensor_parallel_size=tp,
+        kv_cache_config=KvCacheConfig(tokens_per_block=block, enable_block_reuse=True),
+        kv_connector_config=KvCacheConnectorConfig(
+            connector_module=contract.CONNECTOR_MODULE,
+            connector_scheduler_class=contract.CONNECTOR_SCHEDULER_CLASS,
+            connector_worker_class=contract.CONNECTOR_WORKER_CLASS,
+            server_url=server_url,
+        ),
+    )
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    """Deterministic prompt tokens."""
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(length)]
+
+
+def llm_args_from_options(options_path: str, model: str, tp: int) -> Any:
+    """``TorchLlmArgs`` from a trtllm-serve ``--extra_llm_api_options`` YAML, as trtllm-serve would."""
+    _ensure_paths()
+    import yaml
+    from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
+
+    options = yaml.safe_load(Path(options_path).read_text()) or {}
+    return TorchLlmArgs.from_options(model, options, tensor_parallel_size=tp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--options", required=True, help="trtllm-serve extra-llm-api-options YAML")
+    parser.add_argument("--model", default="standin-model")
+    parser.add_argument(
+        "--prompts", required=True, help="JSON: list of phases; a phase is a list of requests or 'evict'"
+    )
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--context-chunk-size", type=int, default=None)
+    parser.add_argument("--out", default="-")
+    args = parser.parse_args(argv)
+    llm_args = llm_args_from_options(args.options, args.model, args.tp)
+    executor = StandinExecutor(
+        llm_args, num_blocks=args.num_blocks, context_chunk_size=args.context_chunk_size, env=dict(os.environ)
+    )
+    phases = json.loads(Path(args.prompts).read_text())
+    report: dict[str, Any] = {"phases": []}
+    try:
+        for phase in phases:
+            if phase == "evict":
+                report["phases"].append({"evicted": executor.evict_device_cache()})
+                continue
+            results = executor.run([PromptRequest(**p) for p in phase])
+            report["phases"].append({"results": [asdict(r) for r in results]})
+        report["kv_mismatches"] = executor.kv_mismatches
+    finally:
+        executor.close()
+    text = json.dumps(report)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Pure planning decisions: table tests and properties (hypothesis)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.connector import planning
+from kvoffload.connector.keys import chunk_ceil, chunk_floor
+
+pytestmark = pytest.mark.connector
+
+
+@st.composite
+def geometry(draw: st.DrawFn) -> tuple[int, int]:
+    block = draw(st.sampled_from([1, 4, 16, 32, 64]))
+    return block, block * draw(st.integers(1, 8))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "computed", "hit", "expected"),
+    [
+        (300, 0, 256, planning.LoadDecision(256, 0, 256, 0, ())),
+        # Whole prompt cached: keep the last token to compute (promise stops at 224, chunk 0..256 fetched).
+        (256, 0, 256, planning.LoadDecision(224, 0, 256, 0, ())),
+        # Device already has 96 tokens: skip them inside the first chunk, never write shared blocks.
+        (600, 96, 512, planning.LoadDecision(416, 0, 512, 96, ())),
+        # Device has 288: retrieve starts at the chunk holding it; chunk 0 lock released.
+        (600, 288, 512, planning.LoadDecision(224, 256, 512, 32, ((0, 256),))),
+        # Hit not beyond the device: nothing to load, all locks released.
+        (600, 256, 256, planning.LoadDecision(0, 0, 0, 0, ((0, 256),))),
+        # Device prefix not block aligned: never load.
+        (600, 17, 512, planning.LoadDecision(0, 0, 0, 0, ((0, 512),))),
+        (600, 0, 0, planning.NO_LOAD),
+    ],
+)
+def test_decide_load_table(prompt: int, computed: int, hit: int, expected: planning.LoadDecision) -> None:
+    assert planning.decide_load(prompt, computed, hit, 32, 256) == expected
+
+
+@given(
+    geo=geometry(),
+    prompt=st.integers(1, 5000),
+    computed_blocks=st.integers(0, 200),
+    hit_chunks=st.integers(0, 100),
+)
+def test_decide_load_properties(geo: tuple[int, int], prompt: int, computed_blocks: int, hit_chunks: int) -> None:
+    block, chunk = geo
+    computed = min(computed_blocks * block, ((prompt - 1) // block) * block)
+    hit = min(hit_chunks * chunk, chunk_floor(prompt, chunk))
+    d = planning.decide_load(prompt, computed, hit, block, chunk)
+    assert d.matched_tokens >= 0
+    if d.loads:
+        end = computed + d.matched_tokens
+        assert end % block == 0  # TensorRT-LLM gets whole blocks
+        assert end <= prompt - 1  # at least one prompt token is computed
+        assert end <= hit  # never promise what the store lacks
+        assert d.retrieve_start % chunk == 0 and d.retrieve_end % chunk == 0
+        assert d.retrieve_start <= computed < d.retrieve_end <= hit
+        assert d.retrieve_start + d.skip_tokens == computed  # shared device blocks are never written
+        assert d.retrieve_end >= end
+        assert d.skip_tokens % block == 0 and d.skip_tokens < chunk
+    # Every locked chunk is either retrieved or released, exactly once.
+    covered = [(d.retrieve_start, d.retrieve_end)] if d.loads else []
+    spans = sorted(covered + list(d.free_ranges))
+    pos = 0
+    for a, b in spans:
+        assert a == pos and b > a and a % chunk == 0 and b % chunk == 0
+        pos = b
+    assert pos == chunk_floor(hit, chunk)
+
+
+@given(
+    geo=geometry(),
+    stored=st.integers(0, 4000),
+    valid=st.integers(0, 4000),
+    blocks=st.integers(0, 300),
+    prompt=st.integers(1, 4000),
+    decode=st.booleans(),
+)
+def test_plan_save_properties(
+    geo: tuple[int, int], stored: int, valid: int, blocks: int, prompt: int, decode: bool
+) -> None:
+    block, chunk = geo
+    span = planning.plan_save(stored, valid, blocks * block, prompt, chunk, decode)
+    if span is None:
+        return
+    start, end = span
+    assert start % chunk == 0 and end % chunk == 0 and start < end
+    assert start <= stored  # nothing between what is stored and what is saved now is skipped
+    assert end <= valid and end <= blocks * block  # only KV that exists, in blocks the request owns
+    if not decode:
+        assert end <= prompt
+
+
+@given(geo=geometry(), prompt=st.integers(1, 3000), sched=st.lists(st.integers(1, 300), min_size=1, max_size=40))
+def test_chunked_prefill_saves_every_full_prompt_chunk_once(
+    geo: tuple[int, int], prompt: int, sched: list[int]
+) -> None:
+    """Simulate chunked prefill: the union of saved ranges is exactly the chunk-aligned prompt, no overlap."""
+    block, chunk = geo
+    stored = kv = 0
+    saved: list[tuple[int, int]] = []
+    blocks = chunk_ceil(prompt, block)
+    for n in sched:
+        kv = planning.tokens_with_kv_after_step(kv, n, prompt)
+        span = planning.plan_save(stored, kv, blocks, prompt, chunk, False)
+        if span:
+            saved.append(span)
+            stored = span[1]
+        if kv >= prompt:
+            break
+    if kv >= prompt:
+        assert stored == chunk_floor(prompt, chunk)
+    for (_, e1), (s2, _) in itertools.pairwise(saved):
+        assert e1 == s2
+
+
+def test_lookup_end_skips_useless_lookups() -> None:
+    assert planning.lookup_end(300, 0, 256) == 256
+    assert planning.lookup_end(300, 256, 256) == 0  # device already has every full chunk
+    assert planning.lookup_end(200, 0, 256) == 0  # no full chunk
+
+
+def test_tokens_with_kv_never_counts_draft_tokens() -> None:
+    assert planning.tokens_with_kv_after_step(100, 4, 102) == 102
+    assert planning.tokens_with_kv_after_step(10, 5, 100) == 15
+
+
+def test_block_slice() -> None:
+    assert planning.block_slice([5, 6, 7, 8], 32, 96, 32) == (6, 7)

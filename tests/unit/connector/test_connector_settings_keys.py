@@ -1,0 +1,152 @@
+"""Settings parsing, salts/keys, KV geometry and metrics binding (pure, no processes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload import contract
+from kvoffload.connector.backends.base import kv_geometry
+from kvoffload.connector.keys import normalize_salt, salt_of
+from kvoffload.connector.settings import (
+    DEFAULT_LOOKUP_TIMEOUT_MS,
+    DEFAULT_RETRIEVE_TIMEOUT_MS,
+    DEFAULT_STORE_TIMEOUT_MS,
+    SettingsError,
+    parse_settings,
+)
+
+pytestmark = pytest.mark.connector
+STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
+if STANDIN not in sys.path:
+    sys.path.insert(0, STANDIN)
+
+
+def _args(**kwargs: Any) -> Any:
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+
+    return TorchLlmArgs(
+        model=kwargs.pop("model", "m"),
+        tensor_parallel_size=kwargs.pop("tp", 1),
+        kv_cache_config=KvCacheConfig(tokens_per_block=kwargs.pop("block", 32)),
+        kv_connector_config=KvCacheConnectorConfig(server_url=kwargs.pop("server_url", None)),
+        **kwargs,
+    )
+
+
+def test_defaults_match_design() -> None:
+    s = parse_settings({}, _args())
+    assert s.backend == contract.BACKEND_SIDECAR
+    assert s.server_url == contract.server_url()
+    assert (
+        (s.lookup_timeout_ms, s.retrieve_timeout_ms, s.store_timeout_ms)
+        == (
+            DEFAULT_LOOKUP_TIMEOUT_MS,
+            DEFAULT_RETRIEVE_TIMEOUT_MS,
+            DEFAULT_STORE_TIMEOUT_MS,
+        )
+        == (100, 5000, 5000)
+    )
+    assert not s.save_decode_tokens and s.metrics_enabled and s.chunk_size is None
+    assert s.async_save  # measured to remove the engine's wait in wait_for_save
+
+
+def test_server_url_from_llm_args_overrides_env() -> None:
+    env = {contract.ENV_SERVER_URL: "tcp://127.0.0.1:1"}
+    assert parse_settings(env, _args()).server_url == "tcp://127.0.0.1:1"
+    assert parse_settings(env, _args(server_url="tcp://127.0.0.1:2")).server_url == "tcp://127.0.0.1:2"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({contract.ENV_BACKEND: "disk"}, "KVOFFLOAD_BACKEND='disk' is not a backend"),
+        ({contract.ENV_SERVER_URL: "http://x"}, "is not a ZMQ URL"),
+        ({contract.ENV_LOOKUP_TIMEOUT_MS: "fast"}, "KVOFFLOAD_LOOKUP_TIMEOUT_MS='fast' is not an integer"),
+        ({contract.ENV_STORE_TIMEOUT_MS: "0"}, "must be a positive integer"),
+        ({contract.ENV_SAVE_DECODE_TOKENS: "maybe"}, "is not a boolean"),
+        ({contract.ENV_CHUNK_SIZE: "100"}, "must be a multiple of tokens_per_block=32"),
+        ({contract.ENV_TOKENS_PER_BLOCK: "64"}, "disagrees with kv_cache_config.tokens_per_block=32"),
+    ],
+)
+def test_errors_name_setting_and_value(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(")):
+        parse_settings(env, _args())
+
+
+def test_pipeline_parallel_rejected() -> None:
+    args = _args()
+    args.pipeline_parallel_size = 2
+    with pytest.raises(SettingsError, match="pipeline_parallel_size=2"):
+        parse_settings({}, args)
+
+
+def test_world_size_and_flags() -> None:
+    env = {contract.ENV_SAVE_DECODE_TOKENS: "yes", contract.ENV_METRICS_ENABLED: "0", contract.ENV_ASYNC_SAVE: "off"}
+    s = parse_settings(env, _args(tp=2))
+    assert s.world_size == 2 and s.save_decode_tokens and not s.metrics_enabled and not s.async_save
+
+
+@given(st.text(max_size=300))
+def test_salt_is_lmcache_safe_and_injective_enough(raw: str) -> None:
+    salt = normalize_salt(raw)
+    if raw == "":
+        assert salt == ""
+        return
+    assert len(salt) <= 128 and not set(salt) & set("@/\\\x00")
+    assert salt != normalize_salt(raw + "x")
+
+
+def test_salt_of_reads_newer_and_older_fields() -> None:
+    class New:
+        cache_salt = "tenant"
+        cache_salt_id = None
+
+    class Old:
+        cache_salt_id = 42
+
+    class Neither:
+        pass
+
+    assert salt_of(New()) == normalize_salt("tenant")
+    assert salt_of(Old()) == normalize_salt(42)
+    assert salt_of(Neither()) == ""
+    assert salt_of(Old()) != salt_of(New())
+
+
+def test_kv_geometry_from_hf_config_and_fallback() -> None:
+    llama = {"num_key_value_heads": 8, "num_attention_heads": 32, "hidden_size": 4096}
+    assert kv_geometry(8 * 32 * 128, 32, llama, 1).num_kv_heads == 8
+    assert kv_geometry(4 * 32 * 128, 32, llama, 2).num_kv_heads == 4
+    fallback = kv_geometry(4 * 32 * 128, 32, None, 1)
+    assert (fallback.num_kv_heads, fallback.head_dim) == (1, 4 * 128)
+    with pytest.raises(ValueError, match="not a multiple of tokens_per_block"):
+        kv_geometry(100, 32, None, 1)
+
+
+def test_metrics_bound_once_and_errors_bounded() -> None:
+    from kvoffload.connector.metrics import ConnectorMetrics, get_metrics
+
+    m = ConnectorMetrics("unit-model", contract.BACKEND_SIDECAR)
+    m.error("lookup", "timeout")
+    m.error("store", "never-heard-of")
+    m.lookup_requests.inc()
+    assert get_metrics("unit-model-2", "sidecar", True) is get_metrics("unit-model-2", "sidecar", True)
+    names = {mf.name for mf in m.registry.collect()}
+    assert contract.M_LOOKUP_REQUESTS in names and contract.M_CONNECTOR_ERRORS in names
+    errors = {
+        (s.labels["operation"], s.labels["reason"]): s.value
+        for mf in m.registry.collect()
+        if mf.name == contract.M_CONNECTOR_ERRORS
+        for s in mf.samples
+        if s.name.endswith("_total")
+    }
+    assert errors[("lookup", "timeout")] == 1 and errors[("store", "error")] == 1
+    disabled = ConnectorMetrics("unit-model", contract.BACKEND_SIDECAR, enabled=False)
+    disabled.lookup_requests.inc()
+    disabled.error("lookup", "timeout")

@@ -1,0 +1,382 @@
+"""The pure renderer: odd pod specs, conflicts with user settings, determinism, removal."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from operator_fixtures import applied, container, deployment, live
+
+from kvoffload import contract as c
+from kvoffload.operator.fragment import (
+    ClusterInfo,
+    RenderedInjection,
+    render_injection_fragment,
+    render_removal,
+)
+from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+from kvoffload.operator.trtllm_options import OPTIONS_PATH
+
+pytestmark = pytest.mark.operator
+NATIVE = ClusterInfo(native_sidecars=True, operator_version="9.9.9")
+PLAIN = ClusterInfo(native_sidecars=False, operator_version="9.9.9")
+
+
+def settings_for(**annotations: str) -> InjectionSettings:
+    s = resolve_settings({c.ANN_ENABLED: "true", **annotations}, None, OperatorDefaults(), "ns")
+    assert isinstance(s, InjectionSettings), s
+    return s
+
+
+def render(obj: dict[str, Any], cluster: ClusterInfo = NATIVE, user_options: str | None = None,
+           **annotations: str) -> RenderedInjection:  # fmt: skip
+    r = render_injection_fragment(obj, settings_for(**annotations), cluster, user_options)
+    assert isinstance(r, RenderedInjection), r
+    return r
+
+
+def fail(obj: dict[str, Any], **annotations: str) -> SettingsError:
+    r = render_injection_fragment(obj, settings_for(**annotations), NATIVE)
+    assert isinstance(r, SettingsError), r
+    return r
+
+
+def pod(body: dict[str, Any]) -> dict[str, Any]:
+    return body["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def named(items: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(x for x in items if x["name"] == name)
+
+
+def env_of(x: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in x.get("env", [])}
+
+
+def test_plain_trtllm_deployment_gets_the_full_injection() -> None:
+    r = render(deployment())
+    body = r.workload_apply
+    assert body["metadata"] == {"name": "llama", "namespace": "ns"}
+    assert set(body["spec"]) == {"template"}  # nothing outside the pod template
+    spec = pod(body)
+    assert [x["name"] for x in spec["initContainers"]] == [c.BUNDLE_INIT_CONTAINER, c.SIDECAR_CONTAINER]
+    sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    assert sidecar["restartPolicy"] == "Always" and sidecar["command"] == ["kvoffload-sidecar"]
+    assert {p["name"] for p in sidecar["ports"]} == {c.SIDECAR_PORT_NAME, c.REQUEST_PORT_NAME}
+    assert sidecar["startupProbe"]["httpGet"] == {"path": c.PATH_STARTUP, "port": c.SIDECAR_PORT_NAME, "scheme": "HTTP"}
+    assert sidecar["readinessProbe"]["httpGet"]["path"] == c.PATH_READY
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == c.PATH_LIVE
+    assert sidecar["resources"] == {"requests": {"cpu": "1", "memory": "22Gi"}, "limits": {"memory": "22Gi"}}
+    sc = sidecar["securityContext"]
+    assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert env_of(sidecar)[c.ENV_NVIDIA_VISIBLE_DEVICES] == "all"
+    assert "nvidia.com/gpu" not in json.dumps(sidecar)
+    assert spec["shareProcessNamespace"] is True
+    assert "runtimeClassName" not in spec  # not configured
+    engine = named(spec["containers"], "trtllm")
+    env = env_of(engine)
+    assert env[c.ENV_SERVER_URL] == "tcp://127.0.0.1:5555" and env[c.ENV_PYTHONHASHSEED] == "0"
+    assert env[c.ENV_PROMETHEUS_MULTIPROC_DIR] == c.METRICS_DIR and env[c.ENV_PYTHONPATH] == c.BUNDLE_PYTHONPATH
+    assert engine["args"][-2:] == ["--extra_llm_api_options", OPTIONS_PATH]
+    assert {m["mountPath"] for m in engine["volumeMounts"]} == {
+        c.SHM_MOUNT_PATH, c.RUN_MOUNT_PATH, c.BUNDLE_MOUNT_PATH, c.TRTLLM_OPTIONS_MOUNT_PATH}  # fmt: skip
+    assert "image" not in engine and "resources" not in engine  # never touches the user's fields
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[c.VOLUME_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert volumes[c.VOLUME_TRTLLM_OPTIONS]["configMap"]["name"] == "llama-kvoffload"
+    meta = body["spec"]["template"]["metadata"]
+    assert meta["annotations"][c.ANN_INJECTED_VERSION] == "9.9.9"
+    assert meta["annotations"][c.ANN_CONFIG_HASH] == r.config_hash
+    assert meta["annotations"]["prometheus.io/port"] == "9455"
+    assert r.forceable_fields == ('.spec.template.spec.containers[name="trtllm"].args',)
+    cm = r.configmap_apply
+    assert cm["metadata"]["name"] == "llama-kvoffload"
+    assert cm["metadata"]["ownerReferences"] == [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "name": "llama", "uid": "uid-llama"}]  # fmt: skip
+    assert "KvoffloadConnectorWorker" in cm["data"][c.TRTLLM_OPTIONS_FILE]
+    assert json.loads(cm["data"][c.POLICY_FILE])["cache"]["l1Size"] == "20Gi"
+
+
+def test_old_clusters_get_a_plain_sidecar_container() -> None:
+    spec = pod(render(deployment(), PLAIN).workload_apply)
+    assert [x["name"] for x in spec["initContainers"]] == [c.BUNDLE_INIT_CONTAINER]
+    sidecar = named(spec["containers"], c.SIDECAR_CONTAINER)
+    assert "restartPolicy" not in sidecar
+
+
+def test_existing_init_containers_are_kept_and_ours_added() -> None:
+    obj = deployment()
+    obj["spec"]["template"]["spec"]["initContainers"] = [{"name": "download-model", "image": "busybox"}]
+    obj = live(obj)
+    spec = pod(render(obj).workload_apply)
+    assert "download-model" not in [x["name"] for x in spec["initContainers"]]  # theirs: untouched, not owned
+
+
+def test_existing_dev_shm_volume_is_reused() -> None:
+    engine = container()
+    engine["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    obj = deployment(containers=[engine], volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}}])
+    spec = pod(render(obj).workload_apply)
+    assert c.VOLUME_SHM not in [v["name"] for v in spec["volumes"]]
+    assert all(m["mountPath"] != c.SHM_MOUNT_PATH for m in named(spec["containers"], "trtllm")["volumeMounts"])
+    sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
+
+
+def test_several_containers_pick_the_gpu_one() -> None:
+    helper = {"name": "proxy", "image": "envoy", "resources": {"limits": {"cpu": "1"}}}
+    obj = deployment(containers=[helper, container()])
+    r = render(obj)
+    assert r.engine_container == "trtllm"
+    assert [x["name"] for x in pod(r.workload_apply)["containers"]] == ["trtllm"]
+
+
+def test_container_annotation_wins() -> None:
+    obj = deployment(containers=[container(name="a"), container(name="b")])
+    assert render(obj, **{c.ANN_CONTAINER: "b"}).engine_container == "b"
+    e = fail(obj, **{c.ANN_CONTAINER: "zz"})
+    assert e.field == c.ANN_CONTAINER and "a, b" in e.message
+
+
+@pytest.mark.parametrize(
+    "containers",
+    [
+        [container(name="a"), container(name="b")],  # two GPU containers
+        [{"name": "a", "image": "x"}, {"name": "b", "image": "y"}],  # no GPU, two containers
+    ],
+)
+def test_ambiguous_container_is_an_error_listing_the_choices(containers: list[dict[str, Any]]) -> None:
+    e = fail(deployment(containers=containers))
+    assert e.reason == "ambiguous_container" and c.ANN_CONTAINER in e.message and "a, b" in e.message
+
+
+def test_only_container_without_gpu_request_is_the_engine() -> None:
+    plain = container()
+    plain.pop("resources")
+    assert render(deployment(containers=[plain])).engine_container == "trtllm"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "outcome"),
+    [
+        (c.ENV_PYTHONHASHSEED, "0", "shared"),  # same value: co-owned
+        (c.ENV_PYTHONHASHSEED, "42", "error"),  # required and different
+        (c.ENV_SERVER_URL, "tcp://elsewhere:1", "error"),
+        (c.ENV_CHUNK_SIZE, "512", "user"),  # tunable: the user's value stays
+        (c.ENV_LOOKUP_TIMEOUT_MS, "30", "user"),
+        (c.ENV_PYTHONPATH, "/app", "error"),
+        (c.ENV_PYTHONPATH, f"{c.BUNDLE_PYTHONPATH}:/app", "shared"),
+    ],
+)
+def test_existing_env_var_of_the_same_name(name: str, value: str, outcome: str) -> None:
+    engine = container()
+    engine["env"] = [{"name": name, "value": value}]
+    obj = deployment(containers=[engine])
+    r = render_injection_fragment(obj, settings_for(), NATIVE)
+    if outcome == "error":
+        assert isinstance(r, SettingsError) and r.reason == "conflict"
+        assert name in r.message and repr(value) in r.message
+        return
+    assert isinstance(r, RenderedInjection)
+    env = env_of(named(pod(r.workload_apply)["containers"], "trtllm"))
+    if outcome == "shared":
+        assert env[name] == value
+    else:
+        assert name not in env
+
+
+def test_env_value_from_for_a_required_variable_is_an_error() -> None:
+    engine = container()
+    engine["env"] = [{"name": c.ENV_PYTHONHASHSEED, "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}}]
+    e = fail(deployment(containers=[engine]))
+    assert "valueFrom" in e.message
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda s: s["containers"].append({"name": c.SIDECAR_CONTAINER, "image": "mine"}), "containers"),
+        (lambda s: s["volumes"].append({"name": c.VOLUME_RUN, "emptyDir": {}}), "volumes"),
+        (lambda s: s["containers"][0].update(volumeMounts=[{"name": "v", "mountPath": c.RUN_MOUNT_PATH}]),
+         "volumeMounts"),
+        (lambda s: s.update(shareProcessNamespace=False), "shareProcessNamespace"),
+    ],
+)  # fmt: skip
+def test_user_fields_that_collide_with_ours_are_errors(mutate: Any, field: str) -> None:
+    manifest = deployment()
+    manifest.pop("metadata")
+    obj = deployment()
+    mutate(obj["spec"]["template"]["spec"])
+    e = fail(live({**obj, "metadata": {"name": "llama", "namespace": "ns", "annotations": {}}}))
+    assert field in e.field or field in e.message
+    assert e.reason == "conflict"
+
+
+def test_user_scrape_annotations_are_left_alone_with_a_warning() -> None:
+    obj = deployment()
+    obj["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "8000"}
+    r = render(live({**obj, "metadata": {"name": "llama", "namespace": "ns"}}))
+    annotations = r.workload_apply["spec"]["template"]["metadata"]["annotations"]
+    assert "prometheus.io/port" not in annotations
+    assert any("prometheus.io/port" in w for w in r.warnings)
+
+
+def test_connector_source_image_skips_the_bundle() -> None:
+    spec = pod(render(deployment(), **{c.ANN_CONNECTOR_SOURCE: "image"}).workload_apply)
+    assert [x["name"] for x in spec["initContainers"]] == [c.SIDECAR_CONTAINER]
+    assert c.ENV_PYTHONPATH not in env_of(named(spec["containers"], "trtllm"))
+    assert c.VOLUME_BUNDLE not in [v["name"] for v in spec["volumes"]]
+
+
+def test_inprocess_backend_has_no_sidecar() -> None:
+    spec = pod(render(deployment(), **{c.ANN_BACKEND: "inprocess"}).workload_apply)
+    assert c.SIDECAR_CONTAINER not in json.dumps(spec) and "shareProcessNamespace" not in spec
+    assert env_of(named(spec["containers"], "trtllm"))[c.ENV_BACKEND] == "inprocess"
+
+
+def test_policy_tiers_and_runtime_class() -> None:
+    policy = {"metadata": {"name": "p"}, "spec": {
+        "l2": {"fs": {"path": "/cache", "size": "5Gi"},
+               "redis": {"url": "redis://r:6379", "passwordSecretRef": {"name": "redis", "key": "pw"}}},
+        "sidecar": {"runtimeClassName": "nvidia"}}}  # fmt: skip
+    s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
+    assert isinstance(s, InjectionSettings)
+    r = render_injection_fragment(deployment(), s, NATIVE)
+    assert isinstance(r, RenderedInjection)
+    spec = pod(r.workload_apply)
+    assert spec["runtimeClassName"] == "nvidia"
+    sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    assert env_of(sidecar)[c.ENV_L2_REDIS_PASSWORD] == {"secretKeyRef": {"name": "redis", "key": "pw"}}
+    assert {"name": c.VOLUME_L2_FS, "mountPath": "/cache"} in sidecar["volumeMounts"]
+    assert named(spec["volumes"], c.VOLUME_L2_FS)["emptyDir"] == {"sizeLimit": "5Gi"}
+
+
+def test_rendering_is_deterministic_and_the_hash_follows_the_config() -> None:
+    a, b = render(deployment()), render(deployment())
+    assert json.dumps(a.workload_apply, sort_keys=False) == json.dumps(b.workload_apply, sort_keys=False)
+    assert a.configmap_apply == b.configmap_apply
+    bigger = render(deployment(), **{c.ANN_CPU_CACHE_SIZE: "30Gi"})
+    assert bigger.config_hash != a.config_hash
+
+
+@pytest.mark.parametrize("cluster", [NATIVE, PLAIN])
+def test_rerendering_from_the_injected_object_is_a_no_op(cluster: ClusterInfo) -> None:
+    obj = deployment()
+    first = render(obj, cluster)
+    injected = applied(obj, first.workload_apply)
+    second = render(injected, cluster)
+    assert second.workload_apply == first.workload_apply
+    assert applied(injected, second.workload_apply)["spec"] == injected["spec"]
+
+
+def test_rerendering_after_a_policy_change_replaces_our_values_only() -> None:
+    obj = deployment()
+    injected = applied(obj, render(obj).workload_apply)
+    changed = render(injected, **{c.ANN_CPU_CACHE_SIZE: "30Gi", c.ANN_SHM_SIZE: "2Gi"})
+    spec = pod(changed.workload_apply)
+    assert named(spec["volumes"], c.VOLUME_SHM)["emptyDir"]["sizeLimit"] == "2Gi"
+    engine = named(spec["containers"], "trtllm")
+    assert engine["args"].count("--extra_llm_api_options") == 1
+
+
+def test_options_from_a_configmap_are_merged_and_the_arg_rewritten() -> None:
+    engine = container(options_file="/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    obj = deployment(containers=[engine], volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}])
+    r = render(obj, user_options="max_batch_size: 8\nkv_cache_config:\n  free_gpu_memory_fraction: 0.8\n")
+    spec = pod(r.workload_apply)
+    args = named(spec["containers"], "trtllm")["args"]
+    assert args[args.index("--extra_llm_api_options") + 1] == OPTIONS_PATH
+    assert (
+        r.workload_apply["spec"]["template"]["metadata"]["annotations"][c.ANN_ORIGINAL_OPTIONS_PATH]
+        == "/config/extra.yaml"
+    )
+    merged = r.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE]
+    assert "max_batch_size: 8" in merged and "free_gpu_memory_fraction: 0.8" in merged
+    assert "enable_block_reuse: true" in merged
+    # Re-rendering from the injected object keeps the original path known.
+    again = render(applied(obj, r.workload_apply), user_options="max_batch_size: 8\n")
+    assert again.workload_apply["spec"]["template"]["metadata"]["annotations"][c.ANN_ORIGINAL_OPTIONS_PATH] == (
+        "/config/extra.yaml")  # fmt: skip
+
+
+def test_options_baked_into_the_image_get_a_manual_step_warning() -> None:
+    obj = deployment(containers=[container(options_file="/app/options.yaml")])
+    r = render(obj)
+    assert "args" not in named(pod(r.workload_apply)["containers"], "trtllm")
+    assert len(r.warnings) == 1 and OPTIONS_PATH in r.warnings[0] and "/app/options.yaml" in r.warnings[0]
+    assert r.forceable_fields == ()
+
+
+def test_removal_of_an_untouched_workload_does_nothing() -> None:
+    assert render_removal(deployment()).steps == ()
+
+
+def test_removal_restores_args_then_hands_them_off_then_releases() -> None:
+    obj = deployment()
+    original_args = copy.deepcopy(obj["spec"]["template"]["spec"]["containers"][0]["args"])
+    injected = applied(obj, render(obj).workload_apply)
+    plan = render_removal(injected)
+    managers = [s.field_manager for s in plan.steps]
+    assert managers == [c.FIELD_MANAGER, c.FIELD_MANAGER_HANDOFF, c.FIELD_MANAGER]
+    assert pod(plan.steps[0].body)["containers"] == [{"name": "trtllm", "args": original_args}]
+    assert plan.steps[1].body == plan.steps[0].body
+    assert plan.steps[2].body == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                  "metadata": {"name": "llama", "namespace": "ns"}}  # fmt: skip
+
+
+def test_removal_without_args_is_one_empty_apply() -> None:
+    obj = deployment(containers=[container(options_file="/app/options.yaml")])
+    injected = applied(obj, render(obj).workload_apply)
+    plan = render_removal(injected)
+    assert len(plan.steps) == 1 and "spec" not in plan.steps[0].body
+
+
+def test_unsupported_kind_is_an_error() -> None:
+    obj = deployment()
+    obj["kind"] = "DaemonSet"
+    assert fail(obj).reason == "unsupported"
+
+
+NAMES = st.sampled_from(["trtllm", "proxy", "sidecar", "a", c.SIDECAR_CONTAINER])
+ENV_NAMES = st.sampled_from([c.ENV_PYTHONHASHSEED, c.ENV_CHUNK_SIZE, c.ENV_PYTHONPATH, "HF_HOME", c.ENV_SERVER_URL])
+
+
+@st.composite
+def odd_containers(draw: Any) -> list[dict[str, Any]]:
+    names = draw(st.lists(NAMES, min_size=1, max_size=3, unique=True))
+    out = []
+    for name in names:
+        x = container(name=name, options_file=draw(st.sampled_from([None, "/app/o.yaml"])))
+        if draw(st.booleans()):
+            x.pop("resources")
+        x["env"] = [{"name": n, "value": draw(st.sampled_from(["0", "1", "/x"]))}
+                    for n in draw(st.lists(ENV_NAMES, max_size=3, unique=True))]  # fmt: skip
+        if draw(st.booleans()):
+            x["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        out.append(x)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    odd_containers(), st.booleans(), st.sampled_from([{}, {c.ANN_CONTAINER: "trtllm"}, {c.ANN_BACKEND: "inprocess"}])
+)
+def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[dict[str, Any]], native: bool,
+                                                             annotations: dict[str, str]) -> None:  # fmt: skip
+    obj = deployment(containers=containers, volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}}])
+    cluster = NATIVE if native else PLAIN
+    r = render_injection_fragment(obj, settings_for(**annotations), cluster)
+    if isinstance(r, SettingsError):
+        assert r.message and r.field
+        return
+    spec = pod(r.workload_apply)
+    names = [x["name"] for x in [*spec.get("initContainers", []), *spec["containers"]]]
+    assert len(names) == len(set(names))
+    again = render_injection_fragment(applied(obj, r.workload_apply), settings_for(**annotations), cluster)
+    assert isinstance(again, RenderedInjection) and again.workload_apply == r.workload_apply

@@ -1,0 +1,105 @@
+"""Settings -> the ``lmcache server`` argv and env."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvoffload import contract
+from kvoffload.sidecar.command import build_server_command, l2_adapter_specs
+from kvoffload.sidecar.settings import load_settings
+
+pytestmark = pytest.mark.sidecar
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_argv_carries_every_setting_and_safe_defaults() -> None:
+    s = load_settings(
+        {
+            contract.ENV_L1_SIZE: "1536Mi",
+            contract.ENV_EVICTION_POLICY: "ARC",
+            contract.ENV_CHUNK_SIZE: "128",
+            contract.ENV_MAX_WORKERS: "3",
+            contract.ENV_REQUEST_PORT: "6000",
+            contract.ENV_LMCACHE_HTTP_PORT: "6001",
+            contract.ENV_INSTANCE_ID: "pod-a",
+        },
+        None,
+    )
+    cmd = build_server_command(s, {}, shm_free_bytes=None, python="/py")
+    argv = cmd.argv
+    assert argv[:4] == ("/py", "-m", "lmcache.cli.main", "server")
+    assert _flag(argv, "--port") == "6000"
+    assert _flag(argv, "--host") == "127.0.0.1"
+    assert _flag(argv, "--http-host") == "127.0.0.1"
+    assert _flag(argv, "--http-port") == "6001"
+    assert float(_flag(argv, "--l1-size-gb")) == 1.5
+    assert _flag(argv, "--eviction-policy") == "ARC"
+    assert _flag(argv, "--chunk-size") == "128"
+    assert _flag(argv, "--max-workers") == "3"
+    assert _flag(argv, "--supported-transfer-mode") == "auto"
+    assert _flag(argv, "--worker-reap-timeout-seconds") == "0"
+    assert _flag(argv, "--instance-id") == "pod-a"
+    assert "--l2-adapter" not in argv
+    assert cmd.env[contract.ENV_LMCACHE_TRACK_USAGE] == "false"
+
+
+def test_shm_only_when_dev_shm_holds_all_of_l1() -> None:
+    s = load_settings({contract.ENV_L1_SIZE: "1Gi", contract.ENV_INSTANCE_ID: "p"}, None)
+    big = build_server_command(s, {}, shm_free_bytes=2**30)
+    assert big.uses_shm and _flag(big.argv, "--shm-name") == "kvoffload_p" and "--no-l1-use-lazy" in big.argv
+    small = build_server_command(s, {}, shm_free_bytes=2**30 - 1)
+    assert not small.uses_shm and "--shm-name" not in small.argv and "--no-l1-use-lazy" not in small.argv
+    unknown = build_server_command(s, {}, shm_free_bytes=None)
+    assert not unknown.uses_shm
+
+
+def test_l2_specs_fs_unbounded_sized_and_redis() -> None:
+    s = load_settings(
+        {contract.ENV_L2_FS_PATH: "/l2", contract.ENV_L2_REDIS_URL: "redis://r:7000"},
+        None,
+    )
+    assert l2_adapter_specs(s) == [
+        {"type": "fs", "base_path": "/l2"},
+        {"type": "resp", "host": "r", "port": 7000},
+    ]
+    sized = load_settings({contract.ENV_L2_FS_PATH: "/l2", contract.ENV_L2_FS_SIZE: "512Mi"}, None)
+    assert l2_adapter_specs(sized) == [
+        {
+            "type": "fs_native",
+            "base_path": "/l2",
+            "max_capacity_gb": 0.5,
+            "eviction": {"eviction_policy": "LRU"},
+        }
+    ]
+    argv = build_server_command(s, {}, None).argv
+    adapters = [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--l2-adapter"]
+    assert [a["type"] for a in adapters] == ["fs", "resp"]
+
+
+def test_redis_password_goes_by_env_never_argv_and_inherited_secrets_are_dropped() -> None:
+    env = {
+        contract.ENV_L2_REDIS_URL: "redis://user@r:7000",
+        contract.ENV_L2_REDIS_PASSWORD: "hunter2",
+        contract.ENV_PROMETHEUS_MULTIPROC_DIR: "/m",
+        "LMCACHE_RESP_PASSWORD": "stale",
+        "PATH": "/bin",
+    }
+    cmd = build_server_command(load_settings(env, None), env, None)
+    assert not any("hunter2" in a for a in cmd.argv)
+    assert cmd.env["LMCACHE_RESP_PASSWORD"] == "hunter2"
+    assert cmd.env["LMCACHE_RESP_USERNAME"] == "user"
+    assert contract.ENV_L2_REDIS_PASSWORD not in cmd.env
+    assert contract.ENV_PROMETHEUS_MULTIPROC_DIR not in cmd.env
+    assert cmd.env["PATH"] == "/bin"
+    no_redis = build_server_command(load_settings({}, None), {"LMCACHE_RESP_PASSWORD": "stale"}, None)
+    assert "LMCACHE_RESP_PASSWORD" not in no_redis.env
+
+
+def test_track_usage_opt_in() -> None:
+    s = load_settings({contract.ENV_LMCACHE_TRACK_USAGE: "true"}, None)
+    assert build_server_command(s, {}, None).env[contract.ENV_LMCACHE_TRACK_USAGE] == "true"
