@@ -1,0 +1,271 @@
+"""GPU store/retrieve throughput through the kvoffload sidecar, next to the raw copy ceiling.
+
+Runs on a CUDA machine (the lent H200): starts the real sidecar (``python -m
+kvoffload.sidecar``, which runs LMCache's server), registers a TensorRT-LLM-shaped
+pool (Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, bf16, 32 tokens/block,
+128 KiB per token) through the connector's sidecar backend, and for each size:
+
+* baseline, same run: raw pinned ``copy_`` H2D and D2H of the same bytes;
+* kvoffload fast path: the connector's own block<->chunk copies inside LMCache's
+  PREPARE/COMMIT protocol into the server's (pinned) shared-memory L1;
+* LMCache 0.5.6 as shipped: the same protocol with LMCache's own gather/scatter
+  (``use_fast_copies=False``), at the smallest size only (it is slow).
+
+Every retrieve lands in different block ids and is checked bit-exact.
+
+    python -m benchmarks.gpu_transfer --tokens 4096 16384 32768 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 32, 8, 128, 32
+BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _median_gbps(nbytes: int, seconds: list[float]) -> tuple[float, float]:
+    med = statistics.median(seconds)
+    return nbytes / med / 1e9, med * 1000
+
+
+def raw_copy_baseline(nbytes: int, reps: int = 5) -> dict[str, float]:
+    """Pinned host <-> device copy_ of ``nbytes``: the ceiling for CPU offload."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    out: dict[str, float] = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for _ in range(reps + 1):
+            sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_gbps"], out[f"{name}_ms"] = _median_gbps(nbytes, times[1:])
+    del dev, host
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def start_sidecar(l1: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, int]:
+    port, http_port, health_port = _free_port(), _free_port(), _free_port()
+    env = dict(os.environ)
+    env.update(
+        {
+            "KVOFFLOAD_L1_SIZE": l1,
+            "KVOFFLOAD_REQUEST_PORT": str(port),
+            "KVOFFLOAD_LMCACHE_HTTP_PORT": str(http_port),
+            "KVOFFLOAD_SIDECAR_HTTP_PORT": str(health_port),
+            "KVOFFLOAD_INSTANCE_ID": f"gpubench{os.getpid()}",
+            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
+            "LMCACHE_TRACK_USAGE": "false",
+        }
+    )
+    (workdir / "metrics").mkdir(exist_ok=True)
+    log = open(workdir / "sidecar.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "kvoffload.sidecar"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited {proc.returncode}: {(workdir / 'sidecar.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, f"tcp://127.0.0.1:{port}", health_port
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("sidecar not ready in 300 s")
+
+
+def make_backend(url: str, pool: torch.Tensor | None, fast: bool, workdir: Path, role: str = "worker") -> Any:
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
+    from kvoffload.connector.backends.base import kv_geometry
+    from kvoffload.connector.backends.sidecar import SidecarBackend
+    from kvoffload.connector.metrics import ConnectorMetrics
+    from kvoffload.connector.settings import parse_settings
+
+    llm_args = types.SimpleNamespace(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        kv_cache_config=types.SimpleNamespace(tokens_per_block=TOKENS_PER_BLOCK),
+        kv_connector_config=types.SimpleNamespace(server_url=url),
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+    )
+    env = {
+        "KVOFFLOAD_STORE_TIMEOUT_MS": "600000",
+        "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "600000",
+        "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "60000",
+    }
+    settings = parse_settings(env, llm_args)
+    metrics = ConnectorMetrics(settings.model_name, "sidecar")
+    backend = SidecarBackend(settings, rank=0, role=role, metrics=metrics, use_fast_copies=fast)
+    if pool is None:  # scheduler role: lookups only
+        deadline = time.monotonic() + 30
+        while not backend.is_up() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return backend
+    geometry = kv_geometry(pool.shape[-1], TOKENS_PER_BLOCK, {"num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}, 1)
+    backend.register(pool, geometry)
+    if not backend.is_up():
+        raise RuntimeError("backend did not register")
+    return backend
+
+
+def transfer_round(
+    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, rep: int, salt: str
+) -> dict[str, Any]:
+    from kvoffload.connector.planning import TransferOp
+
+    nblocks = tokens // TOKENS_PER_BLOCK
+    src = tuple(range(nblocks))
+    dst = tuple(range(nblocks, 2 * nblocks))
+    gen = torch.Generator().manual_seed(1000 * rep + tokens)
+    token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
+    # fresh KV in the source blocks for this round, poison in the destination
+    pool[:nblocks].copy_(torch.randn(pool[:nblocks].shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
+    pool[nblocks : 2 * nblocks].fill_(float("nan"))
+    sync()
+    store = TransferOp(0, f"s{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt)
+    t0 = time.perf_counter()
+    backend.store(store)
+    sync()
+    t_store = time.perf_counter() - t0
+    load = TransferOp(0, f"r{rep}-{tokens}-{salt}", token_ids, 0, tokens, dst, 0, salt)
+    hit = scheduler.lookup(load.session_id, token_ids, tokens, salt)  # TensorRT-LLM looks up first
+    t0 = time.perf_counter()
+    backend.retrieve(load)
+    sync()
+    t_retrieve = time.perf_counter() - t0
+    exact = bool(torch.equal(pool[:nblocks].view(torch.int16), pool[nblocks : 2 * nblocks].view(torch.int16)))
+    scheduler.end_session(load.session_id)
+    return {"store_s": t_store, "retrieve_s": t_retrieve, "bit_exact": exact, "hit_tokens": hit}
+
+
+def measure(backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps: int, salt: str) -> dict[str, Any]:
+    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt) for r in range(reps + 1)]
+    nbytes = tokens * BYTES_PER_TOKEN
+    warm = rounds[1:] if reps > 0 else rounds
+    store_gbps, store_ms = _median_gbps(nbytes, [r["store_s"] for r in warm])
+    retr_gbps, retr_ms = _median_gbps(nbytes, [r["retrieve_s"] for r in warm])
+    return {
+        "store_gbps": store_gbps,
+        "store_ms": store_ms,
+        "retrieve_gbps": retr_gbps,
+        "retrieve_ms": retr_ms,
+        "bit_exact": all(r["bit_exact"] for r in rounds),
+        "all_hit": all(r["hit_tokens"] == tokens for r in rounds),
+        "rounds": len(warm),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--l1", default="64Gi")
+    parser.add_argument("--shipped-tokens", type=int, default=4096, help="size for LMCache's own copies (0: skip)")
+    parser.add_argument("--out", default="-")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    assert DEVICE == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
+    import lmcache
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-gpubench-"))
+    env_info = {
+        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "lmcache": getattr(lmcache, "__version__", "0.5.6"),
+        "python": platform.python_version(),
+        "command": " ".join([sys.executable, "-m", "benchmarks.gpu_transfer", *(argv or sys.argv[1:])]),
+    }
+    print(json.dumps(env_info), flush=True)
+    sidecar, url, _ = start_sidecar(args.l1, workdir)
+    results: dict[str, Any] = {"env": env_info, "sizes": []}
+    try:
+        max_tokens = max(args.tokens)
+        pool = torch.empty(
+            (2 * max_tokens // TOKENS_PER_BLOCK + 8, LAYERS, 2, KV_HEADS * TOKENS_PER_BLOCK * HEAD_DIM),
+            dtype=torch.bfloat16,
+            device=DEVICE,
+        )
+        scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
+        fast = make_backend(url, pool, fast=True, workdir=workdir)
+        for tokens in args.tokens:
+            nbytes = tokens * BYTES_PER_TOKEN
+            row = {"tokens": tokens, "bytes": nbytes, "raw": raw_copy_baseline(nbytes)}
+            row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt="fast")
+            print(json.dumps(row), flush=True)
+            results["sizes"].append(row)
+        fast.close()
+        if args.shipped_tokens:
+            shipped = make_backend(url, pool, fast=False, workdir=workdir)
+            row = {
+                "tokens": args.shipped_tokens,
+                "bytes": args.shipped_tokens * BYTES_PER_TOKEN,
+                "raw": raw_copy_baseline(args.shipped_tokens * BYTES_PER_TOKEN),
+                "lmcache_shipped": measure(shipped, scheduler, pool, args.shipped_tokens, 0, salt="shipped"),
+            }
+            print(json.dumps(row), flush=True)
+            results["shipped"] = row
+            shipped.close()
+    finally:
+        sidecar.terminate()
+        sidecar.wait(timeout=60)
+        results["sidecar_log_tail"] = (workdir / "sidecar.log").read_text(errors="replace")[-4000:]
+    print("\n| tokens | bytes | raw H2D | raw D2H | store | retrieve | bit-exact |")
+    print("|---|---|---|---|---|---|---|")
+    for row in results["sizes"]:
+        k, raw = row["kvoffload"], row["raw"]
+        print(
+            f"| {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB | {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
+            f"| {k['store_gbps']:.1f} GB/s ({k['store_ms']:.0f} ms) | {k['retrieve_gbps']:.1f} GB/s "
+            f"({k['retrieve_ms']:.0f} ms) | {k['bit_exact']} |"
+        )
+    if "shipped" in results:
+        s = results["shipped"]["lmcache_shipped"]
+        print(
+            f"LMCache's own copies, {results['shipped']['tokens']} tokens: store {s['store_gbps']:.2f} GB/s, "
+            f"retrieve {s['retrieve_gbps']:.2f} GB/s, bit-exact {s['bit_exact']}"
+        )
+    text = json.dumps(results, indent=1)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
