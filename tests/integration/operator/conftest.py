@@ -14,9 +14,15 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_support import CRD_FILE, OPERATOR_NAMESPACE, OPERATOR_SA, RULES_FILE, OperatorProcess
 
 from hack.localcluster import LocalCluster
+from tests.integration.operator.operator_support import (
+    CRD_FILE,
+    OPERATOR_NAMESPACE,
+    OPERATOR_SA,
+    RULES_FILE,
+    OperatorProcess,
+)
 
 
 def _apply_json(cluster: LocalCluster, obj: dict[str, Any]) -> None:
@@ -55,6 +61,10 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
         yield proc
     finally:
         proc.stop()
+    # Whatever the tests threw at it, the operator never crashed inside a reconcile.
+    for log in sorted(proc.workdir.glob("operator-*.log")):
+        text = log.read_text(errors="replace")
+        assert " ERROR kvoffload" not in text, f"{log}:\n{text[-4000:]}"
 
 
 @pytest.fixture

@@ -6,7 +6,10 @@ import json
 import time
 
 import pytest
-from operator_support import (
+
+from hack.localcluster import LocalCluster
+from kvoffload import contract as c
+from tests.integration.operator.operator_support import (
     SIDECAR_IMAGE,
     OperatorProcess,
     all_containers,
@@ -19,16 +22,9 @@ from operator_support import (
     wait_clean,
     wait_injected,
 )
-
-from hack.localcluster import LocalCluster
-from kvoffload import contract as c
 from tests.support.workloads import apply, get, list_objects, trtllm_container, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
-
-
-def _wait_reconciled(op: OperatorProcess, before: float, what: str) -> None:
-    wait_for(lambda: op.metric_sum(c.M_OPERATOR_RECONCILES + "_total") > before, what=what)
 
 
 def test_annotated_deployment_gets_sidecar_volumes_env_configmap_and_running_pods(
@@ -228,3 +224,33 @@ def test_operator_service_account_cannot_read_secrets_or_exec(cluster: LocalClus
         answer = cluster.kubectl("auth", "can-i", verb, resource, "-A", kubeconfig=operator_kubeconfig, check=False)
         assert answer.stdout.strip() == "no", (verb, resource)
     assert list_objects  # keep the import used
+
+
+def test_options_file_from_a_configmap_is_merged_and_the_original_path_restored(
+    cluster: LocalCluster, namespace: str, running_operator: OperatorProcess
+) -> None:
+    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "llm-options", "namespace": namespace},
+                    "data": {"extra.yaml": "max_batch_size: 8\n"}})  # fmt: skip
+    engine = trtllm_container(options_file="/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    apply(cluster, trtllm_deployment("opts", namespace, replicas=0, containers=[engine],
+                                     volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}]))  # fmt: skip
+    original = get(cluster, "deployment", "opts", namespace)
+    annotate(cluster, "deployment", "opts", namespace, f"{c.ANN_ENABLED}=true")
+
+    dep = wait_injected(cluster, "deployment", "opts", namespace)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--extra_llm_api_options") + 1] == f"{c.TRTLLM_OPTIONS_MOUNT_PATH}/{c.TRTLLM_OPTIONS_FILE}"
+    assert dep["spec"]["template"]["metadata"]["annotations"][c.ANN_ORIGINAL_OPTIONS_PATH] == "/config/extra.yaml"
+    merged = get(cluster, "configmap", "opts" + c.GENERATED_CONFIGMAP_SUFFIX, namespace)["data"][c.TRTLLM_OPTIONS_FILE]
+    assert "max_batch_size: 8" in merged and c.CONNECTOR_MODULE in merged and "enable_block_reuse: true" in merged
+
+    annotate(cluster, "deployment", "opts", namespace, f"{c.ANN_ENABLED}-")
+    restored = wait_clean(cluster, "deployment", "opts", namespace)
+    assert template(restored) == template(original)
+
+
+def test_operator_exposes_its_metrics(running_operator: OperatorProcess) -> None:
+    names = {name for name, _ in running_operator.metrics()}
+    assert {c.M_OPERATOR_RECONCILES + "_total", c.M_OPERATOR_RECONCILE_SECONDS + "_bucket",
+            c.M_OPERATOR_INJECTED_WORKLOADS, c.M_OPERATOR_ERRORS + "_total"} <= names  # fmt: skip

@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 import pytest
-from operator_support import OperatorProcess, events_for, wait_injected
 
 from hack.localcluster import LocalCluster
 from kvoffload import contract as c
+from tests.integration.operator.operator_support import OperatorProcess, events_for, wait_injected
 from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]

@@ -8,10 +8,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from operator_support import OperatorProcess, all_containers, is_injected
 
 from hack.localcluster import LocalCluster
 from kvoffload import contract as c
+from tests.integration.operator.operator_support import OperatorProcess, all_containers, is_injected
 from tests.support.workloads import list_objects, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]

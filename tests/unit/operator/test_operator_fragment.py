@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from operator_fixtures import applied, container, deployment, live
 
 from kvoffload import contract as c
 from kvoffload.operator.fragment import (
@@ -20,6 +19,7 @@ from kvoffload.operator.fragment import (
 )
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
 from kvoffload.operator.trtllm_options import OPTIONS_PATH
+from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 
 pytestmark = pytest.mark.operator
 NATIVE = ClusterInfo(native_sidecars=True, operator_version="9.9.9")

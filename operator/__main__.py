@@ -1,0 +1,163 @@
+"""``kvoffload-operator``: run the kopf operator with metrics and a liveness endpoint.
+
+Every flag has an environment variable (shown in ``--help``) so the Helm chart can pass
+values either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import kopf
+import yaml
+
+from kvoffload import __version__
+from kvoffload import contract as c
+from kvoffload.quantity import QuantityError, parse_bytes
+
+from .fragment import ClusterInfo
+from .kube import Kube, load_configuration
+from .metrics import OperatorMetrics
+from .reconcile import EventRecorder, Reconciler
+from .settings import EVICTION_POLICIES, GPU_ACCESS_MODES, OperatorDefaults, SettingsError, base_settings
+
+PROG = "kvoffload-operator"
+NATIVE_SIDECAR_MIN = (1, 29)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = OperatorDefaults()
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Injects the kvoffload KV-cache sidecar into TensorRT-LLM workloads."
+    )
+
+    def add(flag: str, env: str, default: str, help_: str, **kw: object) -> None:
+        p.add_argument(flag, default=_env(env, default), help=f"{help_} (env {env}, default {default!r})", **kw)  # type: ignore[arg-type]
+
+    add("--sidecar-image", "KVOFFLOAD_SIDECAR_IMAGE", d.sidecar_image, "LMCache sidecar image")
+    add("--bundle-image", "KVOFFLOAD_BUNDLE_IMAGE", d.bundle_image, "connector-bundle image")
+    add("--image-pull-policy", "KVOFFLOAD_IMAGE_PULL_POLICY", d.image_pull_policy, "pull policy of injected images")
+    add("--default-l1-size", "KVOFFLOAD_DEFAULT_L1_SIZE", "20Gi", "default L1 (pinned host RAM) size")
+    add("--default-shm-size", "KVOFFLOAD_DEFAULT_SHM_SIZE", "8Gi", "default /dev/shm size")
+    add("--default-chunk-size", "KVOFFLOAD_DEFAULT_CHUNK_SIZE", str(d.chunk_size), "default LMCache chunk size")
+    add("--default-eviction-policy", "KVOFFLOAD_DEFAULT_EVICTION_POLICY", d.eviction_policy,
+        "default eviction policy: " + "|".join(EVICTION_POLICIES))  # fmt: skip
+    add("--default-max-workers", "KVOFFLOAD_DEFAULT_MAX_WORKERS", str(d.max_workers), "default LMCache workers")
+    add("--gpu-access", "KVOFFLOAD_GPU_ACCESS", d.gpu_access, "default GPU access: " + "|".join(GPU_ACCESS_MODES))
+    add("--runtime-class-name", "KVOFFLOAD_RUNTIME_CLASS_NAME", "", "runtimeClassName for injected pods (empty: none)")
+    add("--sidecar-memory-overhead", "KVOFFLOAD_SIDECAR_MEMORY_OVERHEAD", "2Gi", "sidecar memory on top of L1")
+    add("--sidecar-cpu-request", "KVOFFLOAD_SIDECAR_CPU_REQUEST", d.sidecar_cpu_request, "sidecar CPU request")
+    add("--native-sidecars", "KVOFFLOAD_NATIVE_SIDECARS", "auto",
+        "auto (from the apiserver's /version, >= 1.29), true or false")  # fmt: skip
+    add("--metrics-port", "KVOFFLOAD_OPERATOR_METRICS_PORT", str(c.OPERATOR_METRICS_PORT), "Prometheus /metrics port")
+    add("--health-port", "KVOFFLOAD_OPERATOR_HEALTH_PORT", str(c.OPERATOR_HEALTH_PORT), "kopf liveness port (/healthz)")
+    add("--namespaces", "KVOFFLOAD_WATCH_NAMESPACES", "", "comma-separated namespaces to watch (empty: all)")
+    p.add_argument(
+        "--namespace", action="append", default=[], help="a namespace to watch (repeatable; adds to --namespaces)"
+    )
+    add("--defaults-file", "KVOFFLOAD_DEFAULTS_FILE", "",
+        "JSON/YAML KVCachePolicy spec laid over the flag defaults (the chart's `defaults` value)")  # fmt: skip
+    add("--peering", "KVOFFLOAD_PEERING", "",
+        "kopf ClusterKopfPeering name so replicas don't fight (empty: standalone)")  # fmt: skip
+    add("--resync-seconds", "KVOFFLOAD_RESYNC_SECONDS", "600", "full re-reconcile period (0: off)")
+    add("--workers", "KVOFFLOAD_OPERATOR_WORKERS", "8", "threads running reconciles")
+    add("--kubeconfig", "KUBECONFIG", "", "kubeconfig (empty: in-cluster service account)")
+    add("--log-level", "KVOFFLOAD_LOG_LEVEL", "INFO", "log level")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    return p
+
+
+def defaults_from(args: argparse.Namespace) -> OperatorDefaults:
+    """Operator defaults from the command line; raises ``SystemExit`` naming a bad flag."""
+    spec: dict[str, object] = {}
+    if args.defaults_file:
+        try:
+            with open(args.defaults_file, encoding="utf-8") as fh:
+                loaded = yaml.safe_load(fh)
+        except (OSError, yaml.YAMLError) as exc:
+            raise SystemExit(f"{PROG}: --defaults-file {args.defaults_file!r}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"{PROG}: --defaults-file {args.defaults_file!r}: must hold a KVCachePolicy spec object")
+        spec = loaded
+    try:
+        defaults = OperatorDefaults(
+            sidecar_image=args.sidecar_image,
+            bundle_image=args.bundle_image,
+            image_pull_policy=args.image_pull_policy,
+            l1_bytes=parse_bytes(args.default_l1_size, "--default-l1-size"),
+            shm_bytes=parse_bytes(args.default_shm_size, "--default-shm-size"),
+            chunk_size=int(args.default_chunk_size),
+            eviction_policy=args.default_eviction_policy,
+            max_workers=int(args.default_max_workers),
+            gpu_access=args.gpu_access,
+            runtime_class_name=args.runtime_class_name or None,
+            sidecar_memory_overhead_bytes=parse_bytes(args.sidecar_memory_overhead, "--sidecar-memory-overhead"),
+            sidecar_cpu_request=args.sidecar_cpu_request,
+            spec=spec,
+        )
+    except (QuantityError, ValueError) as exc:
+        raise SystemExit(f"{PROG}: {exc}") from None
+    checked = base_settings(defaults)
+    if isinstance(checked, SettingsError):
+        raise SystemExit(f"{PROG}: {checked.message}")
+    return defaults
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    defaults = defaults_from(args)
+    if args.default_eviction_policy not in EVICTION_POLICIES or args.gpu_access not in GPU_ACCESS_MODES:
+        raise SystemExit(f"{PROG}: --default-eviction-policy or --gpu-access has a value that is not allowed")
+    kubeconfig = args.kubeconfig or None
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
+    kube = Kube(load_configuration(kubeconfig))
+    if args.native_sidecars == "auto":
+        native = kube.server_version() >= NATIVE_SIDECAR_MIN
+    elif args.native_sidecars in ("true", "false"):
+        native = args.native_sidecars == "true"
+    else:
+        raise SystemExit(f"{PROG}: --native-sidecars {args.native_sidecars!r}: allowed auto, true, false")
+    namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
+    metrics = OperatorMetrics()
+    metrics.serve(int(args.metrics_port))
+    reconciler = Reconciler(
+        kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native), metrics=metrics,
+        events=EventRecorder(kube), namespaces=tuple(namespaces),
+    )  # fmt: skip
+    memo = kopf.Memo(reconciler=reconciler, max_workers=int(args.workers), resync_seconds=float(args.resync_seconds))
+
+    from . import handlers  # noqa: F401  (registers the kopf handlers)
+
+    @kopf.on.login()
+    def login(**kwargs: object) -> kopf.ConnectionInfo | None:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            return kopf.login_with_service_account(**kwargs)  # type: ignore[arg-type]
+        return kopf.login_with_kubeconfig(**kwargs)  # type: ignore[arg-type]
+
+    logging.getLogger(__name__).info(
+        "starting version=%s native_sidecars=%s namespaces=%s peering=%s", __version__, native,
+        namespaces or "all", args.peering or "standalone",
+    )  # fmt: skip
+    kopf.run(
+        standalone=not args.peering,
+        peering_name=args.peering or None,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{int(args.health_port)}/healthz",
+        memo=memo,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

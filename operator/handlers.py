@@ -1,0 +1,93 @@
+"""kopf glue: watch events in, ``Reconciler`` calls out; nothing else.
+
+Only ``@kopf.on.event`` handlers: they are stateless, so kopf stores no progress, diff-base or
+finalizer on user workloads. Every event (including the initial listing after a restart)
+reconciles the object as it is now, which is what makes a killed operator converge.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvoffload import contract as c
+
+from .reconcile import Reconciler
+
+log = logging.getLogger("kvoffload.operator")
+POLICY_STATUS_INTERVAL_S = 2.0
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({k: body[k] for k in body})
+
+
+def _reconciler(memo: Any) -> Reconciler:
+    return memo.reconciler
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    # We post our own Events; kopf must not turn log lines into Events on user objects.
+    settings.posting.enabled = False
+    # Never used by on.event handlers, but if a handler type ever needs storage it must not
+    # land under kopf's default keys on user workloads.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.kvoffload.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.kvoffload.io")
+    settings.execution.max_workers = memo.max_workers
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+
+    stop = threading.Event()
+    memo.stop_background = stop
+
+    def background() -> None:
+        elapsed = 0.0
+        while not stop.wait(POLICY_STATUS_INTERVAL_S):
+            _reconciler(memo).flush_policy_status()
+            elapsed += POLICY_STATUS_INTERVAL_S
+            if memo.resync_seconds and elapsed >= memo.resync_seconds:
+                elapsed = 0.0
+                try:
+                    _reconciler(memo).resync()
+                except Exception:
+                    log.exception("resync failed")
+
+    threading.Thread(target=background, name="kvoffload-background", daemon=True).start()
+
+
+@kopf.on.cleanup()
+def stop_background(memo: Any, **_: Any) -> None:
+    stop = getattr(memo, "stop_background", None)
+    if stop is not None:
+        stop.set()
+
+
+@kopf.on.event("apps", "v1", "deployments")
+def deployment_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    _workload_event(body, type, memo, "Deployment")
+
+
+@kopf.on.event("apps", "v1", "statefulsets")
+def statefulset_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    _workload_event(body, type, memo, "StatefulSet")
+
+
+def _workload_event(body: kopf.Body, event_type: str | None, memo: Any, kind: str) -> None:
+    obj = _plain(body)
+    obj.setdefault("apiVersion", "apps/v1")
+    obj.setdefault("kind", kind)
+    if event_type == "DELETED":
+        _reconciler(memo).forget(obj)
+        return
+    _reconciler(memo).reconcile(obj)
+
+
+@kopf.on.event(c.API_GROUP, c.API_VERSION, c.POLICY_PLURAL)
+def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    _reconciler(memo).policy_changed(_plain(body), deleted=type == "DELETED")

@@ -1,0 +1,62 @@
+"""The operator's own Prometheus metrics (kopf has none); names come from the contract."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvoffload import contract as c
+
+RESULTS = ("applied", "unchanged", "removed", "skipped", "error", "conflict")
+"""``result`` label of the reconcile counter."""
+KINDS = ("Deployment", "StatefulSet")
+ERROR_REASONS = (
+    "invalid_settings", "policy_missing", "ambiguous_container", "unsupported", "conflict",
+    "options_missing", "invalid_options", "api_error", "internal",
+)  # fmt: skip
+"""``reason`` label of the error counter (SettingsError.reason, plus API and internal failures)."""
+
+
+class OperatorMetrics:
+    """Counters, the duration histogram and the injected-workloads gauge, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.reconciles = Counter(
+            c.M_OPERATOR_RECONCILES, "Workload reconciles by kind and result.", ["kind", "result"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.duration = Histogram(
+            c.M_OPERATOR_RECONCILE_SECONDS, "Time to reconcile one workload.", ["kind"], registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )  # fmt: skip
+        self.injected = Gauge(
+            c.M_OPERATOR_INJECTED_WORKLOADS, "Workloads currently carrying the injection.", ["kind"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.errors = Counter(
+            c.M_OPERATOR_ERRORS, "Reconcile errors by kind and reason (bad input, conflicts, API failures).",
+            ["kind", "reason"], registry=self.registry,
+        )  # fmt: skip
+        for kind in KINDS:  # zeros are visible before the first event
+            self.injected.labels(kind=kind).set(0)
+            for result in RESULTS:
+                self.reconciles.labels(kind=kind, result=result)
+            for reason in ERROR_REASONS:
+                self.errors.labels(kind=kind, reason=reason)
+        self._injected: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def mark_injected(self, kind: str, uid: str, injected: bool) -> None:
+        """Track which workloads carry the injection; the gauge is the set size per kind."""
+        with self._lock:
+            members = self._injected.setdefault(kind, set())
+            if injected:
+                members.add(uid)
+            else:
+                members.discard(uid)
+            self.injected.labels(kind=kind).set(len(members))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,443 @@
+"""The effects around the pure renderer: fetch inputs, apply, record metrics and Events.
+
+Level-triggered and stateless towards the cluster: every call works from the object as it is
+now, and nothing but the rendered fields lands on user workloads. The only memory is a cache
+of inputs already reconciled (so status-only updates cost nothing) and a dedupe of Events.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload import contract as c
+
+from .fragment import (
+    SUPPORTED_KINDS,
+    ClusterInfo,
+    RenderedInjection,
+    configmap_name,
+    options_source,
+    render_injection_fragment,
+    render_removal,
+)
+from .kube import Kube, KubeApiError, configmap_path, events_path, policy_path, workload_path
+from .metrics import OperatorMetrics
+from .settings import (
+    OperatorDefaults,
+    SettingsError,
+    enabled_state,
+    policy_name,
+    resolve_settings,
+)
+
+log = logging.getLogger("kvoffload.operator")
+EVENT_MESSAGE_LIMIT = 1000
+READY = "Ready"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ours_annotations(annotations: Mapping[str, str]) -> str:
+    relevant = {k: v for k, v in annotations.items() if k.startswith(c.ANNOTATION_PREFIX)}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class EventRecorder:
+    """Posts core/v1 Events about workloads, each distinct (object, state, message) once."""
+
+    kube: Kube
+    _seen: dict[tuple[str, ...], float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def post(self, obj: Mapping[str, Any], type_: str, reason: str, message: str, state: str = "") -> None:
+        meta = obj.get("metadata") or {}
+        dedupe = (str(meta.get("uid")), state, reason, message)
+        with self._lock:
+            if dedupe in self._seen:
+                return
+            if len(self._seen) > 10000:
+                self._seen.clear()
+            self._seen[dedupe] = time.monotonic()
+        now = _now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": meta.get("namespace")},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": obj.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:EVENT_MESSAGE_LIMIT],
+            "source": {"component": c.FIELD_MANAGER},
+            "reportingComponent": c.FIELD_MANAGER,
+            "reportingInstance": socket.gethostname(),
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.kube.create(events_path(str(meta.get("namespace"))), event)
+        except KubeApiError as exc:
+            log.warning("event not posted: %s", exc)
+
+
+@dataclass
+class Reconciler:
+    """One per operator process; sync methods, called from kopf's worker threads."""
+
+    kube: Kube
+    defaults: OperatorDefaults
+    cluster: ClusterInfo
+    metrics: OperatorMetrics
+    events: EventRecorder
+    namespaces: tuple[str, ...] = ()
+    """Watched namespaces; empty means all."""
+    policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    _done: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    _dirty_policies: set[tuple[str, str]] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _object_locks: dict[str, threading.Lock] = field(default_factory=dict)
+
+    # --- workloads -------------------------------------------------------------
+
+    def forget(self, obj: Mapping[str, Any]) -> None:
+        """The workload was deleted (its ConfigMap goes with it through the ownerReference)."""
+        uid = str((obj.get("metadata") or {}).get("uid"))
+        with self._lock:
+            self._done.pop(uid, None)
+            self._object_locks.pop(uid, None)
+        self.metrics.mark_injected(str(obj.get("kind")), uid, False)
+        self._touch_policy(obj)
+
+    def _object_lock(self, uid: str) -> threading.Lock:
+        with self._lock:
+            return self._object_locks.setdefault(uid, threading.Lock())
+
+    def reconcile(self, obj: Mapping[str, Any], force: bool = False) -> str:
+        """Bring one Deployment/StatefulSet to its desired state; returns the result label."""
+        kind = str(obj.get("kind"))
+        if kind not in SUPPORTED_KINDS:
+            return "skipped"
+        uid = str((obj.get("metadata") or {}).get("uid"))
+        started = time.perf_counter()
+        with self._object_lock(uid):
+            try:
+                result = self._reconcile(obj, force)
+            except KubeApiError as exc:
+                log.warning("reconcile %s: %s", _ref(obj), exc)
+                self.metrics.errors.labels(kind=kind, reason="api_error").inc()
+                result = "error"
+            except Exception:  # the operator keeps running whatever one workload does
+                log.exception("reconcile %s failed", _ref(obj))
+                self.metrics.errors.labels(kind=kind, reason="internal").inc()
+                result = "error"
+        if result != "noop":
+            self.metrics.reconciles.labels(kind=kind, result=result).inc()
+            self.metrics.duration.labels(kind=kind).observe(time.perf_counter() - started)
+        return result
+
+    def _reconcile(self, obj: Mapping[str, Any], force: bool) -> str:
+        kind = str(obj.get("kind"))
+        meta = obj.get("metadata") or {}
+        uid = str(meta.get("uid"))
+        annotations = meta.get("annotations") or {}
+        enabled = enabled_state(annotations)
+        if isinstance(enabled, SettingsError):
+            return self._reject(obj, enabled, state=_ours_annotations(annotations))
+        if not enabled:
+            return self._remove(obj)
+        policy = self._policy_for(obj)
+        fingerprint = (
+            meta.get("generation"),
+            _ours_annotations(annotations),
+            None if policy is None else (policy.get("metadata") or {}).get("resourceVersion"),
+            self.cluster,
+        )
+        with self._lock:
+            if not force and self._done.get(uid) == fingerprint:
+                return "noop"
+        state = f"{meta.get('generation')}/{fingerprint[1]}/{fingerprint[2]}"
+        settings = resolve_settings(annotations, policy, self.defaults, str(meta.get("namespace")))
+        if isinstance(settings, SettingsError):
+            return self._reject(obj, settings, state)
+        user_options: str | None = None
+        source = options_source(obj, settings)
+        if source is not None:
+            cm = self.kube.get(configmap_path(str(meta.get("namespace")), source.configmap))
+            user_options = ((cm or {}).get("data") or {}).get(source.key)
+            if user_options is None:
+                what = "does not exist" if cm is None else f"has no key {source.key!r}"
+                return self._reject(obj, SettingsError(
+                    f"ConfigMap {source.configmap}", source.key,
+                    f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
+                    reason="options_missing",
+                ), state)  # fmt: skip
+        rendered = render_injection_fragment(obj, settings, self.cluster, user_options)
+        if isinstance(rendered, SettingsError):
+            return self._reject(obj, rendered, state)
+        result = self._apply_injection(obj, rendered, state)
+        if result in ("applied", "unchanged"):
+            for warning in rendered.warnings:
+                self.events.post(obj, "Warning", "KvoffloadManualStep", warning, state)
+            with self._lock:
+                self._done[uid] = fingerprint
+            self.metrics.mark_injected(kind, uid, True)
+            self._touch_policy(obj)
+        return result
+
+    def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str) -> str:
+        kind = str(obj.get("kind"))
+        meta = obj.get("metadata") or {}
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        try:
+            self.kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply, c.FIELD_MANAGER)
+        except KubeApiError as exc:
+            if exc.status == 409 and exc.field_conflicts:
+                return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state)
+            raise
+        body = copy.deepcopy(rendered.workload_apply)
+        # Optimistic lock: the fragment was computed from this version of the object.
+        body["metadata"]["resourceVersion"] = meta.get("resourceVersion")
+        path = workload_path(kind, namespace, name)
+        try:
+            answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=False)
+        except KubeApiError as exc:
+            if exc.status != 409:
+                raise
+            conflicts = exc.field_conflicts
+            if not conflicts:
+                log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
+                return "skipped"
+            if not all(f in rendered.forceable_fields for f, _ in conflicts):
+                return self._conflict(obj, exc, f"{kind} {name}", state)
+            # Only the engine's args conflict: the documented rewrite, undone on removal.
+            try:
+                answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=True)
+            except KubeApiError as forced:
+                if forced.status == 409:
+                    return "skipped"  # changed meanwhile; the resourceVersion lock kept it safe
+                raise
+        changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
+        if changed:
+            self.events.post(
+                obj, "Normal", "KvoffloadInjected",
+                f"injected the kvoffload cache sidecar and connector into container {rendered.engine_container} "
+                f"(config hash {rendered.config_hash})", rendered.config_hash,
+            )  # fmt: skip
+            log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
+        return "applied" if changed else "unchanged"
+
+    def _remove(self, obj: Mapping[str, Any]) -> str:
+        plan = render_removal(obj)
+        if not plan.steps:
+            return "noop"
+        kind = str(obj.get("kind"))
+        meta = obj.get("metadata") or {}
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        path = workload_path(kind, namespace, name)
+        for step in plan.steps:
+            try:
+                self.kube.apply(path, step.body, step.field_manager, force=False)
+            except KubeApiError as exc:
+                if exc.status == 409 and exc.field_conflicts:
+                    return self._conflict(obj, exc, f"{kind} {name}", "removal")
+                raise
+        cm = self.kube.get(configmap_path(namespace, configmap_name(name)))
+        if cm and ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
+            self.kube.delete(configmap_path(namespace, configmap_name(name)))
+        uid = str(meta.get("uid"))
+        with self._lock:
+            self._done.pop(uid, None)
+        self.metrics.mark_injected(kind, uid, False)
+        self.events.post(
+            obj, "Normal", "KvoffloadRemoved", "removed the kvoffload injection", str(meta.get("generation"))
+        )
+        log.info("removed injection from %s", _ref(obj))
+        self._touch_policy(obj)
+        return "removed"
+
+    def _reject(self, obj: Mapping[str, Any], error: SettingsError, state: str) -> str:
+        """Bad input: a Warning Event naming field, value and what is allowed; nothing applied."""
+        self.metrics.errors.labels(kind=str(obj.get("kind")), reason=error.reason).inc()
+        self.events.post(obj, "Warning", "KvoffloadInvalid", error.message, state)
+        log.warning("not injecting %s: %s", _ref(obj), error.message)
+        return "error"
+
+    def _conflict(self, obj: Mapping[str, Any], exc: KubeApiError, what: str, state: str) -> str:
+        details = "; ".join(f"{f}: {m}" for f, m in exc.field_conflicts)
+        self.metrics.errors.labels(kind=str(obj.get("kind")), reason="conflict").inc()
+        self.events.post(
+            obj, "Warning", "KvoffloadConflict",
+            f"{what}: another field manager owns fields kvoffload needs; nothing was changed ({details})", state,
+        )  # fmt: skip
+        log.warning("conflict on %s: %s", _ref(obj), details)
+        return "conflict"
+
+    # --- policies --------------------------------------------------------------
+
+    def _policy_for(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        meta = obj.get("metadata") or {}
+        name = policy_name(meta.get("annotations") or {})
+        if not isinstance(name, str):
+            return None
+        namespace = str(meta.get("namespace"))
+        with self._lock:
+            cached = self.policies.get((namespace, name))
+        if cached is not None:
+            return cached
+        try:
+            found = self.kube.get(policy_path(namespace, name))
+        except KubeApiError as exc:
+            if exc.status in (403, 404):  # CRD absent or not readable: same as a missing policy
+                return None
+            raise
+        if found is not None:
+            with self._lock:
+                self.policies[(namespace, name)] = found
+        return found
+
+    def policy_changed(self, policy: Mapping[str, Any], deleted: bool = False) -> None:
+        """A KVCachePolicy appeared, changed or went away: re-reconcile the workloads naming it."""
+        meta = policy.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        with self._lock:
+            previous = self.policies.get(key)
+            if deleted:
+                self.policies.pop(key, None)
+            else:
+                self.policies[key] = copy.deepcopy(dict(policy))
+        same_spec = (
+            previous is not None
+            and not deleted
+            and (previous.get("metadata") or {}).get("generation") == meta.get("generation")
+        )
+        if not same_spec:
+            for workload in self._workloads_naming(*key):
+                self.reconcile(workload)
+        if not deleted:
+            self.refresh_policy_status(*key)
+
+    def _workloads_naming(self, namespace: str, name: str) -> Iterable[dict[str, Any]]:
+        for kind in SUPPORTED_KINDS:
+            listing = self.kube.request("GET", workload_path(kind, namespace))
+            for item in listing.get("items") or []:
+                item.setdefault("apiVersion", "apps/v1")
+                item.setdefault("kind", kind)
+                if ((item.get("metadata") or {}).get("annotations") or {}).get(c.ANN_POLICY) == name:
+                    yield item
+
+    def _touch_policy(self, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        name = policy_name(meta.get("annotations") or {})
+        if isinstance(name, str):
+            with self._lock:
+                self._dirty_policies.add((str(meta.get("namespace")), name))
+
+    def flush_policy_status(self) -> None:
+        """Refresh the status of policies whose workloads changed (called periodically)."""
+        with self._lock:
+            dirty, self._dirty_policies = self._dirty_policies, set()
+        for key in sorted(dirty):
+            try:
+                self.refresh_policy_status(*key)
+            except KubeApiError as exc:
+                log.warning("policy status %s/%s: %s", *key, exc)
+
+    def refresh_policy_status(self, namespace: str, name: str) -> None:
+        policy = self.kube.get(policy_path(namespace, name))
+        if policy is None:
+            return
+        workloads = []
+        for item in self._workloads_naming(namespace, name):
+            item_meta = item.get("metadata") or {}
+            if enabled_state(item_meta.get("annotations") or {}) is not True:
+                continue
+            template_ann = (((item.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("annotations")
+            workloads.append({
+                "kind": item["kind"], "name": item_meta.get("name"),
+                "configHash": (template_ann or {}).get(c.ANN_CONFIG_HASH, ""),
+            })  # fmt: skip
+        workloads.sort(key=lambda w: (w["kind"], w["name"]))
+        status = desired_policy_status(policy, self.defaults, workloads)
+        current = policy.get("status") or {}
+        if _same_status(current, status):
+            return
+        _keep_transition_times(current, status)
+        self.kube.merge_patch(policy_path(namespace, name) + "/status", {"status": status}, c.FIELD_MANAGER)
+
+    def resync(self) -> None:
+        """Reconcile every opted-in workload regardless of the cache (drift in inputs we do not watch)."""
+        for kind in SUPPORTED_KINDS:
+            items: list[dict[str, Any]] = []
+            for namespace in self.namespaces or ("",):
+                items += self.kube.request("GET", workload_path(kind, namespace)).get("items") or []
+            for item in items:
+                item.setdefault("apiVersion", "apps/v1")
+                item.setdefault("kind", kind)
+                annotations = (item.get("metadata") or {}).get("annotations") or {}
+                if c.ANN_ENABLED in annotations:
+                    self.reconcile(item, force=True)
+
+
+def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults,
+                          workloads: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """The status a KVCachePolicy should show: a Ready condition and its attached workloads."""
+    meta = policy.get("metadata") or {}
+    check = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: str(meta.get("name"))}, policy, defaults)
+    ok = not isinstance(check, SettingsError)
+    condition = {
+        "type": READY,
+        "status": "True" if ok else "False",
+        "reason": "Valid" if ok else "Invalid",
+        "message": f"{len(workloads)} workload(s) use this policy" if ok else check.message,  # type: ignore[union-attr]
+        "observedGeneration": meta.get("generation"),
+        "lastTransitionTime": _now(),
+    }
+    return {
+        "observedGeneration": meta.get("generation"),
+        "conditions": [condition],
+        "workloads": workloads,
+        "workloadCount": len(workloads),
+    }
+
+
+def _same_status(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    def strip(status: Mapping[str, Any]) -> Any:
+        out = copy.deepcopy(dict(status))
+        for cond in out.get("conditions") or []:
+            cond.pop("lastTransitionTime", None)
+        return out
+
+    return bool(strip(current) == strip(desired))
+
+
+def _keep_transition_times(current: Mapping[str, Any], desired: dict[str, Any]) -> None:
+    old = {cond.get("type"): cond for cond in current.get("conditions") or []}
+    for cond in desired.get("conditions") or []:
+        previous = old.get(cond["type"])
+        if previous and previous.get("status") == cond["status"] and previous.get("lastTransitionTime"):
+            cond["lastTransitionTime"] = previous["lastTransitionTime"]
+
+
+def _ref(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{obj.get('kind')}/{meta.get('namespace')}/{meta.get('name')}"

@@ -1,0 +1,204 @@
+"""How TensorRT-LLM gets the options YAML that loads our connector.
+
+Three cases, decided purely from the engine container and the pod's volumes:
+
+* no options file on the command line: append ``--extra_llm_api_options <our file>``;
+* an options file that comes from a ConfigMap volume: merge the user's file into ours and
+  point the flag at the merged copy (the original path is remembered in a template
+  annotation, so removal can put it back);
+* anything else (options baked into the image, an unknown launcher, no command at all):
+  change nothing on the command line and tell the user exactly what to add.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvoffload import contract as c
+
+OPTIONS_FLAGS = ("--extra_llm_api_options", "--extra-llm-api-options", "--config")
+"""Flags naming the options file; ``--config`` is the newer trtllm-serve spelling."""
+APPEND_FLAG = "--extra_llm_api_options"
+LAUNCHERS = ("trtllm-serve",)
+OPTIONS_PATH = posixpath.join(c.TRTLLM_OPTIONS_MOUNT_PATH, c.TRTLLM_OPTIONS_FILE)
+
+
+@dataclass(frozen=True)
+class AppendFlag:
+    """No options file given: append ``--extra_llm_api_options OPTIONS_PATH`` to args."""
+
+
+@dataclass(frozen=True)
+class MergeFromConfigMap:
+    """The user's options file is key ``key`` of ConfigMap ``configmap``, passed at ``path``."""
+
+    configmap: str
+    key: str
+    path: str
+
+
+@dataclass(frozen=True)
+class AlreadyOurs:
+    """The command line already names our options file (the user added it themselves)."""
+
+
+@dataclass(frozen=True)
+class ManualStep:
+    """We cannot wire it up; ``message`` says exactly what the user must add."""
+
+    message: str
+
+
+OptionsPlan = AppendFlag | MergeFromConfigMap | AlreadyOurs | ManualStep
+
+
+def connector_options() -> dict[str, Any]:
+    """The TensorRT-LLM options kvoffload needs: our connector and block reuse."""
+    return {
+        "kv_connector_config": {
+            "connector_module": c.CONNECTOR_MODULE,
+            "connector_scheduler_class": c.CONNECTOR_SCHEDULER_CLASS,
+            "connector_worker_class": c.CONNECTOR_WORKER_CLASS,
+        },
+        "kv_cache_config": {"enable_block_reuse": True},
+    }
+
+
+def manual_step_message(container: str, reason: str) -> str:
+    snippet = yaml.safe_dump(connector_options(), sort_keys=True, default_flow_style=True).strip()
+    return (
+        f"{reason}; add `{APPEND_FLAG} {OPTIONS_PATH}` to the trtllm-serve command of container "
+        f"{container!r} (the operator mounts that file), or merge {snippet} into your own options file"
+    )
+
+
+def find_options_arg(argv: Sequence[str]) -> tuple[int, str] | None:
+    """Index of the value of the options flag in ``argv`` and that value, or None."""
+    for i, arg in enumerate(argv):
+        for flag in OPTIONS_FLAGS:
+            if arg == flag and i + 1 < len(argv):
+                return i + 1, argv[i + 1]
+            if arg.startswith(flag + "="):
+                return i, arg[len(flag) + 1 :]
+    return None
+
+
+def _set_arg_value(argv: list[str], index: int, value: str) -> None:
+    arg = argv[index]
+    for flag in OPTIONS_FLAGS:
+        if arg.startswith(flag + "="):
+            argv[index] = f"{flag}={value}"
+            return
+    argv[index] = value
+
+
+def _launches_trtllm(command: Sequence[str], args: Sequence[str]) -> bool:
+    return any(posixpath.basename(str(token)) in LAUNCHERS for token in [*command, *args])
+
+
+def _configmap_source(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
+                      ) -> tuple[str, str] | None:  # fmt: skip
+    """(ConfigMap name, key) when ``path`` lies in a ConfigMap volume mounted in ``container``."""
+    by_name = {v.get("name"): v for v in volumes}
+    best: tuple[int, str, str] | None = None
+    for mount in container.get("volumeMounts") or []:
+        mount_path = str(mount.get("mountPath", "")).rstrip("/")
+        volume = by_name.get(mount.get("name"))
+        if not volume or "configMap" not in volume:
+            continue
+        sub_path = mount.get("subPath")
+        if sub_path and path == mount_path:
+            relative = str(sub_path)
+        elif not sub_path and path.startswith(mount_path + "/"):
+            relative = path[len(mount_path) + 1 :]
+        else:
+            continue
+        cm = volume["configMap"]
+        key_name = relative
+        for item in cm.get("items") or []:
+            if item.get("path") == relative:
+                key_name = str(item.get("key"))
+        if "/" in key_name:
+            continue
+        if best is None or len(mount_path) > best[0]:
+            best = (len(mount_path), str(cm.get("name")), key_name)
+    return (best[1], best[2]) if best else None
+
+
+def plan_options(container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]],
+                 original_path: str | None = None) -> OptionsPlan:  # fmt: skip
+    """Decide how the engine container gets our options file.
+
+    ``container`` is the engine container with the operator's own args change undone, and
+    ``original_path`` the user's options path when an earlier reconcile rewrote it.
+    """
+    name = str(container.get("name"))
+    command = [str(x) for x in container.get("command") or []]
+    args = [str(x) for x in container.get("args") or []]
+    if find_options_arg(command):
+        return ManualStep(
+            manual_step_message(name, "the options flag is part of `command`, which kvoffload leaves alone")
+        )
+    found = find_options_arg(args)
+    if found is None:
+        if not command:
+            return ManualStep(manual_step_message(name, "the container has no `command`, so its launcher is unknown"))
+        if not _launches_trtllm(command, args):
+            return ManualStep(manual_step_message(name, f"`command` {command} does not run trtllm-serve"))
+        return AppendFlag()
+    path = original_path or found[1]
+    if path == OPTIONS_PATH:
+        return AlreadyOurs()
+    source = _configmap_source(path, container, volumes)
+    if source is None:
+        return ManualStep(manual_step_message(name, f"the options file {path} does not come from a ConfigMap volume"))
+    return MergeFromConfigMap(configmap=source[0], key=source[1], path=path)
+
+
+def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
+    """The engine container's args with our options file wired in; None when args stay as they are."""
+    argv = [str(x) for x in args]
+    if isinstance(plan, AppendFlag):
+        return [*argv, APPEND_FLAG, OPTIONS_PATH]
+    if isinstance(plan, MergeFromConfigMap):
+        found = find_options_arg(argv)
+        if found is None:  # pragma: no cover - the plan came from these args
+            return None
+        _set_arg_value(argv, found[0], OPTIONS_PATH)
+        return argv
+    return None
+
+
+def strip_injected_args(args: Sequence[str], original_path: str | None) -> list[str]:
+    """Undo :func:`desired_args`: the args as the user wrote them."""
+    argv = [str(x) for x in args]
+    if len(argv) >= 2 and argv[-2] == APPEND_FLAG and argv[-1] == OPTIONS_PATH and not original_path:
+        return argv[:-2]
+    found = find_options_arg(argv)
+    if found and found[1] == OPTIONS_PATH and original_path:
+        _set_arg_value(argv, found[0], original_path)
+    return argv
+
+
+def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
+    """Our options merged over the user's; (YAML text, error message or None)."""
+    base: dict[str, Any] = {}
+    if user_yaml:
+        try:
+            loaded = yaml.safe_load(user_yaml)
+        except yaml.YAMLError as exc:
+            return "", f"the user's TensorRT-LLM options file is not valid YAML: {exc}"
+        if loaded is not None and not isinstance(loaded, dict):
+            return "", "the user's TensorRT-LLM options file is not a YAML mapping"
+        base = dict(loaded or {})
+    ours = connector_options()
+    merged = dict(base)
+    merged["kv_connector_config"] = ours["kv_connector_config"]
+    cache_config = merged.get("kv_cache_config")
+    merged["kv_cache_config"] = {**(cache_config if isinstance(cache_config, dict) else {}), "enable_block_reuse": True}
+    return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None

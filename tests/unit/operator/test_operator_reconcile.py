@@ -1,0 +1,158 @@
+"""The reconcile effects against a scripted fake API: what is applied, forced, reported."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvoffload import contract as c
+from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
+from kvoffload.operator.kube import KubeApiError
+from kvoffload.operator.metrics import OperatorMetrics
+from kvoffload.operator.reconcile import EventRecorder, Reconciler
+from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from tests.unit.operator.operator_fixtures import applied, deployment
+
+pytestmark = pytest.mark.operator
+ARGS_FIELD = '.spec.template.spec.containers[name="trtllm"].args'
+
+
+def conflict(*fields: str, manager: str = "kubectl-client-side-apply") -> KubeApiError:
+    causes = [{"reason": "FieldManagerConflict", "field": f, "message": f'conflict with "{manager}"'} for f in fields]
+    return KubeApiError(409, {"reason": "Conflict", "details": {"causes": causes}}, "PATCH", "/x")
+
+
+@dataclass
+class FakeKube:
+    """Records calls; ``apply_errors`` are raised by successive workload applies."""
+
+    apply_errors: list[KubeApiError | None] = field(default_factory=list)
+    calls: list[tuple[str, str, bool]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def apply(self, path: str, body: Mapping[str, Any], field_manager: str, force: bool = False) -> dict[str, Any]:
+        self.calls.append(("apply", path, force))
+        if "/configmaps/" in path:
+            return dict(body)
+        if self.apply_errors:
+            error = self.apply_errors.pop(0)
+            if error is not None:
+                raise error
+        return {"metadata": {"generation": 2}}
+
+    def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.events.append(dict(body))
+        return dict(body)
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        return self.objects.get(path)
+
+    def delete(self, path: str) -> bool:
+        self.calls.append(("delete", path, False))
+        return True
+
+    def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        return {"items": []}
+
+    def merge_patch(self, path: str, body: Mapping[str, Any], field_manager: str) -> dict[str, Any]:
+        return {}
+
+
+def reconciler(kube: FakeKube) -> tuple[Reconciler, OperatorMetrics]:
+    metrics = OperatorMetrics()
+    r = Reconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True), metrics=metrics,  # type: ignore[arg-type]
+                   events=EventRecorder(kube))  # type: ignore[arg-type]  # fmt: skip
+    return r, metrics
+
+
+def enabled(**extra: str) -> dict[str, Any]:
+    return deployment(annotations={c.ANN_ENABLED: "true", **extra})
+
+
+def workload_applies(kube: FakeKube) -> list[bool]:
+    return [force for op, path, force in kube.calls if op == "apply" and "/deployments/" in path]
+
+
+def test_only_an_args_conflict_is_forced() -> None:
+    kube = FakeKube(apply_errors=[conflict(ARGS_FIELD)])
+    r, _ = reconciler(kube)
+    assert r.reconcile(enabled()) == "applied"
+    assert workload_applies(kube) == [False, True]
+    assert [e["reason"] for e in kube.events] == ["KvoffloadInjected"]
+
+
+def test_any_other_conflict_is_reported_and_nothing_forced() -> None:
+    kube = FakeKube(apply_errors=[conflict(ARGS_FIELD, ".spec.template.metadata.labels.kvoffload.io/injected",
+                                           manager="gitops")])  # fmt: skip
+    r, metrics = reconciler(kube)
+    assert r.reconcile(enabled()) == "conflict"
+    assert workload_applies(kube) == [False]
+    (event,) = kube.events
+    assert event["type"] == "Warning" and event["reason"] == "KvoffloadConflict" and "gitops" in event["message"]
+    assert metrics.errors.labels(kind="Deployment", reason="conflict")._value.get() == 1
+
+
+def test_a_stale_object_is_skipped_not_forced() -> None:
+    stale = KubeApiError(409, {"reason": "Conflict", "message": "the object has been modified"}, "PATCH", "/x")
+    kube = FakeKube(apply_errors=[stale])
+    r, metrics = reconciler(kube)
+    assert r.reconcile(enabled()) == "skipped"
+    assert workload_applies(kube) == [False]
+    assert metrics.errors.labels(kind="Deployment", reason="api_error")._value.get() == 0
+
+
+def test_bad_input_applies_nothing_and_warns_once() -> None:
+    kube = FakeKube()
+    r, metrics = reconciler(kube)
+    obj = enabled(**{c.ANN_CPU_CACHE_SIZE: "lots"})
+    assert r.reconcile(obj) == "error"
+    assert r.reconcile(obj) == "error"
+    assert kube.calls == []
+    assert len(kube.events) == 1 and kube.events[0]["reason"] == "KvoffloadInvalid"
+    assert metrics.errors.labels(kind="Deployment", reason="invalid_settings")._value.get() == 2
+
+
+def test_unchanged_input_is_not_applied_twice() -> None:
+    kube = FakeKube()
+    r, _ = reconciler(kube)
+    obj = enabled()
+    r.reconcile(obj)
+    r.reconcile(obj)
+    assert len(workload_applies(kube)) == 1
+    r.reconcile(obj, force=True)
+    assert len(workload_applies(kube)) == 2
+
+
+def test_opt_out_removes_and_deletes_the_configmap() -> None:
+    kube = FakeKube()
+    r, _ = reconciler(kube)
+    obj = deployment()
+    s = resolve_settings({c.ANN_ENABLED: "true"}, None, OperatorDefaults())
+    assert isinstance(s, InjectionSettings)
+    rendered = render_injection_fragment(obj, s, ClusterInfo(True))
+    assert isinstance(rendered, RenderedInjection)
+    injected = applied(obj, rendered.workload_apply)
+    kube.objects["/api/v1/namespaces/ns/configmaps/llama-kvoffload"] = {
+        "metadata": {"labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}}}  # fmt: skip
+    assert r.reconcile(injected) == "removed"
+    assert ("delete", "/api/v1/namespaces/ns/configmaps/llama-kvoffload", False) in kube.calls
+    assert len(workload_applies(kube)) == 3  # args back, hand-off, release
+    calls = len(kube.calls)
+    assert r.reconcile(deployment()) == "noop"  # a workload the operator never touched costs nothing
+    assert len(kube.calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("info", "native"),
+    [({"major": "1", "minor": "36"}, True), ({"major": "1", "minor": "29+"}, True),
+     ({"major": "1", "minor": "28"}, False), ({"major": "1", "minor": "27+"}, False)],
+)  # fmt: skip
+def test_native_sidecars_follow_the_apiserver_version(info: dict[str, str], native: bool) -> None:
+    from kvoffload.operator.__main__ import NATIVE_SIDECAR_MIN
+    from kvoffload.operator.kube import parse_version
+
+    assert (parse_version(info) >= NATIVE_SIDECAR_MIN) is native
