@@ -205,6 +205,8 @@ class Journey:
     local_pod: LocalPod | None = None
     original_template: dict[str, Any] = field(default_factory=dict)
     installed: bool = False
+    l1_size: str = "1Gi"
+    engine_blocks: int = 512
 
     # --- helpers -------------------------------------------------------------
     def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -231,7 +233,11 @@ class Journey:
         self.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
         self.kubectl("label", "namespace", RELEASE_NAMESPACE, "pod-security.kubernetes.io/enforce=restricted",
                      "--overwrite")  # fmt: skip
-        notes = self.helm("install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE)
+        # A small L1 for a laptop-sized demo: LMCache allocates all of it up front in /dev/shm.
+        notes = self.helm(
+            "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
+            "--set", f"defaults.cache.l1Size={self.l1_size}", "--set", "defaults.shmSize=256Mi",
+        )  # fmt: skip
         self.installed = True
         self.say(f"helm install {RELEASE} charts/kvoffload -n {RELEASE_NAMESPACE}: CRD, RBAC, operator Deployment")
         return notes
@@ -335,15 +341,17 @@ class Journey:
         prompts_file = local.workdir / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         report_file = local.workdir / "engine-report.json"
-        # The stand-in's own code is found at the END of sys.path, after the injected
-        # PYTHONPATH, so the connector really loads from the bundle volume.
+        # The stand-in's own code is found right AFTER the injected PYTHONPATH entries,
+        # so the connector really loads from the bundle volume.
         launcher = (
-            f"import sys; sys.path.append({str(REPO_ROOT)!r}); "
+            "import os, sys; injected = [p for p in os.environ.get('PYTHONPATH', '').split(':') if p]; "
+            "at = max((sys.path.index(p) for p in injected if p in sys.path), default=0) + 1; "
+            f"sys.path.insert(at, {str(REPO_ROOT)!r}); "
             "from tests.support.trtllm_executor import main; sys.exit(main(sys.argv[1:]))"
         )
         proc = local.start(
             [sys.executable, "-c", launcher, "--options", local.local_path(engine, options),
-             "--prompts", str(prompts_file), "--out", str(report_file)],
+             "--prompts", str(prompts_file), "--out", str(report_file), "--num-blocks", str(self.engine_blocks)],
             engine_env, "engine",
         )  # fmt: skip
         code = proc.wait(timeout=600)

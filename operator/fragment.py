@@ -299,6 +299,16 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def shm_size_limit(settings: InjectionSettings) -> int:
+    """Bytes for the shared /dev/shm: the engine's own share plus, with a sidecar, LMCache's L1.
+
+    The sidecar keeps L1 in a POSIX shared-memory segment that the engine maps to copy
+    KV blocks in and out (LMCache's engine-driven transfer); LMCache only uses shared
+    memory when /dev/shm can hold all of L1, and falls back to a pickle path ~100x slower.
+    """
+    return settings.shm_bytes + (settings.l1_bytes if settings.backend == c.BACKEND_SIDECAR else 0)
+
+
 def _sidecar_container(settings: InjectionSettings, shm_volume: str, native: bool) -> dict[str, Any]:
     env = [
         _env(c.ENV_POLICY_FILE, posixpath.join(c.POLICY_MOUNT_PATH, c.POLICY_FILE)),
@@ -480,7 +490,10 @@ def render_injection_fragment(
     volumes: list[dict[str, Any]] = []
     if user_shm is None:
         volumes.append(
-            {"name": c.VOLUME_SHM, "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(settings.shm_bytes)}}
+            {
+                "name": c.VOLUME_SHM,
+                "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(shm_size_limit(settings))},
+            }
         )
     volumes.append({"name": c.VOLUME_RUN, "emptyDir": {"sizeLimit": RUN_VOLUME_SIZE}})
     if settings.connector_source == "init-container":

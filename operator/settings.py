@@ -71,7 +71,8 @@ class OperatorDefaults:
     eviction_policy: str = "LRU"
     chunk_size: int = 256
     max_workers: int = 4
-    gpu_access: str = "nvidia-runtime"
+    gpu_access: str = "none"
+    """The sidecar's data path (shared-memory L1) needs no GPU; nvidia-runtime is for CUDA-IPC transfer."""
     runtime_class_name: str | None = None
     sidecar_memory_overhead_bytes: int = 2 * 2**30
     sidecar_cpu_request: str = "1"

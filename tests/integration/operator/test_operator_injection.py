@@ -46,7 +46,7 @@ def test_annotated_deployment_gets_sidecar_volumes_env_configmap_and_running_pod
     assert [x["name"] for x in spec["initContainers"]].count(c.BUNDLE_INIT_CONTAINER) == 1
     assert spec["shareProcessNamespace"] is True
     shm = next(v for v in spec["volumes"] if v["name"] == c.VOLUME_SHM)
-    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "5Gi"}  # 4Gi L1 + 1Gi for the engine
     engine = next(x for x in spec["containers"] if x["name"] == "trtllm")
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env[c.ENV_SERVER_URL] == c.server_url()

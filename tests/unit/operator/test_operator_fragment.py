@@ -74,7 +74,7 @@ def test_plain_trtllm_deployment_gets_the_full_injection() -> None:
     sc = sidecar["securityContext"]
     assert sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert env_of(sidecar)[c.ENV_NVIDIA_VISIBLE_DEVICES] == "all"
+    assert c.ENV_NVIDIA_VISIBLE_DEVICES not in env_of(sidecar)  # the shared-memory data path needs no GPU
     assert "nvidia.com/gpu" not in json.dumps(sidecar)
     assert spec["shareProcessNamespace"] is True
     assert "runtimeClassName" not in spec  # not configured
@@ -87,7 +87,8 @@ def test_plain_trtllm_deployment_gets_the_full_injection() -> None:
         c.SHM_MOUNT_PATH, c.RUN_MOUNT_PATH, c.BUNDLE_MOUNT_PATH, c.TRTLLM_OPTIONS_MOUNT_PATH}  # fmt: skip
     assert "image" not in engine and "resources" not in engine  # never touches the user's fields
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes[c.VOLUME_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    # /dev/shm holds LMCache's L1 (20Gi) plus the engine's own share (8Gi).
+    assert volumes[c.VOLUME_SHM]["emptyDir"] == {"medium": "Memory", "sizeLimit": "28Gi"}
     assert volumes[c.VOLUME_TRTLLM_OPTIONS]["configMap"]["name"] == "llama-kvoffload"
     meta = body["spec"]["template"]["metadata"]
     assert meta["annotations"][c.ANN_INJECTED_VERSION] == "9.9.9"
@@ -243,7 +244,7 @@ def test_policy_tiers_and_runtime_class() -> None:
     policy = {"metadata": {"name": "p"}, "spec": {
         "l2": {"fs": {"path": "/cache", "size": "5Gi"},
                "redis": {"url": "redis://r:6379", "passwordSecretRef": {"name": "redis", "key": "pw"}}},
-        "sidecar": {"runtimeClassName": "nvidia"}}}  # fmt: skip
+        "sidecar": {"runtimeClassName": "nvidia", "gpuAccess": "nvidia-runtime"}}}  # fmt: skip
     s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
     assert isinstance(s, InjectionSettings)
     r = render_injection_fragment(deployment(), s, NATIVE)
@@ -252,6 +253,7 @@ def test_policy_tiers_and_runtime_class() -> None:
     assert spec["runtimeClassName"] == "nvidia"
     sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
     assert env_of(sidecar)[c.ENV_L2_REDIS_PASSWORD] == {"secretKeyRef": {"name": "redis", "key": "pw"}}
+    assert env_of(sidecar)[c.ENV_NVIDIA_VISIBLE_DEVICES] == "all"  # opted in: sees the GPU without requesting one
     assert {"name": c.VOLUME_L2_FS, "mountPath": "/cache"} in sidecar["volumeMounts"]
     assert named(spec["volumes"], c.VOLUME_L2_FS)["emptyDir"] == {"sizeLimit": "5Gi"}
 
@@ -279,7 +281,7 @@ def test_rerendering_after_a_policy_change_replaces_our_values_only() -> None:
     injected = applied(obj, render(obj).workload_apply)
     changed = render(injected, **{c.ANN_CPU_CACHE_SIZE: "30Gi", c.ANN_SHM_SIZE: "2Gi"})
     spec = pod(changed.workload_apply)
-    assert named(spec["volumes"], c.VOLUME_SHM)["emptyDir"]["sizeLimit"] == "2Gi"
+    assert named(spec["volumes"], c.VOLUME_SHM)["emptyDir"]["sizeLimit"] == "32Gi"  # 30Gi L1 + 2Gi
     engine = named(spec["containers"], "trtllm")
     assert engine["args"].count("--extra_llm_api_options") == 1
 
