@@ -179,3 +179,20 @@ GENERATED_CONFIGMAP_SUFFIX: Final = "-kvoffload"
 VOLUME_L2_FS: Final = "kvoffload-l2-fs"
 ENV_NVIDIA_VISIBLE_DEVICES: Final = "NVIDIA_VISIBLE_DEVICES"
 ENV_NVIDIA_DRIVER_CAPABILITIES: Final = "NVIDIA_DRIVER_CAPABILITIES"
+
+# --- Node-shared mode (one cache pod per node and policy) --------------------
+ENV_REQUEST_HOST: Final = "KVOFFLOAD_REQUEST_HOST"
+"""Address the cache server's ZMQ request port binds: loopback beside the engine (sidecar
+mode), all addresses in a node-shared cache pod that engines reach through a Service."""
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+COMPONENT_NODE_CACHE: Final = "node-cache"
+LABEL_NODE_CACHE_POLICY: Final = "kvoffload.io/node-cache-policy"
+"""On node-mode engine pods: the KVCachePolicy whose node cache they use."""
+LABEL_CACHE_POLICY: Final = "kvoffload.io/cache-policy"
+"""On node cache pods: the KVCachePolicy they serve."""
+NODE_SHM_HOST_ROOT: Final = "/dev/shm/kvoffload"
+"""On the node: ``<root>/<namespace>-<policy>`` is the /dev/shm that one policy's engines and
+cache pod share (a hostPath)."""
+NODE_SHM_PREPARE_CONTAINER: Final = "kvoffload-shm-permissions"
+ANN_CACHE_NODE: Final = "kvoffload.io/cache-node"
+"""On node cache pods: the node the pod is for (set before the scheduler binds it)."""

@@ -123,8 +123,9 @@ class LMCacheServer:
         self._signal_and_wait(signal.SIGKILL)
 
     def stop(self) -> None:
-        """SIGTERM the server, SIGKILL after 15 s."""
+        """SIGTERM the server (SIGKILL after 15 s) and remove its SHM segment, also after a ``kill()``."""
         self._signal_and_wait(signal.SIGTERM)
+        (Path("/dev/shm") / f"lmcache_l1_pool_{self.shm_name}").unlink(missing_ok=True)
 
     def _signal_and_wait(self, sig: int) -> None:
         proc = self._proc
@@ -138,11 +139,9 @@ class LMCacheServer:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=15)
+        # A killed server leaves its SHM segment behind: a restart on the same name replaces it,
+        # and stop() removes it.
         self._proc = None
-        # A killed server leaves its SHM segment behind; a restarted one unlinks stale segments itself.
-        if sig == signal.SIGTERM:
-            shm = Path("/dev/shm") / f"lmcache_l1_pool_{self.shm_name}"
-            shm.unlink(missing_ok=True)
 
     def log_text(self) -> str:
         """All logs of this server's starts, concatenated."""

@@ -32,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -381,13 +382,16 @@ class StandinExecutor:
             parent.recv()
         return len(evicted)
 
-    def run(self, prompts: list[PromptRequest], max_iterations: int = 10000) -> list[RequestResult]:
-        """Admit all ``prompts`` now and iterate until every one finished (or failed)."""
+    def run(self, prompts: list[PromptRequest], timeout_s: float = 300.0) -> list[RequestResult]:
+        """Admit all ``prompts`` now and iterate until every one finished (or failed) and no save is in flight."""
         pending = [StandinLlmRequest(p) for p in prompts]
         active: list[StandinLlmRequest] = []
-        for _ in range(max_iterations):
-            if not pending and not active and not self.saving:
-                break
+        deadline = time.monotonic() + timeout_s
+        while pending or active or self.saving:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout_s}s; saving={sorted(self.saving)}")
+            if not pending and not active:
+                time.sleep(0.002)  # only async saves left: TensorRT-LLM keeps iterating, idle
             self._iteration(pending, active)
             pending = []
         return [self.results[p.request_id] for p in prompts]

@@ -3,6 +3,7 @@
     PYTHONHASHSEED=0 .venv/bin/python -m tests.integration.connector.bench_connector metrics
     PYTHONHASHSEED=0 .venv/bin/python -m tests.integration.connector.bench_connector saves
     PYTHONHASHSEED=0 .venv/bin/python -m tests.integration.connector.bench_connector transfer
+    PYTHONHASHSEED=0 .venv/bin/python -m tests.integration.connector.bench_connector copies
 
 ``metrics``: cost of the instrumentation one connector operation records (prometheus_client
 multiprocess mode, the mode the connector runs in). ``saves``: stand-in workload wall time with
@@ -122,8 +123,10 @@ def bench_saves() -> None:
         server.stop()
 
 
-def bench_transfer(tokens: int = 4096) -> None:
-    """Store/retrieve GB/s of the sidecar path, CPU pool [NB, 8 layers, 2, 8 heads*16 tokens*128] fp16."""
+def bench_transfer(argv: list[str] | None = None) -> None:
+    """Store/retrieve GB/s of the sidecar path (kvoffload blockcopy vs LMCache gather/scatter), any device."""
+    import argparse
+
     import torch
 
     from kvoffload.connector.backends.base import KvGeometry
@@ -134,41 +137,124 @@ def bench_transfer(tokens: int = 4096) -> None:
     from tests.support.lmcache_server import LMCacheServer
     from tests.support.trtllm_executor import connector_llm_args, make_prompt
 
-    block, chunk, layers, heads, hd = 16, 256, 8, 8, 128
-    server = LMCacheServer(chunk_size=chunk, log_dir=Path(tempfile.mkdtemp(prefix="kvo-bench-")), l1_size_gb=2.0)
+    parser = argparse.ArgumentParser(prog="bench_connector transfer")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--l1-gb", type=float, default=2.0)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+    block, chunk, layers, heads, hd, tokens = (
+        args.block,
+        args.chunk,
+        args.layers,
+        args.heads,
+        args.head_dim,
+        args.tokens,
+    )
+    dtype = getattr(torch, args.dtype)
+    server = LMCacheServer(chunk_size=chunk, log_dir=Path(tempfile.mkdtemp(prefix="kvo-bench-")), l1_size_gb=args.l1_gb)
     server.start()
     try:
-        settings = parse_settings({"KVOFFLOAD_STORE_TIMEOUT_MS": "60000", "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "60000"},
+        settings = parse_settings({"KVOFFLOAD_STORE_TIMEOUT_MS": "120000", "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "120000",
+                                   "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "10000"},
                                   connector_llm_args("xfer", server.url, block=block))  # fmt: skip
         nb = tokens // block * 2 + 1
-        pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16).view(torch.float16)
+        pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16, device=args.device)
+        pool = pool.view(dtype)
         off = ConnectorMetrics("x", "sidecar", enabled=False)
         sched = SidecarBackend(settings, rank=0, role="scheduler", metrics=off)
         toks = tuple(make_prompt(99, tokens))
-        nbytes = tokens // block * pool[0].numel() * 2
-        for rep, fast in enumerate((False, True, False, True, False, True)):
+        nbytes = tokens // block * pool[0].numel() * pool.element_size()
+        print(f"pool {tuple(pool.shape)} {dtype} on {pool.device}; block = {pool[0].numel() * pool.element_size() / 2**20:.1f} MiB; "
+              f"moving {nbytes / 2**20:.0f} MiB per op; torch {torch.__version__}")  # fmt: skip
+        if pool.is_cuda:  # the copy ceiling, measured in the same run
+            host = torch.empty(nbytes // 2, dtype=torch.int16, pin_memory=True)
+            dev = torch.empty(nbytes // 2, dtype=torch.int16, device=pool.device)
+            for direction in ("H2D", "D2H", "H2D", "D2H"):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                (dev.copy_(host, non_blocking=True) if direction == "H2D" else host.copy_(dev, non_blocking=True))
+                torch.cuda.synchronize()
+                print(f"raw pinned {direction} {nbytes / (time.perf_counter() - t0) / 1e9:.1f} GB/s")
+            del host, dev
+        for rep in range(2 * args.reps):
+            fast = rep % 2 == 1
             backend = SidecarBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=fast)
             backend.register(pool, KvGeometry(heads, block, hd))
             sid = f"s{rep}"
             blocks = tuple(range(tokens // block))
-            t0 = time.perf_counter()
-            backend.store(TransferOp(rep, sid, toks, 0, tokens, blocks, 0, f"rep{rep}"))
-            t_store = time.perf_counter() - t0
-            hit = sched.lookup(sid + "r", toks, tokens, f"rep{rep}")
             dst = tuple(range(tokens // block, 2 * (tokens // block)))
-            t0 = time.perf_counter()
-            backend.retrieve(TransferOp(rep, sid + "r", toks, 0, hit, dst, 0, f"rep{rep}"))
-            t_ret = time.perf_counter() - t0
+            try:
+                t0 = time.perf_counter()
+                backend.store(TransferOp(rep, sid, toks, 0, tokens, blocks, 0, f"rep{rep}"))
+                t_store = time.perf_counter() - t0
+                while not sched.is_up():  # a slow server may have missed a heartbeat
+                    time.sleep(0.1)
+                hit = sched.lookup(sid + "r", toks, tokens, f"rep{rep}")
+                t0 = time.perf_counter()
+                backend.retrieve(TransferOp(rep, sid + "r", toks, 0, hit, dst, 0, f"rep{rep}"))
+                t_ret = time.perf_counter() - t0
+            except Exception as exc:
+                print(f"{'blockcopy' if fast else 'lmcache  '} FAILED: {exc!r}", flush=True)
+                backend.close()
+                continue
             exact = torch.equal(pool[list(blocks)].view(torch.int16), pool[list(dst)].view(torch.int16))
-            print(f"{'blockcopy' if fast else 'lmcache  '} {tokens} tokens = {nbytes / 2**20:.0f} MiB: store {t_store * 1e3:.1f} ms ({nbytes / t_store / 1e9:.2f} GB/s), "
-                  f"retrieve {t_ret * 1e3:.1f} ms ({nbytes / t_ret / 1e9:.2f} GB/s), bit-exact={exact}")  # fmt: skip
+            print(f"{'blockcopy' if fast else 'lmcache  '} store {t_store * 1e3:.1f} ms ({nbytes / t_store / 1e9:.2f} GB/s), "
+                  f"retrieve {t_ret * 1e3:.1f} ms ({nbytes / t_ret / 1e9:.2f} GB/s), hit={hit} bit-exact={exact}", flush=True)  # fmt: skip
             pool[list(dst)] = 0
             backend.close()
         sched.close()
     finally:
         server.stop()
+        print("server log (transfer lines):")
+        for line in server.log_text().splitlines():
+            if "transfer strategy" in line or "Error" in line or "pinned" in line:
+                print("  ", line[-200:])
+
+
+def bench_copies(tokens: int = 4096) -> None:
+    """Block->chunk copy alone: LMCache's gather_paged_kv_to_cpu vs blockcopy.gather_chunk (same bytes)."""
+    import torch
+    from lmcache.utils import EngineType
+    from lmcache.v1.multiprocess.transfer_context.base import compute_kv_layout, gather_paged_kv_to_cpu
+
+    from kvoffload.connector.backends.blockcopy import gather_chunk
+
+    block, layers, heads, hd, chunk = 16, 8, 8, 128, 256
+    nb, bpc = tokens // block, chunk // block
+    pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16).view(torch.float16)
+    hints = {"kv_layout": "HND", "num_kv_heads": heads, "tokens_per_block": block, "head_dim": hd}
+    kv = {"kv": pool}
+    fmt = compute_kv_layout(kv, layout_hints=hints, engine_type=EngineType.TRTLLM)[4]  # type: ignore[arg-type]
+    nbytes = pool.numel() * 2
+    for _ in range(3):
+        t0 = time.perf_counter()
+        theirs = gather_paged_kv_to_cpu(kv, list(range(nb)), bpc, layout_hints=hints, engine_kv_format=fmt,  # type: ignore[arg-type]
+                                        engine_type=EngineType.TRTLLM)  # fmt: skip
+        t1 = time.perf_counter()
+        mine = [torch.empty_like(c) for c in theirs]
+        t2 = time.perf_counter()
+        for i, out in enumerate(mine):
+            gather_chunk(pool, range(i * bpc, (i + 1) * bpc), out, heads, block, hd)
+        t3 = time.perf_counter()
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(theirs, mine, strict=True))
+        print(f"{nbytes / 2**20:.0f} MiB: lmcache gather {(t1 - t0) * 1e3:.0f} ms ({nbytes / (t1 - t0) / 1e9:.2f} GB/s), "
+              f"blockcopy {(t3 - t2) * 1e3:.0f} ms ({nbytes / (t3 - t2) / 1e9:.2f} GB/s), identical={same}")  # fmt: skip
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("kvoffload").setLevel(logging.DEBUG if os.environ.get("KVO_BENCH_DEBUG") else logging.INFO)
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "standin")]
-    {"metrics": bench_metrics, "saves": bench_saves, "transfer": bench_transfer}[sys.argv[1]]()
+    if sys.argv[1] == "transfer":
+        bench_transfer(sys.argv[2:])
+    else:
+        {"metrics": bench_metrics, "saves": bench_saves, "copies": bench_copies}[sys.argv[1]]()

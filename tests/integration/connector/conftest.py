@@ -32,9 +32,9 @@ def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     env = {
         contract.ENV_PYTHONHASHSEED: "0",
         contract.ENV_BACKEND: contract.BACKEND_SIDECAR,
-        contract.ENV_LOOKUP_TIMEOUT_MS: "500",
-        contract.ENV_RETRIEVE_TIMEOUT_MS: "3000",
-        contract.ENV_STORE_TIMEOUT_MS: "3000",
+        contract.ENV_LOOKUP_TIMEOUT_MS: "2000",
+        contract.ENV_RETRIEVE_TIMEOUT_MS: "5000",
+        contract.ENV_STORE_TIMEOUT_MS: "5000",
         contract.ENV_HEARTBEAT_INTERVAL_MS: "200",
     }
     for name in (contract.ENV_SERVER_URL, contract.ENV_CHUNK_SIZE, contract.ENV_MODEL_NAME, contract.ENV_ASYNC_SAVE):

@@ -156,6 +156,10 @@ def test_chunked_prefill_saves_later_chunks(lmcache_server: LMCacheServer, execu
     assert r2.connector_matched_tokens == chunk_floor(len(p1))  # chunks 2..3 came from cached_requests
     assert r2.computed_prompt_tokens == len(p2) - chunk_floor(len(p1))
     assert ex.kv_mismatches == 0
+    # The data moved through the server's shared-memory L1, never pickled through ZMQ.
+    log = lmcache_server.log_text()
+    assert "Using shm non-GPU transfer strategy" in log
+    assert "Using pickle non-GPU transfer strategy" not in log
 
 
 def test_tenants_with_different_salts_never_share(lmcache_server: LMCacheServer, executor_factory: Any) -> None:
@@ -247,6 +251,53 @@ def test_sidecar_killed_mid_run_requests_keep_completing(tmp_path: Path, executo
         assert all(not r.failed for r in after)
         assert after[-1].connector_matched_tokens == chunk_floor(len(base)), "hits never came back"
         assert all(r.output_tokens == r0.output_tokens for r in after)
+        assert ex.kv_mismatches == 0
+    finally:
+        server.stop()
+
+
+def test_decode_tokens_saved_when_enabled(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVOFFLOAD_SAVE_DECODE_TOKENS: a follow-up turn finds the chunks filled by generated tokens too."""
+    monkeypatch.setenv(contract.ENV_SAVE_DECODE_TOKENS, "true")
+    ex = executor_factory("decode-model", lmcache_server.url)
+    p1 = make_prompt(9, 120)
+    (r1,) = ex.run([PromptRequest(1, p1, 20)])
+    ex.evict_device_cache()
+    turn2 = p1 + r1.output_tokens[:19] + make_prompt(10, 30)  # KV exists for prompt + 19 generated tokens
+    (r2,) = ex.run([PromptRequest(2, turn2, 2)])
+    assert r2.connector_matched_tokens == chunk_floor(len(p1) + 19) > chunk_floor(len(p1))
+    assert ex.kv_mismatches == 0
+
+
+def test_failed_retrieve_fails_the_request_never_wrong_output(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar dies between the lookup (tokens promised) and the load: that request fails; later ones run."""
+    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
+    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
+    server.start()
+    try:
+        ex = executor_factory("failed-load-model", server.url)
+        p = make_prompt(12, 200)
+        (r0,) = ex.run([PromptRequest(1, p, 2)])
+        ex.evict_device_cache()
+        original = ex.scheduler.get_num_new_matched_tokens
+
+        def lookup_then_crash(request: Any, computed: int) -> tuple[int, bool]:
+            result = original(request, computed)
+            server.kill()
+            return result
+
+        ex.scheduler.get_num_new_matched_tokens = lookup_then_crash
+        (r1,) = ex.run([PromptRequest(2, p, 2)])
+        assert r1.connector_matched_tokens > 0 and r1.failed and "KV load failed" in r1.error
+        assert r1.output_tokens == []  # nothing computed on top of unloaded KV
+        ex.scheduler.get_num_new_matched_tokens = original
+        ex.evict_device_cache()
+        (r2,) = ex.run([PromptRequest(3, p, 2)])
+        assert not r2.failed and r2.connector_matched_tokens == 0 and r2.output_tokens == r0.output_tokens
         assert ex.kv_mismatches == 0
     finally:
         server.stop()

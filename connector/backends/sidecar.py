@@ -1,0 +1,443 @@
+"""Sidecar backend: LMCache's multi-process server in the same pod, over ZMQ ``tcp://127.0.0.1:<port>``.
+
+Data path (why, see docs/connector.md): LMCache 0.5.6's server-driven transfer
+(``lmcache_driven``, what LMCache's own TensorRT-LLM MP adapter uses) fails in
+the server for TensorRT-LLM's pool layout. The worker-driven transfer
+(``engine_driven``: PREPARE -> copy -> COMMIT) works: the worker copies whole
+TensorRT-LLM blocks between its pool and slots of the server's L1, which the
+server exposes as a POSIX shared-memory segment (``--shm-name`` with
+``--no-l1-use-lazy``). Everything here is LMCache's public client API:
+``RequestClientFactory``, ``create_transfer_context``, ``IPCCacheServerKey``.
+
+Failure handling: every call has its own timeout (settings, ms). A failed call
+marks the backend down; while down, calls fail at once (lookups answer 0, stores
+are skipped) and nothing waits. A heartbeat thread PINGs the server (which also
+keeps the server's reaper from dropping this worker), notices restarts (failed
+ping, or the server's SHM segment replaced) and registers the KV pool again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+from lmcache.utils import EngineType
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+from lmcache.v1.platform import synchronize_device
+
+from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
+from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.settings import ConnectorSettings
+
+logger = logging.getLogger("kvoffload.connector")
+
+_KV_NAME = "trtllm_kv_pool"
+_STARTUP_WAIT_S = 30.0
+_SHM_DIR = "/dev/shm"
+_MIN_PING_TIMEOUT_S = 2.0
+
+
+def _reason(exc: BaseException) -> str:
+    return "timeout" if isinstance(exc, TimeoutError) else "server_error"
+
+
+class SidecarBackend:
+    """LMCache MP server client for one process and role (``scheduler`` looks up, ``worker`` moves KV)."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        rank: int,
+        role: str,
+        metrics: ConnectorMetrics,
+        use_fast_copies: bool = True,
+    ) -> None:
+        self._settings = settings
+        self._use_fast_copies = use_fast_copies
+        self._rank = rank
+        self._role = role
+        self._metrics = metrics
+        self._instance_id: int | None = instance_id() if role == "worker" else None
+        self._lookup_timeout_s = settings.lookup_timeout_ms / 1000.0
+        self._retrieve_timeout_s = settings.retrieve_timeout_ms / 1000.0
+        self._store_timeout_s = settings.store_timeout_ms / 1000.0
+        self._heartbeat_s = settings.heartbeat_interval_ms / 1000.0
+        # PINGs run on the heartbeat thread, never on the engine's path: a busy-but-alive server
+        # gets a generous answer window before it is declared down.
+        self._ping_timeout_s = max(_MIN_PING_TIMEOUT_S, self._heartbeat_s)
+        self._zmq = zmq.Context()
+        # Drop queued requests when a socket closes: a restarted server must never
+        # receive PREPARE/LOOKUP messages that were meant for its predecessor.
+        self._zmq.setsockopt(zmq.LINGER, 0)
+        self._lock = threading.RLock()
+        self._client: Any = RequestClientFactory.create(settings.server_url, context=self._zmq)
+        self._up = threading.Event()
+        self._needs_reset = False
+        self._needs_register = False
+        self._pool: Any = None
+        self._geometry: KvGeometry | None = None
+        self._block_bytes = 0
+        self._transfer: Any = None
+        self._shm_identity: tuple[str, int] | None = None
+        self.chunk_size = self._initial_chunk_size()
+        self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"kvoffload-heartbeat-{role}", daemon=True)
+        self._heartbeat.start()
+
+    # --- state ------------------------------------------------------------------
+    def is_up(self) -> bool:
+        """Whether the last contact with the server succeeded."""
+        return self._up.is_set()
+
+    def _mark_up(self) -> None:
+        if not self._up.is_set():
+            logger.info("event=backend_up backend=sidecar role=%s url=%s", self._role, self._settings.server_url)
+        self._up.set()
+        self._metrics.backend_up.set(1)
+
+    def _fail(self, operation: str, reason: str, detail: str = "") -> BackendError:
+        """Record a failure, mark the backend down and return the error to raise."""
+        self._metrics.error(operation, reason)
+        if self._up.is_set():
+            logger.warning(
+                "event=backend_down backend=sidecar role=%s operation=%s reason=%s detail=%s",
+                self._role,
+                operation,
+                reason,
+                detail,
+            )
+        self._up.clear()
+        self._metrics.backend_up.set(0)
+        self._needs_reset = True
+        return BackendError(operation, reason, detail)
+
+    def _initial_chunk_size(self) -> int:
+        wait_s = 2.0 if self._settings.chunk_size else _STARTUP_WAIT_S
+        try:
+            server_chunk = int(self._client.get_chunk_size().result(timeout=wait_s))
+        except Exception as exc:
+            if self._settings.chunk_size is None:
+                raise RuntimeError(
+                    f"kvoffload connector: LMCache server at {self._settings.server_url} did not answer "
+                    f"within {wait_s:.0f}s and KVOFFLOAD_CHUNK_SIZE is unset"
+                ) from exc
+            self._fail("heartbeat", _reason(exc), "server not reachable at start")
+            return self._settings.chunk_size
+        if self._settings.chunk_size and self._settings.chunk_size != server_chunk:
+            logger.warning(
+                "event=chunk_size_mismatch configured=%d server=%d using=server",
+                self._settings.chunk_size,
+                server_chunk,
+            )
+        if server_chunk % self._settings.tokens_per_block != 0:
+            raise RuntimeError(
+                f"kvoffload connector: LMCache chunk_size={server_chunk} is not a multiple of "
+                f"tokens_per_block={self._settings.tokens_per_block}"
+            )
+        self._mark_up()
+        return server_chunk
+
+    # --- keys -------------------------------------------------------------------
+    def _key(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, worker: bool
+    ) -> IPCCacheServerKey:
+        return IPCCacheServerKey(
+            model_name=self._settings.model_name,
+            world_size=self._settings.world_size,
+            worker_id=self._rank if worker else None,
+            token_ids=token_ids,
+            start=start,
+            end=end,
+            request_id=session_id,
+            cache_salt=salt,
+            num_kv_readers=1,
+        )
+
+    # --- scheduler side -----------------------------------------------------------
+    def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
+        """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
+        if not self._up.is_set():
+            raise BackendError("lookup", "unavailable")
+        key = self._key(session_id, token_ids, 0, end, salt, worker=False)
+        client = self._client
+        deadline = time.monotonic() + self._lookup_timeout_s
+        try:
+            client.lookup(key, 1)
+            # WAIT (not QUERY) so a prefetch still running is not misread as a miss.
+            chunks = client.wait_prefetch_status(session_id, self._lookup_timeout_s).result(
+                timeout=max(0.0, deadline - time.monotonic()) + 0.05
+            )
+        except Exception as exc:
+            raise self._fail("lookup", _reason(exc), repr(exc)) from exc
+        return int(chunks or 0) * self.chunk_size
+
+    def free_lookup_locks(
+        self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str
+    ) -> None:
+        """Release lookup read locks on chunk ranges that will not be retrieved (no waiting)."""
+        if not self._up.is_set():
+            return
+        for start, end in ranges:
+            self._client.free_lookup_locks(self._key(session_id, token_ids, start, end, salt, worker=False), 1)
+
+    def end_session(self, session_id: str) -> None:
+        """Tell the server the request ended (no waiting)."""
+        if self._up.is_set():
+            self._client.end_session(session_id)
+
+    # --- worker side ----------------------------------------------------------------
+    def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
+        """Register the pool now; on failure the heartbeat keeps trying."""
+        self._pool = kv_pool
+        self._geometry = geometry
+        self._block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
+        try:
+            self._register_now()
+        except Exception as exc:
+            self._fail("register", _reason(exc), repr(exc))
+            self._needs_register = True
+
+    def _register_now(self) -> None:
+        assert self._geometry is not None and self._instance_id is not None
+        kv = {_KV_NAME: self._pool}
+        with self._lock:
+            transfer = create_transfer_context(
+                kv, instance_id=self._instance_id, req_client=self._client, mode=MPTransferMode.ENGINE_DRIVEN
+            )
+            transfer.register(
+                kv,
+                self._settings.model_name,
+                self._settings.world_size,
+                self._blocks_per_chunk,
+                max(self._store_timeout_s, self._retrieve_timeout_s),
+                layout_hints=self._geometry.layout_hints(),
+                engine_type=EngineType.TRTLLM,
+            )
+            old, self._transfer = self._transfer, transfer
+            self._shm_identity = self._shm_of(transfer)
+            self._needs_register = False
+        if old is not None:
+            old.close()
+        mode = "shm" if self._shm_identity else "pickle"
+        log = logger.info if self._shm_identity else logger.warning
+        log(
+            "event=registered backend=sidecar rank=%d instance=%d transfer=%s shape=%s geometry=%s",
+            self._rank,
+            self._instance_id,
+            mode,
+            tuple(self._pool.shape),
+            self._geometry,
+        )
+        self._mark_up()
+
+    @staticmethod
+    def _shm_of(transfer: Any) -> tuple[str, int] | None:
+        """(segment name, inode) of the server L1 segment this context mapped; None in pickle mode."""
+        # lmcache 0.5.6 keeps the name on the SHM context only as a private attribute.
+        name = getattr(getattr(transfer, "_engine_driven_context", None), "_shm_name", None)
+        if not name:
+            return None
+        try:
+            return name, os.stat(os.path.join(_SHM_DIR, name.lstrip("/"))).st_ino
+        except OSError:
+            return name, -1
+
+    def _shm_replaced(self) -> bool:
+        ident = self._shm_identity
+        if ident is None:
+            return False
+        try:
+            return os.stat(os.path.join(_SHM_DIR, ident[0].lstrip("/"))).st_ino != ident[1]
+        except OSError:
+            return True
+
+    def _acquire(self, operation: str, timeout_s: float) -> Any:
+        if not self._up.is_set():
+            raise BackendError(operation, "unavailable")
+        if not self._lock.acquire(timeout=timeout_s):
+            raise self._fail(operation, "timeout", "transfer context busy")
+        transfer = self._transfer
+        if transfer is None:
+            self._lock.release()
+            raise BackendError(operation, "unavailable", "KV pool not registered")
+        return transfer
+
+    def _fast_copies(self) -> bool:
+        """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
+        return self._use_fast_copies and self._shm_identity is not None and int(self._pool.shape[2]) == 2
+
+    def retrieve(self, op: TransferOp) -> int:
+        """Copy ``op``'s chunks from the server into its blocks (skipping ``op.skip_tokens``)."""
+        transfer = self._acquire("retrieve", self._retrieve_timeout_s)
+        start = time.monotonic()
+        try:
+            transfer.engine_driven_context.mq_timeout = self._retrieve_timeout_s
+            key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
+            if self._fast_copies():
+                ok = self._retrieve_fast(transfer.engine_driven_context, key, op)
+            else:
+                ok = transfer.submit_retrieve(
+                    op.session_id,
+                    key,
+                    {_KV_NAME: self._pool},
+                    [list(op.block_ids)],
+                    transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                    self._blocks_per_chunk,
+                    skip_first_n_tokens=op.skip_tokens,
+                ).result(timeout=self._retrieve_timeout_s)
+        except Exception as exc:
+            raise self._fail("retrieve", _reason(exc), repr(exc)) from exc
+        finally:
+            self._lock.release()
+        if not ok:
+            timed_out = time.monotonic() - start >= self._retrieve_timeout_s
+            raise self._fail("retrieve", "timeout" if timed_out else "miss", f"session={op.session_id}")
+        skipped_blocks = op.skip_tokens // self._settings.tokens_per_block
+        return (len(op.block_ids) - skipped_blocks) * self._block_bytes
+
+    def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
+        assert self._geometry is not None and self._instance_id is not None
+        g = self._geometry
+        bpc = self._blocks_per_chunk
+        t0 = time.perf_counter()
+        chunks = edc.prepare_retrieve(key, self._instance_id)
+        t1 = time.perf_counter()
+        ok = chunks is not None and len(chunks) * bpc == len(op.block_ids)
+        try:
+            if ok:
+                skip = op.skip_tokens // g.tokens_per_block
+                scatter_chunks(
+                    self._pool, op.block_ids, chunks, skip, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim
+                )
+                synchronize_device(self._pool.device)  # the server may reuse the slots after COMMIT
+        finally:
+            t2 = time.perf_counter()
+            edc.commit_retrieve(key, self._instance_id)
+        logger.debug(
+            "event=transfer_timing op=retrieve blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
+            len(op.block_ids),
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            (time.perf_counter() - t2) * 1e3,
+        )
+        return ok
+
+    def store(self, op: TransferOp) -> int:
+        """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache)."""
+        transfer = self._acquire("store", self._store_timeout_s)
+        try:
+            transfer.engine_driven_context.mq_timeout = self._store_timeout_s
+            key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
+            if self._fast_copies():
+                ok = self._store_fast(transfer.engine_driven_context, key, op)
+            else:
+                ok = transfer.submit_store(
+                    op.session_id,
+                    key,
+                    {_KV_NAME: self._pool},
+                    [list(op.block_ids)],
+                    transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                    self._blocks_per_chunk,
+                ).result(timeout=self._store_timeout_s)
+        except Exception as exc:
+            raise self._fail("store", _reason(exc), repr(exc)) from exc
+        finally:
+            self._lock.release()
+        if not ok:
+            raise self._fail("store", "server_error", f"session={op.session_id}")
+        return len(op.block_ids) * self._block_bytes
+
+    def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
+        assert self._geometry is not None and self._instance_id is not None
+        g = self._geometry
+        bpc = self._blocks_per_chunk
+        synchronize_device(self._pool.device)  # the forward pass must have written the KV
+        t0 = time.perf_counter()
+        prepared = edc.prepare_store(key, self._instance_id)
+        t1 = time.perf_counter()
+        if prepared is None:
+            raise RuntimeError("server answered PREPARE_STORE without SHM slots")
+        slots, indices = prepared
+        if not indices:
+            return True  # LMCache already holds every chunk
+        gather_chunks(self._pool, op.block_ids, slots, indices, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
+        synchronize_device(self._pool.device)
+        t2 = time.perf_counter()
+        committed = bool(edc.commit_store(key, self._instance_id, []))
+        logger.debug(
+            "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
+            len(indices) * bpc,
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            (time.perf_counter() - t2) * 1e3,
+        )
+        return committed
+
+    # --- heartbeat ----------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self.heartbeat_once()
+            except Exception:  # the thread must survive anything
+                logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
+
+    def heartbeat_once(self) -> None:
+        """PING; on failure reconnect, on success (re)register the pool when needed."""
+        if self._needs_reset:
+            self._reset_client()
+        try:
+            self._client.ping(self._instance_id).result(timeout=self._ping_timeout_s)
+        except Exception as exc:
+            if self._up.is_set():
+                self._fail("heartbeat", _reason(exc), repr(exc))
+            self._needs_reset = True
+            return
+        if self._pool is not None and (self._needs_register or self._shm_replaced()):
+            try:
+                self._register_now()
+            except Exception as exc:
+                self._fail("register", _reason(exc), repr(exc))
+                self._needs_register = True
+                return
+        self._mark_up()
+
+    def _reset_client(self) -> None:
+        """New socket; the old one's queued requests are dropped (LINGER 0)."""
+        with self._lock:
+            old = self._client
+            self._client = RequestClientFactory.create(self._settings.server_url, context=self._zmq)
+            self._needs_reset = False
+            if self._pool is not None:
+                self._needs_register = True
+            transfer, self._transfer = self._transfer, None
+            self._shm_identity = None
+        if transfer is not None:
+            transfer.close()
+        old.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat, unregister and close the connection."""
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        with self._lock:
+            transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            if self._up.is_set():
+                try:
+                    future = transfer.unregister()
+                    if future is not None:
+                        future.result(timeout=1.0)
+                except Exception:
+                    logger.debug("event=unregister_failed backend=sidecar", exc_info=True)
+            transfer.close()
+        self._client.close()

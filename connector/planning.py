@@ -1,0 +1,160 @@
+"""Pure decisions of the connector: what to look up, load and save, in which token ranges.
+
+Vocabulary (all counts in tokens):
+- ``B`` = TensorRT-LLM ``tokens_per_block``; block ``i`` of a request holds tokens ``[i*B, (i+1)*B)``.
+- ``C`` = LMCache ``chunk_size`` (a multiple of ``B``); LMCache stores and finds whole chunks only,
+  and every key range it accepts starts and ends on a chunk boundary.
+- ``computed`` = tokens TensorRT-LLM already has on the device (prefix reuse), block-aligned.
+- ``hit`` = chunk-aligned prefix LMCache holds (its lookup result).
+
+No I/O here: the hooks in ``trtllm.py`` gather inputs, call these and perform the effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.connector.keys import chunk_ceil, chunk_floor
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """What ``get_num_new_matched_tokens`` promises and how the worker will fetch it."""
+
+    matched_tokens: int
+    """Returned to TensorRT-LLM: tokens beyond ``computed`` the connector will load."""
+    retrieve_start: int
+    """Chunk-aligned first token of the retrieve key (the chunk holding ``computed``)."""
+    retrieve_end: int
+    """Chunk-aligned end of the retrieve key; ``<= hit``."""
+    skip_tokens: int
+    """Tokens at the start of the retrieve range that are already on the device (never written)."""
+    free_ranges: tuple[tuple[int, int], ...]
+    """Chunk-aligned ranges LMCache read-locked at lookup that will not be retrieved."""
+
+    @property
+    def loads(self) -> bool:
+        return self.matched_tokens > 0
+
+
+NO_LOAD = LoadDecision(0, 0, 0, 0, ())
+
+
+def lookup_end(num_prompt_tokens: int, num_computed_tokens: int, chunk_size: int) -> int:
+    """End of the lookup key (chunk-aligned prompt prefix), or 0 when a lookup cannot help."""
+    end = chunk_floor(num_prompt_tokens, chunk_size)
+    return end if end > num_computed_tokens else 0
+
+
+def decide_load(
+    num_prompt_tokens: int,
+    num_computed_tokens: int,
+    hit_tokens: int,
+    tokens_per_block: int,
+    chunk_size: int,
+) -> LoadDecision:
+    """Decide how many tokens to promise TensorRT-LLM, given LMCache's hit.
+
+    At least one prompt token is always left to compute (the engine needs its
+    logits), so the promise stops at the last block boundary before the final
+    token. The retrieve key covers whole chunks from the chunk containing
+    ``computed`` to the chunk containing the promise's end; tokens of that range
+    beyond the promise are rewritten with the identical KV the engine would
+    compute, and tokens before ``computed`` are skipped (shared device blocks
+    are never written).
+    """
+    hit = chunk_floor(min(hit_tokens, num_prompt_tokens), chunk_size)
+    everything = ((0, hit),) if hit > 0 else ()
+    if num_computed_tokens % tokens_per_block != 0 or num_prompt_tokens <= 0:
+        return LoadDecision(0, 0, 0, 0, everything)
+    cap = ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block
+    load_end = min(hit, cap)
+    if load_end <= num_computed_tokens:
+        return LoadDecision(0, 0, 0, 0, everything)
+    retrieve_start = chunk_floor(num_computed_tokens, chunk_size)
+    retrieve_end = chunk_ceil(load_end, chunk_size)
+    free = tuple((a, b) for a, b in ((0, retrieve_start), (retrieve_end, hit)) if b > a)
+    return LoadDecision(
+        matched_tokens=load_end - num_computed_tokens,
+        retrieve_start=retrieve_start,
+        retrieve_end=retrieve_end,
+        skip_tokens=num_computed_tokens - retrieve_start,
+        free_ranges=free,
+    )
+
+
+def tokens_with_kv_after_step(tokens_with_kv_before: int, num_scheduled_tokens: int, num_known_tokens: int) -> int:
+    """Tokens whose KV is valid after this forward pass (draft tokens never count)."""
+    return min(tokens_with_kv_before + num_scheduled_tokens, num_known_tokens)
+
+
+def plan_save(
+    stored_upto: int,
+    tokens_with_kv: int,
+    num_block_tokens: int,
+    num_prompt_tokens: int,
+    chunk_size: int,
+    save_decode_tokens: bool,
+) -> tuple[int, int] | None:
+    """The chunk-aligned range ``[start, end)`` to store now, or None.
+
+    Only whole chunks whose KV is valid and whose blocks the request owns are
+    stored; decode tokens only when ``save_decode_tokens``.
+    """
+    limit = min(tokens_with_kv, num_block_tokens)
+    if not save_decode_tokens:
+        limit = min(limit, num_prompt_tokens)
+    end = chunk_floor(limit, chunk_size)
+    start = chunk_floor(stored_upto, chunk_size)
+    if end <= start:
+        return None
+    return start, end
+
+
+def block_slice(block_ids: list[int] | tuple[int, ...], start: int, end: int, tokens_per_block: int) -> tuple[int, ...]:
+    """Block ids holding tokens ``[start, end)`` (both block-aligned)."""
+    return tuple(block_ids[start // tokens_per_block : end // tokens_per_block])
+
+
+@dataclass(frozen=True)
+class TransferOp:
+    """One store or retrieve for the worker; picklable (broadcast to every rank)."""
+
+    request_id: int
+    session_id: str
+    token_ids: tuple[int, ...]
+    """Tokens ``[0, end)``: LMCache hashes chunks as a chain from token 0."""
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+    """Blocks holding tokens ``[start, end)``."""
+    skip_tokens: int
+    salt: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start - self.skip_tokens
+
+
+@dataclass(frozen=True)
+class ConnectorMetadata:
+    """What ``build_connector_meta`` broadcasts each iteration."""
+
+    loads: tuple[TransferOp, ...] = ()
+    saves: tuple[TransferOp, ...] = ()
+
+
+@dataclass
+class RequestState:
+    """Scheduler-side bookkeeping for one live request."""
+
+    request_id: int
+    session_id: str
+    salt: str
+    num_prompt_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    tokens_with_kv: int = 0
+    stored_upto: int = 0
+    load: LoadDecision = NO_LOAD
+    saves_issued: int = 0

@@ -1,0 +1,148 @@
+"""Connector settings: environment + TensorRT-LLM ``llm_args`` -> typed ``ConnectorSettings``.
+
+Parsed once, at connector construction. Every error names the setting, the bad
+value and what is allowed. ``llm_args.kv_connector_config.server_url`` (when
+the TensorRT-LLM build has that field) overrides ``KVOFFLOAD_SERVER_URL``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload import contract
+
+DEFAULT_LOOKUP_TIMEOUT_MS = 100
+DEFAULT_RETRIEVE_TIMEOUT_MS = 5000
+DEFAULT_STORE_TIMEOUT_MS = 5000
+DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
+DEFAULT_TOKENS_PER_BLOCK = 32
+DEFAULT_ASYNC_SAVE = True
+"""Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+_URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+class SettingsError(ValueError):
+    """A connector setting is invalid; the message names setting, value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything the connector needs to know about its deployment."""
+
+    backend: str
+    server_url: str
+    model_name: str
+    tokens_per_block: int
+    chunk_size: int | None
+    """None: ask the LMCache server (sidecar) or use LMCache's config (inprocess)."""
+    world_size: int
+    lookup_timeout_ms: int
+    retrieve_timeout_ms: int
+    store_timeout_ms: int
+    heartbeat_interval_ms: int
+    save_decode_tokens: bool
+    async_save: bool
+    metrics_enabled: bool
+    metrics_dir: str | None
+
+
+def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean; allowed: true/false/1/0/yes/no/on/off")
+
+
+def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer; allowed: a positive integer") from None
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r} must be a positive integer")
+    return value
+
+
+def _attr(obj: Any, *path: str) -> Any:
+    for name in path:
+        if obj is None:
+            return None
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
+    """Validate env + ``llm_args`` into settings, or raise ``SettingsError``."""
+    backend = env.get(contract.ENV_BACKEND, contract.BACKEND_SIDECAR).strip() or contract.BACKEND_SIDECAR
+    if backend not in (contract.BACKEND_SIDECAR, contract.BACKEND_INPROCESS):
+        raise SettingsError(
+            f"{contract.ENV_BACKEND}={backend!r} is not a backend; "
+            f"allowed: {contract.BACKEND_SIDECAR!r}, {contract.BACKEND_INPROCESS!r}"
+        )
+
+    config_url = _attr(llm_args, "kv_connector_config", "server_url")
+    server_url = str(config_url or env.get(contract.ENV_SERVER_URL) or contract.server_url())
+    if backend == contract.BACKEND_SIDECAR and not server_url.startswith(_URL_SCHEMES):
+        raise SettingsError(
+            f"server_url={server_url!r} (kv_connector_config.server_url or {contract.ENV_SERVER_URL}) "
+            f"is not a ZMQ URL; allowed schemes: {', '.join(_URL_SCHEMES)} (e.g. {contract.server_url()})"
+        )
+
+    model_name = env.get(contract.ENV_MODEL_NAME) or str(_attr(llm_args, "model") or "")
+    if not model_name:
+        raise SettingsError(f"{contract.ENV_MODEL_NAME} is empty and llm_args.model is unset; set either")
+
+    tpb_args = _attr(llm_args, "kv_cache_config", "tokens_per_block")
+    tokens_per_block = _parse_positive_int(
+        env, contract.ENV_TOKENS_PER_BLOCK, int(tpb_args) if tpb_args else DEFAULT_TOKENS_PER_BLOCK
+    )
+    assert tokens_per_block is not None
+    if tpb_args and int(tpb_args) != tokens_per_block:
+        raise SettingsError(
+            f"{contract.ENV_TOKENS_PER_BLOCK}={tokens_per_block} disagrees with "
+            f"kv_cache_config.tokens_per_block={tpb_args}; they must match"
+        )
+    chunk_size = _parse_positive_int(env, contract.ENV_CHUNK_SIZE, None)
+    if chunk_size is not None and chunk_size % tokens_per_block != 0:
+        raise SettingsError(
+            f"{contract.ENV_CHUNK_SIZE}={chunk_size} must be a multiple of tokens_per_block={tokens_per_block}"
+        )
+
+    tp = int(_attr(llm_args, "tensor_parallel_size") or 1)
+    pp = int(_attr(llm_args, "pipeline_parallel_size") or 1)
+    if pp != 1:
+        raise SettingsError(f"pipeline_parallel_size={pp}: TensorRT-LLM's KV connector requires 1")
+
+    def timeout(name: str, default: int) -> int:
+        value = _parse_positive_int(env, name, default)
+        assert value is not None
+        return value
+
+    return ConnectorSettings(
+        backend=backend,
+        server_url=server_url,
+        model_name=model_name,
+        tokens_per_block=tokens_per_block,
+        chunk_size=chunk_size,
+        world_size=tp * pp,
+        lookup_timeout_ms=timeout(contract.ENV_LOOKUP_TIMEOUT_MS, DEFAULT_LOOKUP_TIMEOUT_MS),
+        retrieve_timeout_ms=timeout(contract.ENV_RETRIEVE_TIMEOUT_MS, DEFAULT_RETRIEVE_TIMEOUT_MS),
+        store_timeout_ms=timeout(contract.ENV_STORE_TIMEOUT_MS, DEFAULT_STORE_TIMEOUT_MS),
+        heartbeat_interval_ms=timeout(contract.ENV_HEARTBEAT_INTERVAL_MS, DEFAULT_HEARTBEAT_INTERVAL_MS),
+        save_decode_tokens=_parse_bool(env, contract.ENV_SAVE_DECODE_TOKENS, False),
+        async_save=_parse_bool(env, contract.ENV_ASYNC_SAVE, DEFAULT_ASYNC_SAVE),
+        metrics_enabled=_parse_bool(env, contract.ENV_METRICS_ENABLED, True),
+        metrics_dir=env.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None,
+    )

@@ -1,0 +1,356 @@
+"""TensorRT-LLM KV connector: the thin hooks TensorRT-LLM calls every step.
+
+Enable it in a trtllm-serve options file::
+
+    kv_cache_config: {enable_block_reuse: true}
+    kv_connector_config:
+      connector_module: kvoffload.connector.trtllm
+      connector_scheduler_class: KvoffloadConnectorScheduler
+      connector_worker_class: KvoffloadConnectorWorker
+
+Each hook gathers its inputs, calls a pure function in ``planning`` and performs
+the effect through a backend (``sidecar``: LMCache MP server in the pod;
+``inprocess``: LMCache engine in this process). Decisions and their reasons are
+in docs/connector.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from kvoffload import contract
+from kvoffload.connector import planning
+from kvoffload.connector.backends.base import BackendError, KVBackend, kv_geometry, read_hf_config
+from kvoffload.connector.keys import salt_of
+from kvoffload.connector.metrics import ConnectorMetrics, get_metrics
+from kvoffload.connector.settings import ConnectorSettings, parse_settings
+
+try:
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+except ImportError:  # TensorRT-LLM 1.1/1.2 module path
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadLoadError(RuntimeError):
+    """KV promised to TensorRT-LLM could not be loaded; the affected requests must fail, never run on garbage."""
+
+
+def _rank() -> int:
+    try:
+        import tensorrt_llm
+
+        return int(tensorrt_llm.mpi_rank())
+    except (ImportError, AttributeError):
+        return 0
+
+
+def _make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
+    from kvoffload.connector.backends.sidecar import SidecarBackend
+
+    if settings.backend == contract.BACKEND_INPROCESS:
+        from kvoffload.connector.backends.inprocess import inprocess_settings
+
+        settings = inprocess_settings(settings)
+
+    return SidecarBackend(settings, rank=rank, role=role, metrics=metrics)
+
+
+def _count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
+    """Count operations skipped because the backend is down (failures themselves are counted where they happen)."""
+    if exc.reason == "unavailable":
+        metrics.error(exc.operation, "unavailable")
+
+
+def _prompt_tokens(request: Any) -> list[int]:
+    tokens = request.get_tokens(0)
+    return list(tokens)
+
+
+class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
+    """Rank-0 half: lookups, and which blocks to load and save each iteration."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._metrics = get_metrics(self._settings.model_name, self._settings.backend, self._settings.metrics_enabled)
+        self._backend = _make_backend(self._settings, "scheduler", 0, self._metrics)
+        self._block = self._settings.tokens_per_block
+        self._chunk = self._backend.chunk_size
+        # Session ids are unique per engine start: LMCache caches chunk hashes per session,
+        # and TensorRT-LLM request ids repeat after a restart.
+        self._session_prefix = uuid.uuid4().hex[:12]
+        self._requests: dict[int, planning.RequestState] = {}
+        logger.info(
+            "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
+            self._settings.backend,
+            self._settings.server_url,
+            self._settings.model_name,
+            self._chunk,
+            self._block,
+        )
+
+    def _state_for(self, request: Any, num_prompt_tokens: int) -> planning.RequestState:
+        rid = int(request.request_id)
+        state = self._requests.get(rid)
+        if state is None:
+            state = planning.RequestState(
+                request_id=rid,
+                session_id=f"{self._session_prefix}-{rid}",
+                salt=salt_of(request),
+                num_prompt_tokens=num_prompt_tokens,
+            )
+            self._requests[rid] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Step 2 (first context chunk, after device prefix reuse): tokens loadable beyond the device's.
+
+        Returns ``(n, False)``: the load is synchronous in ``start_load_kv``. A failed
+        or slow lookup answers 0, so the engine simply computes.
+        """
+        tokens = _prompt_tokens(request)
+        state = self._state_for(request, len(tokens))
+        state.tokens = tokens
+        state.load = planning.NO_LOAD  # only this call's promise may turn into a load
+        end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
+        if end == 0:
+            return 0, False
+        token_ids = tuple(tokens)
+        m = self._metrics
+        t0 = time.perf_counter()
+        try:
+            hit = self._backend.lookup(state.session_id, token_ids, end, state.salt)
+        except BackendError as exc:
+            _count_skip(self._metrics, exc)
+            logger.debug("event=lookup_failed request=%d reason=%s", state.request_id, exc.reason)
+            return 0, False
+        m.record_lookup(time.perf_counter() - t0, end, hit)
+        decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
+        if decision.free_ranges:
+            self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
+        state.load = decision
+        state.stored_upto = max(state.stored_upto, hit)
+        logger.debug(
+            "event=lookup request=%d prompt=%d device=%d queried=%d hit=%d matched=%d",
+            state.request_id,
+            len(tokens),
+            num_computed_tokens,
+            end,
+            hit,
+            decision.matched_tokens,
+        )
+        return decision.matched_tokens, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Step 2, right after allocation: remember the request's blocks (loads target them)."""
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            state.block_ids = list(block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
+        """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
+        loads: list[planning.TransferOp] = []
+        saves: list[planning.TransferOp] = []
+        for req in scheduler_output.new_requests:
+            state = self._requests.get(int(req.request_id))
+            if state is None:  # never looked up (e.g. dummy request): still save it
+                state = self._state_for(req, len(req.new_tokens))
+            state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
+            if not state.block_ids:
+                state.block_ids = list(req.new_block_ids)
+            before = req.computed_position + state.load.matched_tokens
+            if state.load.loads:
+                loads.append(
+                    self._op(state, state.load.retrieve_start, state.load.retrieve_end, state.load.skip_tokens)
+                )
+            state.tokens_with_kv = planning.tokens_with_kv_after_step(
+                before, req.num_scheduled_tokens, len(state.tokens)
+            )
+            self._plan_save(state, saves)
+        for req in scheduler_output.cached_requests:
+            state = self._requests.get(int(req.request_id))
+            if state is None:
+                continue
+            state.tokens.extend(req.new_tokens)
+            state.block_ids.extend(req.new_block_ids)
+            state.tokens_with_kv = planning.tokens_with_kv_after_step(
+                state.tokens_with_kv, req.num_scheduled_tokens, len(state.tokens)
+            )
+            self._plan_save(state, saves)
+        return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves))
+
+    def _plan_save(self, state: planning.RequestState, saves: list[planning.TransferOp]) -> None:
+        span = planning.plan_save(
+            state.stored_upto,
+            state.tokens_with_kv,
+            len(state.block_ids) * self._block,
+            state.num_prompt_tokens,
+            self._chunk,
+            self._settings.save_decode_tokens,
+        )
+        if span is None:
+            return
+        saves.append(self._op(state, span[0], span[1], 0))
+        state.stored_upto = span[1]
+        state.saves_issued += 1
+
+    def _op(self, state: planning.RequestState, start: int, end: int, skip: int) -> planning.TransferOp:
+        return planning.TransferOp(
+            request_id=state.request_id,
+            session_id=state.session_id,
+            token_ids=tuple(state.tokens[:end]),
+            start=start,
+            end=end,
+            block_ids=planning.block_slice(state.block_ids, start, end, self._block),
+            skip_tokens=skip,
+            salt=state.salt,
+        )
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Step 5: forget the request; True (hold its blocks) only when async saves may still be running."""
+        state = self._requests.pop(int(request.request_id), None)
+        if state is None:
+            return False
+        self._backend.end_session(state.session_id)
+        return self._settings.async_save and state.saves_issued > 0
+
+
+class KvoffloadConnectorWorker(KvCacheConnectorWorker):
+    """Every rank: moves KV between TensorRT-LLM's pool and the store."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._rank = _rank()
+        self._metrics = get_metrics(self._settings.model_name, self._settings.backend, self._settings.metrics_enabled)
+        self._backend = _make_backend(self._settings, "worker", self._rank, self._metrics)
+        self._block = self._settings.tokens_per_block
+        # Async saves: one background thread; request ids wait in _saving until their stores ran.
+        self._save_queue: deque[tuple[planning.TransferOp, Any]] = deque()
+        self._save_cv = threading.Condition()
+        self._saving: dict[int, int] = {}
+        self._finished_waiting: set[int] = set()
+        self._save_thread: threading.Thread | None = None
+        if self._settings.async_save:
+            self._save_thread = threading.Thread(target=self._save_loop, name="kvoffload-save", daemon=True)
+            self._save_thread.start()
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``."""
+        geometry = kv_geometry(
+            int(kv_cache_tensor.shape[-1]),
+            self._block,
+            read_hf_config(self._settings.model_name),
+            self._settings.world_size,
+        )
+        self._backend.register(kv_cache_tensor, geometry)
+
+    def start_load_kv(self, stream: Any) -> None:
+        """Step 3: load every promised range now, before the forward pass reads it.
+
+        A load that fails raises ``KvoffloadLoadError``: TensorRT-LLM already counts
+        those tokens as computed, so running on would produce wrong output.
+        """
+        meta = self._metadata
+        if not isinstance(meta, planning.ConnectorMetadata) or not meta.loads:
+            return
+        failed: list[int] = []
+        m = self._metrics
+        for op in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._backend.retrieve(op)
+            except BackendError as exc:
+                _count_skip(m, exc)
+                logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, exc.reason)
+                failed.append(op.request_id)
+                continue
+            m.record_retrieve(time.perf_counter() - t0, op.num_tokens, nbytes)
+        if failed:
+            raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``)."""
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, after it ran: nothing (a block spans all layers; saves run in ``wait_for_save``)."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Step 4 (end of forward): store this iteration's new full chunks (or queue them when async)."""
+        meta = self._metadata
+        if not isinstance(meta, planning.ConnectorMetadata) or not meta.saves:
+            return
+        if self._save_thread is not None:
+            # The saver must not copy before the forward pass wrote the KV: it waits on this event.
+            event = stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
+            with self._save_cv:
+                for op in meta.saves:
+                    self._saving[op.request_id] = self._saving.get(op.request_id, 0) + 1
+                    self._save_queue.append((op, event))
+                self._save_cv.notify()
+            return
+        for op in meta.saves:
+            self._store(op)
+
+    def _store(self, op: planning.TransferOp) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._backend.store(op)
+        except BackendError as exc:
+            _count_skip(self._metrics, exc)
+            logger.warning("event=store_failed request=%d reason=%s", op.request_id, exc.reason)
+            return
+        self._metrics.record_store(time.perf_counter() - t0, op.end - op.start, nbytes)
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._save_cv:
+                while not self._save_queue:
+                    self._save_cv.wait()
+                op, event = self._save_queue.popleft()
+            try:
+                if event is not None:
+                    event.synchronize()
+                self._store(op)
+            except Exception:  # the saver must survive anything, or finished requests would wait forever
+                logger.exception("event=save_error request=%d", op.request_id)
+            finally:
+                with self._save_cv:
+                    left = self._saving.get(op.request_id, 1) - 1
+                    if left <= 0:
+                        self._saving.pop(op.request_id, None)
+                    else:
+                        self._saving[op.request_id] = left
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Step 6: requests whose async saves are done (loads are synchronous, never reported)."""
+        if self._save_thread is None:
+            return [], []
+        with self._save_cv:
+            self._finished_waiting.update(finished_gen_req_ids)
+            done = [rid for rid in self._finished_waiting if rid not in self._saving]
+            self._finished_waiting.difference_update(done)
+        return done, []
+
+    def shutdown(self) -> None:
+        """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""
+        self._backend.close()
+        self._metrics.flush()

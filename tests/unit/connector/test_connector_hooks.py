@@ -1,0 +1,143 @@
+"""The scheduler/worker hooks against a fake backend: what reaches the worker, and failure handling."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload import contract
+from kvoffload.connector import planning
+from kvoffload.connector.backends.base import BackendError
+
+pytestmark = pytest.mark.connector
+STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
+if STANDIN not in sys.path:
+    sys.path.insert(0, STANDIN)
+
+
+class FakeBackend:
+    chunk_size = 64
+
+    def __init__(self) -> None:
+        self.hit = 0
+        self.fail: str | None = None
+        self.freed: list[tuple[tuple[int, int], ...]] = []
+        self.stored: list[planning.TransferOp] = []
+        self.sessions_ended: list[str] = []
+
+    def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
+        if self.fail:
+            raise BackendError("lookup", self.fail)
+        return min(self.hit, end)
+
+    def free_lookup_locks(self, session_id: str, token_ids: Any, ranges: Any, salt: str) -> None:
+        self.freed.append(ranges)
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions_ended.append(session_id)
+
+    def retrieve(self, op: planning.TransferOp) -> int:
+        if self.fail:
+            raise BackendError("retrieve", self.fail)
+        return 1
+
+    def store(self, op: planning.TransferOp) -> int:
+        if self.fail:
+            raise BackendError("store", self.fail)
+        self.stored.append(op)
+        return 1
+
+    def register(self, pool: Any, geometry: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Req:
+    def __init__(self, rid: int, tokens: list[int], salt: str | None = None) -> None:
+        self.request_id = rid
+        self.tokens = tokens
+        self.cache_salt = salt
+
+    def get_tokens(self, beam: int) -> list[int]:
+        return self.tokens
+
+
+@pytest.fixture
+def trtllm() -> Any:
+    """The shipped hooks module (imported after the stand-in is on sys.path)."""
+    return importlib.import_module(contract.CONNECTOR_MODULE)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, trtllm: Any) -> FakeBackend:
+    backend = FakeBackend()
+    monkeypatch.setattr(trtllm, "_make_backend", lambda *a, **k: backend)
+    monkeypatch.setenv(contract.ENV_METRICS_ENABLED, "false")
+    monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
+    return backend
+
+
+def _args() -> Any:
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs
+
+    return TorchLlmArgs(model="hooks", kv_cache_config=KvCacheConfig(tokens_per_block=16))
+
+
+def _new(rid: int, tokens: list[int], blocks: list[int], computed: int, scheduled: int) -> Any:
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+
+    return SchedulerOutput(new_requests=[RequestData(rid, tokens, blocks, computed, scheduled)])
+
+
+def test_hit_becomes_one_load_and_new_chunks_one_save(fake: FakeBackend, trtllm: Any) -> None:
+    sched = trtllm.KvoffloadConnectorScheduler(_args())
+    tokens = list(range(200))
+    fake.hit = 128
+    assert sched.get_num_new_matched_tokens(Req(1, tokens), 0) == (128, False)
+    blocks = list(range(13))
+    sched.update_state_after_alloc(Req(1, tokens), blocks)
+    meta = sched.build_connector_meta(_new(1, tokens, blocks, 0, 72))
+    (load,) = meta.loads
+    assert (load.start, load.end, load.skip_tokens, load.block_ids) == (0, 128, 0, tuple(blocks[:8]))
+    (save,) = meta.saves  # [128, 192): the chunk this step completes
+    assert (save.start, save.end, save.block_ids) == (128, 192, tuple(blocks[8:12]))
+    assert save.token_ids == tuple(tokens[:192])
+    assert sched.request_finished(Req(1, tokens), blocks) is False  # synchronous saves
+    assert fake.sessions_ended == [load.session_id]
+
+
+def test_failed_lookup_promises_nothing_and_forgets_an_earlier_promise(fake: FakeBackend, trtllm: Any) -> None:
+    sched = trtllm.KvoffloadConnectorScheduler(_args())
+    tokens = list(range(200))
+    fake.hit = 192
+    assert sched.get_num_new_matched_tokens(Req(1, tokens), 0)[0] == 192
+    fake.fail = "timeout"  # TensorRT-LLM asks again (request rescheduled): the sidecar is now down
+    assert sched.get_num_new_matched_tokens(Req(1, tokens), 0) == (0, False)
+    meta = sched.build_connector_meta(_new(1, tokens, list(range(13)), 0, 200))
+    assert meta.loads == ()
+
+
+def test_salts_reach_every_op(fake: FakeBackend, trtllm: Any) -> None:
+    sched = trtllm.KvoffloadConnectorScheduler(_args())
+    tokens = list(range(130))
+    sched.get_num_new_matched_tokens(Req(1, tokens, salt="tenant"), 0)
+    meta = sched.build_connector_meta(_new(1, tokens, list(range(9)), 0, 130))
+    assert meta.saves and all(op.salt and op.salt != "tenant" for op in meta.saves)
+
+
+def test_worker_failed_load_raises_and_failed_store_does_not(fake: FakeBackend, trtllm: Any) -> None:
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    fake.fail = "timeout"
+    worker.bind_connector_meta(planning.ConnectorMetadata(loads=(op,)))
+    with pytest.raises(trtllm.KvoffloadLoadError, match=r"\[1\]"):
+        worker.start_load_kv(None)
+    worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+    worker.wait_for_save(None)  # logged and counted, never raised
+    assert worker.get_finished([1], []) == ([], [])
