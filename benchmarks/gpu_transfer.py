@@ -107,9 +107,7 @@ def start_sidecar(l1: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str,
     raise RuntimeError("sidecar not ready in 300 s")
 
 
-def make_backend(
-    url: str, pool: torch.Tensor | None, fast: bool, workdir: Path, role: str = "worker", piece_bytes: int = 256 << 20
-) -> Any:
+def make_backend(url: str, pool: torch.Tensor | None, fast: bool, workdir: Path, role: str = "worker") -> Any:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
     from kvoffload.connector.backends.base import kv_geometry
     from kvoffload.connector.backends.sidecar import SidecarBackend
@@ -127,7 +125,6 @@ def make_backend(
         "KVOFFLOAD_STORE_TIMEOUT_MS": "600000",
         "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "600000",
         "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "60000",
-        "KVOFFLOAD_TRANSFER_PIECE_BYTES": str(piece_bytes),
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
@@ -197,13 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--l1", default="64Gi")
     parser.add_argument("--shipped-tokens", type=int, default=4096, help="size for LMCache's own copies (0: skip)")
-    parser.add_argument(
-        "--piece-mib",
-        type=int,
-        nargs="+",
-        default=[256, 1 << 20],
-        help="pipelined piece sizes to compare (a huge one = one PREPARE/COMMIT per transfer)",
-    )
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -231,15 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             device=DEVICE,
         )
         scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
-        for piece_mib in args.piece_mib:
-            fast = make_backend(url, pool, fast=True, workdir=workdir, piece_bytes=piece_mib << 20)
-            for tokens in args.tokens:
-                nbytes = tokens * BYTES_PER_TOKEN
-                row = {"tokens": tokens, "bytes": nbytes, "piece_mib": piece_mib, "raw": raw_copy_baseline(nbytes)}
-                row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt=f"fast{piece_mib}")
-                print(json.dumps(row), flush=True)
-                results["sizes"].append(row)
-            fast.close()
+        fast = make_backend(url, pool, fast=True, workdir=workdir)
+        for tokens in args.tokens:
+            nbytes = tokens * BYTES_PER_TOKEN
+            row = {"tokens": tokens, "bytes": nbytes, "raw": raw_copy_baseline(nbytes)}
+            row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt="fast")
+            print(json.dumps(row), flush=True)
+            results["sizes"].append(row)
+        fast.close()
         if args.shipped_tokens:
             shipped = make_backend(url, pool, fast=False, workdir=workdir)
             row = {
@@ -255,12 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         sidecar.terminate()
         sidecar.wait(timeout=60)
         results["sidecar_log_tail"] = (workdir / "sidecar.log").read_text(errors="replace")[-4000:]
-    print("\n| piece | tokens | bytes | raw H2D | raw D2H | store | retrieve | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| tokens | bytes | raw H2D | raw D2H | store | retrieve | bit-exact |")
+    print("|---|---|---|---|---|---|---|")
     for row in results["sizes"]:
         k, raw = row["kvoffload"], row["raw"]
         print(
-            f"| {row['piece_mib']} MiB | {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB | {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
+            f"| {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB | {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
             f"| {k['store_gbps']:.1f} GB/s ({k['store_ms']:.0f} ms) | {k['retrieve_gbps']:.1f} GB/s "
             f"({k['retrieve_ms']:.0f} ms) | {k['bit_exact']} |"
         )

@@ -158,15 +158,3 @@ class RequestState:
     stored_upto: int = 0
     load: LoadDecision = NO_LOAD
     saves_issued: int = 0
-
-
-def transfer_pieces(start: int, end: int, chunk_size: int, piece_chunks: int) -> list[tuple[int, int]]:
-    """Chunk-aligned sub-ranges of ``[start, end)`` of at most ``piece_chunks`` chunks, in order.
-
-    Each piece is its own LMCache PREPARE/COMMIT, so the messages of one piece overlap
-    the copies of its neighbours instead of adding to them.
-    """
-    if piece_chunks <= 0 or chunk_size <= 0:
-        raise ValueError(f"piece_chunks={piece_chunks} and chunk_size={chunk_size} must be positive")
-    step = chunk_size * piece_chunks
-    return [(s, min(s + step, end)) for s in range(start, end, step)]

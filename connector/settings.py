@@ -17,7 +17,6 @@ DEFAULT_LOOKUP_TIMEOUT_MS = 100
 DEFAULT_RETRIEVE_TIMEOUT_MS = 5000
 DEFAULT_STORE_TIMEOUT_MS = 5000
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
-DEFAULT_TRANSFER_PIECE_BYTES = 256 * 2**20  # H200: 8 Llama-3-8B chunks; messages hide behind ~5 ms of copy
 DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_ASYNC_SAVE = True
 """Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
@@ -45,8 +44,6 @@ class ConnectorSettings:
     retrieve_timeout_ms: int
     store_timeout_ms: int
     heartbeat_interval_ms: int
-    transfer_piece_bytes: int
-    """A transfer larger than this is split into pieces whose messages overlap the copies."""
     save_decode_tokens: bool
     async_save: bool
     metrics_enabled: bool
@@ -144,7 +141,6 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         retrieve_timeout_ms=timeout(contract.ENV_RETRIEVE_TIMEOUT_MS, DEFAULT_RETRIEVE_TIMEOUT_MS),
         store_timeout_ms=timeout(contract.ENV_STORE_TIMEOUT_MS, DEFAULT_STORE_TIMEOUT_MS),
         heartbeat_interval_ms=timeout(contract.ENV_HEARTBEAT_INTERVAL_MS, DEFAULT_HEARTBEAT_INTERVAL_MS),
-        transfer_piece_bytes=timeout(contract.ENV_TRANSFER_PIECE_BYTES, DEFAULT_TRANSFER_PIECE_BYTES),
         save_decode_tokens=_parse_bool(env, contract.ENV_SAVE_DECODE_TOKENS, False),
         async_save=_parse_bool(env, contract.ENV_ASYNC_SAVE, DEFAULT_ASYNC_SAVE),
         metrics_enabled=_parse_bool(env, contract.ENV_METRICS_ENABLED, True),

@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -35,7 +34,7 @@ from lmcache.v1.platform import synchronize_device
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
 from kvoffload.connector.metrics import ConnectorMetrics
-from kvoffload.connector.planning import TransferOp, transfer_pieces
+from kvoffload.connector.planning import TransferOp
 from kvoffload.connector.settings import ConnectorSettings
 
 logger = logging.getLogger("kvoffload.connector")
@@ -80,8 +79,6 @@ class SidecarBackend:
         # receive PREPARE/LOOKUP messages that were meant for its predecessor.
         self._zmq.setsockopt(zmq.LINGER, 0)
         self._lock = threading.RLock()
-        # PREPARE/COMMIT messages of a pipelined transfer run here, overlapping the copies.
-        self._messages = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvoffload-transfer-{role}")
         self._client: Any = RequestClientFactory.create(settings.server_url, context=self._zmq)
         self._up = threading.Event()
         self._needs_reset = False
@@ -308,68 +305,30 @@ class SidecarBackend:
         skipped_blocks = op.skip_tokens // self._settings.tokens_per_block
         return (len(op.block_ids) - skipped_blocks) * self._block_bytes
 
-    def _piece_plan(self, op: TransferOp) -> list[tuple[IPCCacheServerKey, tuple[int, ...]]]:
-        """(key, block ids) of each pipelined piece of ``op``."""
-        assert self._pool is not None
-        chunk_bytes = self._blocks_per_chunk * self._block_bytes
-        piece_chunks = max(1, self._settings.transfer_piece_bytes // max(1, chunk_bytes))
-        tpb = self._settings.tokens_per_block
-        plan = []
-        for start, end in transfer_pieces(op.start, op.end, self.chunk_size, piece_chunks):
-            first = (start - op.start) // tpb
-            key = self._key(op.session_id, op.token_ids, start, end, op.salt, worker=True)
-            plan.append((key, op.block_ids[first : first + (end - start) // tpb]))
-        return plan
-
-    def _record_copies(self) -> Any:
-        """An event after the copies queued so far (None on CPU, where copies are synchronous)."""
-        device = self._pool.device
-        if device.type != "cuda":
-            return None
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    def _after_copies(self, event: Any, message: Any, *args: Any) -> Any:
-        """Wait for ``event``'s copies, then send ``message`` (runs on the message thread)."""
-        if event is not None:
-            event.synchronize()
-        return message(*args)
-
     def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
-        """PREPARE piece i+1 while piece i is copied; COMMIT each piece once its copies are done."""
         assert self._geometry is not None and self._instance_id is not None
         g = self._geometry
         bpc = self._blocks_per_chunk
-        iid = self._instance_id
-        plan = self._piece_plan(op)
         t0 = time.perf_counter()
-        prepared: Future[Any] = self._messages.submit(edc.prepare_retrieve, plan[0][0], iid)
-        commits: list[Future[Any]] = []
-        ok = True
-        for i, (piece_key, blocks) in enumerate(plan):
-            chunks = prepared.result()
-            if i + 1 < len(plan):
-                prepared = self._messages.submit(edc.prepare_retrieve, plan[i + 1][0], iid)
-            piece_ok = ok and chunks is not None and len(chunks) * bpc == len(blocks)
-            event = None
-            if piece_ok:
-                skip = op.skip_tokens // g.tokens_per_block if i == 0 else 0
-                scatter_chunks(self._pool, blocks, chunks, skip, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
-                event = self._record_copies()
-            ok = piece_ok
-            # The server may reuse a piece's slots after its COMMIT: commit only after its copies.
-            commits.append(self._messages.submit(self._after_copies, event, edc.commit_retrieve, piece_key, iid))
-        for commit in commits:
-            commit.result()
-        synchronize_device(self._pool.device)
+        chunks = edc.prepare_retrieve(key, self._instance_id)
+        t1 = time.perf_counter()
+        ok = chunks is not None and len(chunks) * bpc == len(op.block_ids)
+        try:
+            if ok:
+                skip = op.skip_tokens // g.tokens_per_block
+                scatter_chunks(
+                    self._pool, op.block_ids, chunks, skip, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim
+                )
+                synchronize_device(self._pool.device)  # the server may reuse the slots after COMMIT
+        finally:
+            t2 = time.perf_counter()
+            edc.commit_retrieve(key, self._instance_id)
         logger.debug(
-            "event=transfer_timing op=retrieve blocks=%d pieces=%d total_ms=%.3f",
+            "event=transfer_timing op=retrieve blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
             len(op.block_ids),
-            len(plan),
-            (time.perf_counter() - t0) * 1e3,
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            (time.perf_counter() - t2) * 1e3,
         )
         return ok
 
@@ -399,42 +358,32 @@ class SidecarBackend:
         return len(op.block_ids) * self._block_bytes
 
     def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
-        """PREPARE piece i+1 while piece i is copied into its slots; COMMIT each once copied."""
         assert self._geometry is not None and self._instance_id is not None
         g = self._geometry
         bpc = self._blocks_per_chunk
-        iid = self._instance_id
         synchronize_device(self._pool.device)  # the forward pass must have written the KV
-        plan = self._piece_plan(op)
         t0 = time.perf_counter()
-        prepared: Future[Any] = self._messages.submit(edc.prepare_store, plan[0][0], iid)
-        commits: list[Future[Any]] = []
-        missing = False
-        for i, (piece_key, blocks) in enumerate(plan):
-            result = prepared.result()
-            if i + 1 < len(plan):
-                prepared = self._messages.submit(edc.prepare_store, plan[i + 1][0], iid)
-            if result is None:
-                missing = True  # no SHM slots: nothing to copy or commit for this piece
-                continue
-            slots, indices = result
-            if not indices:
-                continue  # LMCache already holds every chunk of this piece
-            gather_chunks(self._pool, blocks, slots, indices, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
-            commits.append(
-                self._messages.submit(self._after_copies, self._record_copies(), edc.commit_store, piece_key, iid, [])
-            )
-        committed = all([bool(c.result()) for c in commits])
-        logger.debug(
-            "event=transfer_timing op=store blocks=%d pieces=%d total_ms=%.3f",
-            len(op.block_ids),
-            len(plan),
-            (time.perf_counter() - t0) * 1e3,
-        )
-        if missing:
+        prepared = edc.prepare_store(key, self._instance_id)
+        t1 = time.perf_counter()
+        if prepared is None:
             raise RuntimeError("server answered PREPARE_STORE without SHM slots")
+        slots, indices = prepared
+        if not indices:
+            return True  # LMCache already holds every chunk
+        gather_chunks(self._pool, op.block_ids, slots, indices, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
+        synchronize_device(self._pool.device)
+        t2 = time.perf_counter()
+        committed = bool(edc.commit_store(key, self._instance_id, []))
+        logger.debug(
+            "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
+            len(indices) * bpc,
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            (time.perf_counter() - t2) * 1e3,
+        )
         return committed
 
+    # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
             try:
@@ -480,7 +429,6 @@ class SidecarBackend:
         """Stop the heartbeat, unregister and close the connection."""
         self._stop.set()
         self._heartbeat.join(timeout=5)
-        self._messages.shutdown(wait=True)
         with self._lock:
             transfer, self._transfer = self._transfer, None
         if transfer is not None:

@@ -162,23 +162,6 @@ def test_chunked_prefill_saves_later_chunks(lmcache_server: LMCacheServer, execu
     assert "Using pickle non-GPU transfer strategy" not in log
 
 
-def test_transfers_split_into_one_chunk_pieces_stay_bit_exact(
-    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One-byte pieces: every chunk is its own pipelined PREPARE/copy/COMMIT, store and retrieve."""
-    monkeypatch.setenv(contract.ENV_TRANSFER_PIECE_BYTES, "1")
-    monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
-    ex = executor_factory("piece-model", lmcache_server.url)
-    p = make_prompt(11, 5 * 64 + 17)
-    (r1,) = ex.run([PromptRequest(1, p, 2)])
-    assert not r1.failed
-    ex.evict_device_cache()
-    (r2,) = ex.run([PromptRequest(2, [*p, 3, 4], 2)])
-    assert r2.connector_matched_tokens == chunk_floor(len(p)) > 64
-    assert r2.output_tokens and not r2.failed
-    assert ex.kv_mismatches == 0
-
-
 def test_tenants_with_different_salts_never_share(lmcache_server: LMCacheServer, executor_factory: Any) -> None:
     """Same prompt, different cache_salt: no hit across tenants; each tenant hits its own KV."""
     ex = executor_factory("salt-model", lmcache_server.url)
