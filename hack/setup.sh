@@ -84,7 +84,7 @@ setup_etcd() {
 }
 
 setup_k8s() {
-  local want="$K8S_VERSION|versioned|$(sha256sum "$ROOT/hack/k8s/go.mod" "$ROOT/hack/k8s/go.sum" | sha256sum | cut -c1-16)"
+  local want="$K8S_VERSION|versioned|$(cat "$ROOT/hack/k8s/go.mod" "$ROOT/hack/k8s/go.sum" | sha256sum | cut -c1-16)"
   if stamp_ok "$BIN/.k8s-stamp" "$want" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ]; then
     log "kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION up to date"; return
   fi
