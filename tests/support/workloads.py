@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
+from hack.journey import wait_until
 from hack.localcluster import GPU_RESOURCE, LocalCluster
 
 TRTLLM_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc26"
@@ -71,11 +71,4 @@ def list_objects(cluster: LocalCluster, kind: str, namespace: str, selector: str
 
 def wait_for(predicate: Any, timeout: float = 60, interval: float = 0.5, what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}")
+    return wait_until(predicate, timeout, what, interval)
