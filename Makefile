@@ -9,7 +9,7 @@ export PYTHONHASHSEED := 0
 PY := $(ROOT)/.venv/bin/python
 ARGS ?=
 
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup demo test lint typecheck pytest bench soak clean
 
 setup:
 	@hack/setup.sh all
@@ -33,6 +33,10 @@ pytest:
 
 bench: setup
 	@$(PY) -m benchmarks.run $(ARGS)
+
+## Reliability soak: every fault at its full count (docs/reliability.md); about 25 minutes.
+soak: setup
+	@$(PY) -m tests.reliability.soak $(ARGS)
 
 clean:
 	rm -rf .venv .cache .mypy_cache .ruff_cache .pytest_cache

@@ -345,12 +345,21 @@ class LocalCluster:
                 proc.popen.wait(timeout=5)
         self.procs.clear()
 
-    def restart(self, component: str) -> None:
-        """Restart one component with the same arguments (for fault tests)."""
+    def restart(self, component: str, grace_s: float = 30.0) -> None:
+        """Restart one component with the same arguments (for fault tests).
+
+        SIGTERM first; a component still running after ``grace_s`` (kube-apiserver drains open
+        watches for a long time) is SIGKILLed, as kubelet would after the grace period.
+        """
         proc = next(p for p in self.procs if p.name == component)
         argv = list(proc.popen.args)  # type: ignore[arg-type]
         os.killpg(proc.popen.pid, signal.SIGTERM)
-        proc.popen.wait(timeout=30)
+        try:
+            proc.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(timeout=30)
         self.procs.remove(proc)
         self._spawn(component, argv)
 

@@ -22,6 +22,7 @@ from kvoffload.quantity import QuantityError, parse_bytes
 from .fragment import ClusterInfo
 from .kube import Kube, load_configuration
 from .metrics import OperatorMetrics
+from .node_caches import NodeCaches
 from .reconcile import EventRecorder, Reconciler
 from .settings import EVICTION_POLICIES, GPU_ACCESS_MODES, OperatorDefaults, SettingsError, base_settings
 
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.serve(int(args.metrics_port))
     reconciler = Reconciler(
         kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native), metrics=metrics,
-        events=EventRecorder(kube), namespaces=tuple(namespaces),
+        events=EventRecorder(kube), namespaces=tuple(namespaces), node_caches=NodeCaches(kube, defaults),
     )  # fmt: skip
     memo = kopf.Memo(reconciler=reconciler, max_workers=int(args.workers), resync_seconds=float(args.resync_seconds))
 

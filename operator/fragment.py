@@ -77,6 +77,18 @@ class ClusterInfo:
 
 
 @dataclass(frozen=True)
+class NodeCacheWiring:
+    """Node mode: the engine uses its node's shared cache pod instead of a sidecar."""
+
+    server_url: str
+    """The cache pods' node-local Service (``internalTrafficPolicy: Local``)."""
+    shm_host_path: str
+    """The node directory mounted at /dev/shm in the engine and in the node's cache pod."""
+    pod_labels: Mapping[str, str]
+    """Labels on the engine pods by which the operator finds the nodes needing a cache pod."""
+
+
+@dataclass(frozen=True)
 class RenderedInjection:
     """What one reconcile applies for an opted-in workload."""
 
@@ -226,10 +238,10 @@ def _env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
-def _engine_env(settings: InjectionSettings) -> list[dict[str, Any]]:
+def _engine_env(settings: InjectionSettings, server_url: str) -> list[dict[str, Any]]:
     env = []
     if settings.backend == c.BACKEND_SIDECAR:
-        env.append(_env(c.ENV_SERVER_URL, c.server_url(c.REQUEST_PORT)))
+        env.append(_env(c.ENV_SERVER_URL, server_url))
     env += [
         _env(c.ENV_BACKEND, settings.backend),
         _env(c.ENV_PYTHONHASHSEED, "0"),
@@ -240,6 +252,9 @@ def _engine_env(settings: InjectionSettings) -> list[dict[str, Any]]:
         _env(c.ENV_RETRIEVE_TIMEOUT_MS, str(settings.retrieve_timeout_ms)),
         _env(c.ENV_STORE_TIMEOUT_MS, str(settings.store_timeout_ms)),
         _env(c.ENV_SAVE_DECODE_TOKENS, "true" if settings.save_decode_tokens else "false"),
+        # lmcache runs inside the engine too (always its client; the whole cache with backend
+        # inprocess) and sends usage telemetry unless told not to: nothing leaves the pod by default.
+        _env(c.ENV_LMCACHE_TRACK_USAGE, "false"),
     ]
     if settings.connector_source == "init-container":
         env.append(_env(c.ENV_PYTHONPATH, c.BUNDLE_PYTHONPATH))
@@ -424,11 +439,13 @@ def render_injection_fragment(
     settings: InjectionSettings,
     cluster: ClusterInfo,
     user_options_yaml: str | None = None,
+    node_cache: NodeCacheWiring | None = None,
 ) -> RenderedInjection | SettingsError:
     """The SSA bodies (workload fragment and generated ConfigMap) for an opted-in workload.
 
     ``user_options_yaml`` is the user's TensorRT-LLM options file when :func:`options_source`
-    said it lives in a ConfigMap (the handler fetched it).
+    said it lives in a ConfigMap (the handler fetched it). ``node_cache`` (node mode, see
+    ``node_mode.render_node_mode_fragment``) wires the engine to its node's cache pod: no sidecar.
     """
     shape = _check_shape(workload)
     if shape:
@@ -462,7 +479,8 @@ def render_injection_fragment(
         )
 
     # Engine container: env, mounts, args.
-    engine_env, env_error = _merge_engine_env(_engine_env(settings), view.container.get("env") or [], engine)
+    url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
+    engine_env, env_error = _merge_engine_env(_engine_env(settings, url), view.container.get("env") or [], engine)
     if env_error:
         return env_error
     user_shm = next(
@@ -473,6 +491,12 @@ def render_injection_fragment(
         ),
         None,
     )
+    if user_shm is not None and node_cache is not None:
+        return SettingsError(
+            f"container {engine} volumeMounts", c.SHM_MOUNT_PATH,
+            "mode node mounts the node's shared /dev/shm there (the cache pod's L1 lives in it); remove your mount",
+            reason="conflict",
+        )  # fmt: skip
     shm_volume = str(user_shm["name"]) if user_shm else c.VOLUME_SHM
     engine_mounts: list[dict[str, Any]] = []
     if user_shm is None:
@@ -488,7 +512,11 @@ def render_injection_fragment(
     # Pod-level: volumes, containers, PID namespace, runtime class.
     cm_name = configmap_name(name)
     volumes: list[dict[str, Any]] = []
-    if user_shm is None:
+    if node_cache is not None:
+        volumes.append(
+            {"name": c.VOLUME_SHM, "hostPath": {"path": node_cache.shm_host_path, "type": "DirectoryOrCreate"}}
+        )
+    elif user_shm is None:
         volumes.append(
             {
                 "name": c.VOLUME_SHM,
@@ -502,7 +530,7 @@ def render_injection_fragment(
         "name": c.VOLUME_TRTLLM_OPTIONS,
         "configMap": {"name": cm_name, "items": [{"key": c.TRTLLM_OPTIONS_FILE, "path": c.TRTLLM_OPTIONS_FILE}]},
     })  # fmt: skip
-    uses_sidecar = settings.backend == c.BACKEND_SIDECAR
+    uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
     if uses_sidecar:
         volumes.append({
             "name": c.VOLUME_POLICY,
@@ -564,7 +592,7 @@ def render_injection_fragment(
     if isinstance(plan, MergeFromConfigMap):
         annotations[c.ANN_ORIGINAL_OPTIONS_PATH] = plan.path
     annotations[c.ANN_INJECTED_VERSION] = cluster.operator_version
-    labels = {c.LABEL_INJECTED: "true"}
+    labels = {c.LABEL_INJECTED: "true", **(node_cache.pod_labels if node_cache else {})}
     digest = config_hash({"metadata": {"annotations": annotations, "labels": labels}, "spec": pod_spec}, configmap_data)
     annotations[c.ANN_CONFIG_HASH] = digest
 

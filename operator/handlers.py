@@ -91,3 +91,17 @@ def _workload_event(body: kopf.Body, event_type: str | None, memo: Any, kind: st
 @kopf.on.event(c.API_GROUP, c.API_VERSION, c.POLICY_PLURAL)
 def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
     _reconciler(memo).policy_changed(_plain(body), deleted=type == "DELETED")
+
+
+@kopf.on.event("", "v1", "pods", labels={c.LABEL_NODE_CACHE_POLICY: kopf.PRESENT})
+def engine_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A node-mode engine pod was scheduled, changed or left: recompute its policy's cache pods."""
+    meta = body.get("metadata") or {}
+    _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_NODE_CACHE_POLICY]))
+
+
+@kopf.on.event("", "v1", "pods", labels={c.LABEL_CACHE_POLICY: kopf.PRESENT})
+def cache_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A cache pod changed or went away: replace it, delete it, or update the policy status."""
+    meta = body.get("metadata") or {}
+    _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_CACHE_POLICY]))

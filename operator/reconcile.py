@@ -32,6 +32,8 @@ from .fragment import (
 )
 from .kube import Kube, KubeApiError, configmap_path, events_path, policy_path, workload_path
 from .metrics import OperatorMetrics
+from .node_caches import NodeCaches
+from .node_mode import render_node_mode_fragment
 from .settings import (
     OperatorDefaults,
     SettingsError,
@@ -111,6 +113,8 @@ class Reconciler:
     events: EventRecorder
     namespaces: tuple[str, ...] = ()
     """Watched namespaces; empty means all."""
+    node_caches: NodeCaches | None = None
+    """Node mode's cache pods (None: node-mode workloads are injected, no cache pods kept)."""
     policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     _done: dict[str, tuple[object, ...]] = field(default_factory=dict)
     _dirty_policies: set[tuple[str, str]] = field(default_factory=set)
@@ -191,7 +195,8 @@ class Reconciler:
                     f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
                     reason="options_missing",
                 ), state)  # fmt: skip
-        rendered = render_injection_fragment(obj, settings, self.cluster, user_options)
+        render = render_node_mode_fragment if settings.mode == "node" else render_injection_fragment
+        rendered = render(obj, settings, self.cluster, user_options)
         if isinstance(rendered, SettingsError):
             return self._reject(obj, rendered, state)
         result = self._apply_injection(obj, rendered, state)
@@ -221,6 +226,12 @@ class Reconciler:
         try:
             answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=False)
         except KubeApiError as exc:
+            if exc.status == 422:
+                # Input the settings could not judge (e.g. a pod-level rule): say so on the workload.
+                return self._reject(obj, SettingsError(
+                    f"{kind} {name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
+                    reason="rejected_by_apiserver",
+                ), state)  # fmt: skip
             if exc.status != 409:
                 raise
             conflicts = exc.field_conflicts
@@ -334,7 +345,20 @@ class Reconciler:
             for workload in self._workloads_naming(*key):
                 self.reconcile(workload)
         if not deleted:
+            self.sync_node_caches(*key)
             self.refresh_policy_status(*key)
+
+    def sync_node_caches(self, namespace: str, name: str) -> None:
+        """Node mode: one cache pod on each node running the policy's engine pods, no other."""
+        if self.node_caches is None:
+            return
+        try:
+            self.node_caches.sync(namespace, name)
+        except KubeApiError as exc:
+            log.warning("node caches %s/%s: %s", namespace, name, exc)
+            self.metrics.errors.labels(kind=c.POLICY_KIND, reason="api_error").inc()
+        with self._lock:
+            self._dirty_policies.add((namespace, name))
 
     def _workloads_naming(self, namespace: str, name: str) -> Iterable[dict[str, Any]]:
         for kind in SUPPORTED_KINDS:
@@ -377,7 +401,10 @@ class Reconciler:
                 "configHash": (template_ann or {}).get(c.ANN_CONFIG_HASH, ""),
             })  # fmt: skip
         workloads.sort(key=lambda w: (w["kind"], w["name"]))
-        status = desired_policy_status(policy, self.defaults, workloads)
+        node_caches = None
+        if self.node_caches is not None:
+            node_caches = self.node_caches.status(namespace, name)
+        status = desired_policy_status(policy, self.defaults, workloads, node_caches)
         current = policy.get("status") or {}
         if _same_status(current, status):
             return
@@ -398,9 +425,10 @@ class Reconciler:
                     self.reconcile(item, force=True)
 
 
-def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults,
-                          workloads: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """The status a KVCachePolicy should show: a Ready condition and its attached workloads."""
+def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults, workloads: list[dict[str, Any]],
+                          node_caches: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The status a KVCachePolicy should show: a Ready condition, its attached workloads and
+    (node mode) each node's cache pod with its readiness."""
     meta = policy.get("metadata") or {}
     check = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: str(meta.get("name"))}, policy, defaults)
     ok = not isinstance(check, SettingsError)
@@ -412,12 +440,15 @@ def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults,
         "observedGeneration": meta.get("generation"),
         "lastTransitionTime": _now(),
     }
-    return {
+    status: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "conditions": [condition],
         "workloads": workloads,
         "workloadCount": len(workloads),
     }
+    if node_caches is not None:
+        status["nodeCaches"] = node_caches
+    return status
 
 
 def _same_status(current: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:

@@ -16,7 +16,7 @@ from kvoffload import contract as c
 from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
 
 MODES = ("sidecar", "node")
-SUPPORTED_MODES = ("sidecar",)
+SUPPORTED_MODES = ("sidecar", "node")
 EVICTION_POLICIES = ("LRU", "ARC")
 BACKENDS = (c.BACKEND_SIDECAR, c.BACKEND_INPROCESS)
 CONNECTOR_SOURCES = ("init-container", "image")
@@ -30,6 +30,12 @@ MAX_WORKERS = 64
 MAX_TIMEOUT_MS = 600_000
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _REDIS_URL = re.compile(r"^rediss?://[^\s]+$")
+_IMAGE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,1024}$")
+"""An image reference: one token, no whitespace or control characters (else every pod fails to pull)."""
+_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+"""Kubernetes' resource.Quantity syntax (any unit: cpu, memory, extended resources)."""
+_RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+RESOURCE_KEYS = ("limits", "requests")
 
 
 @dataclass(frozen=True)
@@ -205,10 +211,31 @@ def _mapping(value: object, field_name: str) -> Mapping[str, Any] | SettingsErro
     return SettingsError(field_name, value, "an object")
 
 
-def _nonempty_str(value: object, field_name: str) -> str | SettingsError:
-    if isinstance(value, str) and value.strip():
+def _image(value: object, field_name: str) -> str | SettingsError:
+    if isinstance(value, str) and _IMAGE.fullmatch(value):
         return value
-    return SettingsError(field_name, value, "a non-empty string")
+    return SettingsError(field_name, value, "an image reference without whitespace or control characters")
+
+
+def _resources(value: object, field_name: str) -> Mapping[str, Any] | SettingsError:
+    """A container ``resources`` object: only limits/requests, each resource name -> quantity."""
+    res = _mapping(value, field_name)
+    if isinstance(res, SettingsError):
+        return res
+    for key, amounts in res.items():
+        if key not in RESOURCE_KEYS:
+            return SettingsError(f"{field_name}.{key}", amounts, "allowed keys: " + ", ".join(RESOURCE_KEYS))
+        if not isinstance(amounts, Mapping):
+            return SettingsError(f"{field_name}.{key}", amounts, "an object of resource name to quantity")
+        for name, amount in amounts.items():
+            if not isinstance(name, str) or not _RESOURCE_NAME.fullmatch(name):
+                return SettingsError(f"{field_name}.{key}", name, "a resource name such as memory or cpu")
+            text = str(amount) if isinstance(amount, int) and not isinstance(amount, bool) else amount
+            if not isinstance(text, str) or not _QUANTITY.fullmatch(text) or text.startswith("-"):
+                return SettingsError(
+                    f"{field_name}.{key}.{name}", amount, "a non-negative quantity such as 8Gi or 500m"
+                )
+    return res
 
 
 def _apply_policy(base: InjectionSettings, spec: Mapping[str, Any], prefix: str) -> InjectionSettings | SettingsError:
@@ -252,12 +279,12 @@ def _apply_policy(base: InjectionSettings, spec: Mapping[str, Any], prefix: str)
     if isinstance(sidecar, SettingsError):
         return sidecar
     if "image" in sidecar:
-        checks.append(take(_nonempty_str(sidecar["image"], f"{prefix}.sidecar.image"), "sidecar_image"))
+        checks.append(take(_image(sidecar["image"], f"{prefix}.sidecar.image"), "sidecar_image"))
     if "imagePullPolicy" in sidecar:
         checks.append(take(_choice(sidecar["imagePullPolicy"], f"{prefix}.sidecar.imagePullPolicy",
                                    PULL_POLICIES), "image_pull_policy"))  # fmt: skip
     if "resources" in sidecar:
-        res = _mapping(sidecar["resources"], f"{prefix}.sidecar.resources")
+        res = _resources(sidecar["resources"], f"{prefix}.sidecar.resources")
         if isinstance(res, SettingsError):
             checks.append(res)
         else:
@@ -269,7 +296,7 @@ def _apply_policy(base: InjectionSettings, spec: Mapping[str, Any], prefix: str)
         rc = sidecar["runtimeClassName"]
         if rc in (None, ""):
             updates["runtime_class_name"] = None
-        elif isinstance(rc, str) and _DNS_LABEL.match(rc):
+        elif isinstance(rc, str) and _DNS_LABEL.fullmatch(rc):
             updates["runtime_class_name"] = rc
         else:
             checks.append(SettingsError(f"{prefix}.sidecar.runtimeClassName", rc, "a DNS-1123 label or empty"))
@@ -277,7 +304,7 @@ def _apply_policy(base: InjectionSettings, spec: Mapping[str, Any], prefix: str)
     if isinstance(connector, SettingsError):
         return connector
     if "bundleImage" in connector:
-        checks.append(take(_nonempty_str(connector["bundleImage"], f"{prefix}.connector.bundleImage"), "bundle_image"))
+        checks.append(take(_image(connector["bundleImage"], f"{prefix}.connector.bundleImage"), "bundle_image"))
     if "backend" in connector:
         checks.append(take(_choice(connector["backend"], f"{prefix}.connector.backend", BACKENDS), "backend"))
     if "source" in connector:
@@ -327,7 +354,7 @@ def _parse_redis(raw: object, prefix: str) -> RedisTier | SettingsError:
     if isinstance(redis, SettingsError):
         return redis
     url = redis.get("url")
-    if not isinstance(url, str) or not _REDIS_URL.match(url):
+    if not isinstance(url, str) or not _REDIS_URL.fullmatch(url):
         return SettingsError(f"{prefix}.url", url, "a redis:// or rediss:// URL")
     ref = redis.get("passwordSecretRef")
     if ref is None:
@@ -336,7 +363,7 @@ def _parse_redis(raw: object, prefix: str) -> RedisTier | SettingsError:
     if isinstance(ref_map, SettingsError):
         return ref_map
     name, key = ref_map.get("name"), ref_map.get("key")
-    if not isinstance(name, str) or not _DNS_LABEL.match(name.replace(".", "-")):
+    if not isinstance(name, str) or not _DNS_LABEL.fullmatch(name.replace(".", "-")):
         return SettingsError(f"{prefix}.passwordSecretRef.name", name, "a Secret name")
     if not isinstance(key, str) or not key:
         return SettingsError(f"{prefix}.passwordSecretRef.key", key, "a key of that Secret")
@@ -367,7 +394,7 @@ def _apply_annotations(base: InjectionSettings, annotations: Mapping[str, str]) 
             updates[attr] = value
     if c.ANN_CONTAINER in annotations:
         name = annotations[c.ANN_CONTAINER]
-        if not isinstance(name, str) or not _DNS_LABEL.match(name):
+        if not isinstance(name, str) or not _DNS_LABEL.fullmatch(name):
             return SettingsError(c.ANN_CONTAINER, name, "the name of one container of the pod (a DNS-1123 label)")
         updates["container"] = name
     return replace(base, **updates)
@@ -409,7 +436,7 @@ def policy_name(annotations: Mapping[str, str] | None) -> str | None | SettingsE
     raw = (annotations or {}).get(c.ANN_POLICY)
     if raw is None:
         return None
-    if not isinstance(raw, str) or not _DNS_LABEL.match(raw.replace(".", "-")) or len(raw) > 253:
+    if not isinstance(raw, str) or not _DNS_LABEL.fullmatch(raw.replace(".", "-")) or len(raw) > 253:
         return SettingsError(c.ANN_POLICY, raw, "the name of a KVCachePolicy in the workload's namespace")
     return raw
 
@@ -449,9 +476,19 @@ def resolve_settings(
     annotated = _apply_annotations(settings, annotations)
     if isinstance(annotated, SettingsError):
         return annotated
+    source = c.ANN_MODE if c.ANN_MODE in annotations else f"KVCachePolicy {name}.spec.mode"
     if annotated.mode not in SUPPORTED_MODES:
-        source = c.ANN_MODE if c.ANN_MODE in annotations else f"KVCachePolicy {name}.spec.mode"
         return SettingsError(
-            source, annotated.mode, "this operator version implements mode sidecar only", reason="unsupported"
-        )
+            source, annotated.mode, "this operator version implements modes " + ", ".join(SUPPORTED_MODES),
+            reason="unsupported",
+        )  # fmt: skip
+    if annotated.mode == "node":
+        # The shared cache pods are owned by (and configured from) one KVCachePolicy.
+        if name is None:
+            return SettingsError(source, "node", f"mode node needs {c.ANN_POLICY} naming a KVCachePolicy: its "
+                                 "cache pods are shared by every workload of that policy")  # fmt: skip
+        if annotated.backend != c.BACKEND_SIDECAR:
+            where = c.ANN_BACKEND if c.ANN_BACKEND in annotations else f"KVCachePolicy {name}.spec.connector.backend"
+            return SettingsError(where, annotated.backend,
+                                 "mode node needs backend sidecar (the cache server runs in the node's cache pod)")  # fmt: skip
     return annotated

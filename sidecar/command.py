@@ -109,7 +109,7 @@ def build_server_command(
         "--instance-id",
         settings.instance_id,
         "--host",
-        LOOPBACK,
+        settings.request_host,
         "--port",
         str(settings.request_port),
         "--http-host",

@@ -11,6 +11,7 @@ Precedence per setting: environment variable, then the policy file, then the def
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -84,6 +85,9 @@ class SidecarSettings:
     track_usage: bool
     policy_file: str | None
     """The policy file the settings were read from, ``None`` when none was mounted."""
+    request_host: str = "127.0.0.1"
+    """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
+    node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""
 
     def describe(self) -> dict[str, str]:
         """Non-secret settings as strings, for logs and the config-info metric."""
@@ -332,7 +336,15 @@ def load_settings(
         ),
         track_usage=_bool(contract.ENV_LMCACHE_TRACK_USAGE, track_raw),
         policy_file=policy_file,
+        request_host=_request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1"),
     )
+
+
+def _request_host(raw: str) -> str:
+    try:
+        return str(ipaddress.ip_address(raw))
+    except ValueError:
+        raise _fail(contract.ENV_REQUEST_HOST, raw, "an IP address, e.g. 127.0.0.1 or 0.0.0.0") from None
 
 
 def parse_policy_text(text: str, path: str) -> dict[str, Any]:

@@ -220,9 +220,12 @@ def test_statefulset_is_injected_and_restored(
 
 
 def test_operator_service_account_cannot_read_secrets_or_exec(cluster: LocalCluster, operator_kubeconfig) -> None:  # type: ignore[no-untyped-def]
-    for verb, resource in (("get", "secrets"), ("list", "secrets"), ("create", "pods/exec"), ("patch", "nodes")):
-        answer = cluster.kubectl("auth", "can-i", verb, resource, "-A", kubeconfig=operator_kubeconfig, check=False)
-        assert answer.stdout.strip() == "no", (verb, resource)
+    # "pods/exec" would mean the pod named exec: the subresource needs --subresource.
+    for verb, resource, *sub in (("get", "secrets"), ("list", "secrets"), ("create", "pods", "--subresource=exec"),
+                                 ("patch", "nodes")):  # fmt: skip
+        answer = cluster.kubectl("auth", "can-i", verb, resource, *sub, "-A", kubeconfig=operator_kubeconfig,
+                                 check=False)  # fmt: skip
+        assert answer.stdout.strip() == "no", (verb, resource, sub)
     assert list_objects  # keep the import used
 
 

@@ -92,7 +92,7 @@ def test_defaults_file_spec_lays_over_flag_defaults() -> None:
         ({c.ANN_SHM_SIZE: "-1Gi"}, c.ANN_SHM_SIZE, "Gi"),
         ({c.ANN_BACKEND: "remote"}, c.ANN_BACKEND, "sidecar, inprocess"),
         ({c.ANN_MODE: "cluster"}, c.ANN_MODE, "sidecar, node"),
-        ({c.ANN_MODE: "node"}, c.ANN_MODE, "sidecar only"),
+        ({c.ANN_MODE: "node"}, c.ANN_MODE, "needs kvoffload.io/policy"),
         ({c.ANN_CONNECTOR_SOURCE: "pip"}, c.ANN_CONNECTOR_SOURCE, "init-container, image"),
         ({c.ANN_CONTAINER: "Not_A_Name"}, c.ANN_CONTAINER, "container"),
         ({c.ANN_POLICY: "Bad Name"}, c.ANN_POLICY, "KVCachePolicy"),
@@ -126,7 +126,7 @@ def test_missing_policy_is_an_error_with_its_own_reason() -> None:
         ({"sidecar": {"runtimeClassName": "Bad_Name"}}, "sidecar.runtimeClassName"),
         ({"connector": {"lookupTimeoutMs": 0}}, "connector.lookupTimeoutMs"),
         ({"connector": {"saveDecodeTokens": "yes"}}, "connector.saveDecodeTokens"),
-        ({"mode": "node"}, "spec.mode"),
+        ({"mode": "node", "connector": {"backend": "inprocess"}}, "connector.backend"),
     ],
 )
 def test_bad_policy_specs_name_the_policy_field(spec: dict[str, Any], field: str) -> None:
@@ -171,4 +171,6 @@ def test_fuzz_annotations_give_settings_or_an_error_never_an_exception(annotatio
     if isinstance(result, SettingsError):
         assert result.field and "is not allowed" in result.message
     else:
-        assert result.l1_bytes > 0 and result.shm_bytes > 0 and result.mode == "sidecar"
+        assert result.l1_bytes > 0 and result.shm_bytes > 0 and result.mode in ("sidecar", "node")
+        if result.mode == "node":
+            assert result.policy_name is not None and result.backend == c.BACKEND_SIDECAR

@@ -103,3 +103,18 @@ def test_redis_password_goes_by_env_never_argv_and_inherited_secrets_are_dropped
 def test_track_usage_opt_in() -> None:
     s = load_settings({contract.ENV_LMCACHE_TRACK_USAGE: "true"}, None)
     assert build_server_command(s, {}, None).env[contract.ENV_LMCACHE_TRACK_USAGE] == "true"
+
+
+def test_node_cache_pod_opens_only_the_request_port_to_other_pods() -> None:
+    """Node mode: engines of other pods dial the request port; LMCache's admin API stays on loopback."""
+    s = load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0"}, None)
+    argv = build_server_command(s, {}, shm_free_bytes=None, python="/py").argv
+    assert _flag(argv, "--host") == "0.0.0.0"
+    assert _flag(argv, "--http-host") == "127.0.0.1"
+
+
+def test_request_host_must_be_an_ip_address() -> None:
+    from kvoffload.sidecar.settings import SettingsError
+
+    with pytest.raises(SettingsError, match=contract.ENV_REQUEST_HOST):
+        load_settings({contract.ENV_REQUEST_HOST: "every where"}, None)

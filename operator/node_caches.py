@@ -1,0 +1,103 @@
+"""Effects of node mode: fetch the policy and its pods, call ``node_mode``'s pure planner,
+create and delete cache pods, apply the node-local Service.
+
+Level-triggered: every pass lists the pods as they are now, so an operator that restarts, or
+misses events, converges on the next pass (kopf's initial listing triggers one per pod).
+Deterministic cache-pod names make a concurrent or repeated create fail instead of duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload import contract as c
+
+from .kube import Kube, KubeApiError, policy_path
+from .node_mode import (
+    cache_pod_selector,
+    cache_service_name,
+    cache_settings,
+    desired_cache_pods,
+    node_cache_status,
+    plan_cache_pods,
+    render_cache_service,
+)
+from .settings import OperatorDefaults, SettingsError
+
+log = logging.getLogger("kvoffload.operator")
+
+
+def pods_path(namespace: str, name: str = "") -> str:
+    base = f"/api/v1/namespaces/{namespace}/pods"
+    return f"{base}/{name}" if name else base
+
+
+def services_path(namespace: str, name: str = "") -> str:
+    base = f"/api/v1/namespaces/{namespace}/services"
+    return f"{base}/{name}" if name else base
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+@dataclass
+class NodeCaches:
+    """Keeps one cache pod per (node, policy) with engine pods; thread-safe per policy."""
+
+    kube: Kube
+    defaults: OperatorDefaults
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _policy_lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def cache_pods(self, namespace: str, policy: str) -> list[dict[str, Any]]:
+        params = {"labelSelector": _selector(cache_pod_selector(policy))}
+        return list(self.kube.request("GET", pods_path(namespace), params=params).get("items") or [])
+
+    def status(self, namespace: str, policy: str) -> list[dict[str, Any]]:
+        return node_cache_status(self.cache_pods(namespace, policy))
+
+    def sync(self, namespace: str, policy_name: str) -> bool:
+        """One pass for one policy; True when it created or deleted something."""
+        with self._policy_lock((namespace, policy_name)):
+            policy = self.kube.get(policy_path(namespace, policy_name))
+            existing = self.cache_pods(namespace, policy_name)
+            desired: dict[str, dict[str, Any]] = {}
+            if policy is not None:
+                settings = cache_settings(policy, self.defaults)
+                if isinstance(settings, SettingsError):
+                    log.warning("node caches %s/%s: %s (cache pods left as they are)", namespace, policy_name,
+                                settings.message)  # fmt: skip
+                    return False
+                engines = (
+                    self.kube.request(
+                        "GET",
+                        pods_path(namespace),
+                        params={"labelSelector": f"{c.LABEL_NODE_CACHE_POLICY}={policy_name}"},
+                    ).get("items")
+                    or []
+                )
+                desired = desired_cache_pods(policy, settings, engines)
+                if desired:
+                    self.kube.apply(services_path(namespace, cache_service_name(policy_name)),
+                                    render_cache_service(policy), c.FIELD_MANAGER)  # fmt: skip
+            plan = plan_cache_pods(desired, existing)
+            for name in plan.delete:
+                log.info("node cache: deleting pod %s/%s", namespace, name)
+                self.kube.delete(pods_path(namespace, name))
+            for manifest in plan.create:
+                log.info("node cache: creating pod %s/%s for node %s", namespace, manifest["metadata"]["name"],
+                         manifest["metadata"]["annotations"][c.ANN_CACHE_NODE])  # fmt: skip
+                try:
+                    self.kube.create(pods_path(namespace), manifest)
+                except KubeApiError as exc:
+                    if exc.status != 409:  # AlreadyExists: another pass got there first
+                        raise
+            return bool(plan.delete or plan.create)

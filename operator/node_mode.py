@@ -1,0 +1,326 @@
+"""Node-shared mode: one LMCache cache pod per node and KVCachePolicy, shared by that policy's
+TensorRT-LLM pods on the node.
+
+Pure decisions only (the effects are in ``node_caches.py``): the engine's pod-template fragment,
+the cache pod every node with an engine pod needs, what to create and delete to get there, the
+node-local Service, and the policy's per-node status. Everything is recomputed from the pods as
+they are now, so an operator restart needs no memory to converge.
+
+How an engine reaches its node's cache: a ClusterIP Service with ``internalTrafficPolicy:
+Local`` selecting the policy's cache pods; kube-proxy (or the CNI's replacement) sends a pod's
+connection only to an endpoint on the pod's own node and drops it when there is none, so an
+engine can never reach another node's cache (the L1 it must map lives in that node's /dev/shm).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload import __version__
+from kvoffload import contract as c
+from kvoffload.quantity import format_bytes
+
+from .fragment import (
+    RESTRICTED_SECURITY_CONTEXT,
+    ClusterInfo,
+    NodeCacheWiring,
+    RenderedInjection,
+    _sidecar_container,
+    render_injection_fragment,
+)
+from .settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+
+MAX_NAME = 63
+TERMINAL_PHASES = ("Succeeded", "Failed")
+CACHE_SETTING_ANNOTATIONS = (c.ANN_CPU_CACHE_SIZE,)
+"""Workload annotations that would size the shared cache: in node mode the policy alone does."""
+SCRAPE_ANNOTATIONS = dict(
+    zip(c.PROMETHEUS_SCRAPE_ANNOTATIONS, ("true", str(c.SIDECAR_HTTP_PORT), c.PATH_METRICS), strict=True)
+)
+SHM_PERMISSIONS = "1777"
+"""The hostPath is created root-owned 0755; the non-root cache server must create its segment
+in it, and engines running as any user must map it (sticky: nobody deletes another's files)."""
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _policy_meta(policy: Mapping[str, Any]) -> tuple[str, str]:
+    meta = policy.get("metadata") or {}
+    return str(meta.get("namespace")), str(meta.get("name"))
+
+
+def cache_service_name(policy: str) -> str:
+    """The node-local Service of a policy's cache pods (a DNS-1035 label)."""
+    name = f"kvoffload-{policy}".replace(".", "-")
+    if len(name) <= MAX_NAME:
+        return name
+    return f"kvoffload-{policy[:40].replace('.', '-').rstrip('-')}-{_digest(policy)[:8]}"
+
+
+def cache_pod_name(policy: str, node: str) -> str:
+    """One deterministic name per (policy, node): a second create is refused, never duplicated."""
+    name = f"{policy}-cache-{node}"
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{policy[:36].rstrip('-.')}-cache-{_digest(node)[:12]}"
+
+
+def node_shm_host_path(namespace: str, policy: str) -> str:
+    """The node directory a policy's engines and cache pod share as /dev/shm."""
+    return f"{c.NODE_SHM_HOST_ROOT}/{namespace}/{policy}"
+
+
+def cache_server_url(namespace: str, policy: str) -> str:
+    """What the connector dials: the Service name resolves the same everywhere; the traffic
+    policy makes it land on the dialling pod's own node."""
+    return f"tcp://{cache_service_name(policy)}.{namespace}.svc:{c.REQUEST_PORT}"
+
+
+def cache_pod_selector(policy: str) -> dict[str, str]:
+    return {c.LABEL_COMPONENT: c.COMPONENT_NODE_CACHE, c.LABEL_CACHE_POLICY: policy}
+
+
+def _owner(policy: Mapping[str, Any]) -> dict[str, Any]:
+    meta = policy.get("metadata") or {}
+    owner = {
+        "apiVersion": f"{c.API_GROUP}/{c.API_VERSION}",
+        "kind": c.POLICY_KIND,
+        "name": meta.get("name"),
+        "controller": True,
+    }
+    if meta.get("uid"):
+        owner["uid"] = meta["uid"]
+    return owner
+
+
+def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> InjectionSettings | SettingsError:
+    """The shared cache's settings: operator defaults < the policy (no workload's annotations)."""
+    namespace, name = _policy_meta(policy)
+    return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: name}, policy, defaults, namespace)
+
+
+def render_node_mode_fragment(
+    workload: Mapping[str, Any],
+    settings: InjectionSettings,
+    cluster: ClusterInfo,
+    user_options_yaml: str | None = None,
+) -> RenderedInjection | SettingsError:
+    """The engine side of node mode: the sidecar-mode fragment without the sidecar, wired to
+    the node's cache pod (Service URL, the node's shared /dev/shm, the policy label)."""
+    meta = workload.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    for key in CACHE_SETTING_ANNOTATIONS:
+        if key in annotations:
+            return SettingsError(
+                key, annotations[key],
+                "in mode node the cache is shared by the policy's workloads on a node; set it in the "
+                f"KVCachePolicy {settings.policy_name} (spec.cache.l1Size) and remove the annotation",
+            )  # fmt: skip
+    assert settings.policy_name is not None  # resolve_settings requires one in node mode
+    namespace = str(meta.get("namespace"))
+    wiring = NodeCacheWiring(
+        server_url=cache_server_url(namespace, settings.policy_name),
+        shm_host_path=node_shm_host_path(namespace, settings.policy_name),
+        pod_labels={c.LABEL_NODE_CACHE_POLICY: settings.policy_name},
+    )
+    return render_injection_fragment(workload, settings, cluster, user_options_yaml, node_cache=wiring)
+
+
+def _env(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _cache_container(settings: InjectionSettings) -> dict[str, Any]:
+    """The sidecar container (same image, command, env, ports, probes, resources), configured by
+    env instead of a per-workload policy file, its request port open to the node's engines."""
+    container = _sidecar_container(settings, c.VOLUME_SHM, native=False)
+    env = [e for e in container["env"] if e["name"] != c.ENV_POLICY_FILE]
+    env += [
+        _env(c.ENV_REQUEST_HOST, "0.0.0.0"),
+        _env(c.ENV_EVICTION_POLICY, settings.eviction_policy),
+        _env(c.ENV_CHUNK_SIZE, str(settings.chunk_size)),
+        _env(c.ENV_MAX_WORKERS, str(settings.max_workers)),
+    ]
+    if settings.fs_tier:
+        env += [
+            _env(c.ENV_L2_FS_PATH, settings.fs_tier.path),
+            _env(c.ENV_L2_FS_SIZE, format_bytes(settings.fs_tier.size_bytes)),
+        ]
+    if settings.redis_tier:
+        env.append(_env(c.ENV_L2_REDIS_URL, settings.redis_tier.url))
+    container["env"] = env
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != c.VOLUME_POLICY]
+    return container
+
+
+def _shm_permissions_container(settings: InjectionSettings) -> dict[str, Any]:
+    security = copy.deepcopy(RESTRICTED_SECURITY_CONTEXT)
+    security.update({"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0})  # owner of the hostPath
+    return {
+        "name": c.NODE_SHM_PREPARE_CONTAINER,
+        "image": settings.sidecar_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["chmod", SHM_PERMISSIONS, c.SHM_MOUNT_PATH],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": security,
+        "volumeMounts": [{"name": c.VOLUME_SHM, "mountPath": c.SHM_MOUNT_PATH}],
+    }
+
+
+def render_cache_pod(policy: Mapping[str, Any], settings: InjectionSettings, node: str) -> dict[str, Any]:
+    """The cache pod for ``node``: owned by the policy, pinned to the node, tolerating its taints
+    (its engine pods already run there)."""
+    namespace, name = _policy_meta(policy)
+    volumes: list[dict[str, Any]] = [
+        {"name": c.VOLUME_SHM, "hostPath": {"path": node_shm_host_path(namespace, name), "type": "DirectoryOrCreate"}},
+        {"name": c.VOLUME_RUN, "emptyDir": {"sizeLimit": "512Mi"}},
+    ]
+    if settings.fs_tier:
+        volumes.append({"name": c.VOLUME_L2_FS, "emptyDir": {"sizeLimit": format_bytes(settings.fs_tier.size_bytes)}})
+    spec: dict[str, Any] = {
+        "initContainers": [_shm_permissions_container(settings)],
+        "containers": [_cache_container(settings)],
+        "volumes": volumes,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
+        ]}}},
+        "tolerations": [{"operator": "Exists"}],
+        "restartPolicy": "Always",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+    }  # fmt: skip
+    if settings.gpu_access == "nvidia-runtime" and settings.runtime_class_name:
+        spec["runtimeClassName"] = settings.runtime_class_name
+    # The hash covers what makes the pod differ, not the node: one value per policy version.
+    digest = _digest(json.dumps({"spec": {**spec, "affinity": None}}, sort_keys=True))[:16]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": cache_pod_name(name, node),
+            "namespace": namespace,
+            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
+            "annotations": {
+                c.ANN_CACHE_NODE: node,
+                c.ANN_CONFIG_HASH: digest,
+                c.ANN_INJECTED_VERSION: __version__,
+                **SCRAPE_ANNOTATIONS,
+            },
+            "ownerReferences": [_owner(policy)],
+        },
+        "spec": spec,
+    }
+
+
+def _is_live(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
+
+
+def engine_nodes(policy_name: str, engine_pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Nodes running at least one scheduled, not finished engine pod of the policy."""
+    nodes = set()
+    for pod in engine_pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        node = (pod.get("spec") or {}).get("nodeName")
+        if labels.get(c.LABEL_NODE_CACHE_POLICY) == policy_name and node and _is_live(pod):
+            nodes.add(str(node))
+    return sorted(nodes)
+
+
+def desired_cache_pods(
+    policy: Mapping[str, Any], settings: InjectionSettings, engine_pods: Iterable[Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """{node: cache pod manifest} for every node with an engine pod of ``policy``."""
+    _, name = _policy_meta(policy)
+    return {node: render_cache_pod(policy, settings, node) for node in engine_nodes(name, engine_pods)}
+
+
+@dataclass(frozen=True)
+class CachePodPlan:
+    """What to do to the cluster's cache pods: create these manifests, delete these pod names."""
+
+    create: tuple[dict[str, Any], ...]
+    delete: tuple[str, ...]
+
+
+def cache_pod_node(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str((meta.get("annotations") or {}).get(c.ANN_CACHE_NODE) or (pod.get("spec") or {}).get("nodeName") or "")
+
+
+def plan_cache_pods(desired: Mapping[str, Mapping[str, Any]], existing: Iterable[Mapping[str, Any]]) -> CachePodPlan:
+    """Create the missing cache pods; delete those on nodes without engines, outdated or failed
+    ones, and any second pod for a node. A pod still terminating blocks its name's re-creation
+    (its deletion event triggers the next pass)."""
+    kept: set[str] = set()
+    delete: list[str] = []
+    taken: set[str] = set()
+    for pod in sorted(existing, key=lambda p: str((p.get("metadata") or {}).get("name"))):
+        meta = pod.get("metadata") or {}
+        pod_name = str(meta.get("name"))
+        taken.add(pod_name)
+        if meta.get("deletionTimestamp"):
+            continue
+        node = cache_pod_node(pod)
+        want = desired.get(node)
+        current = (meta.get("annotations") or {}).get(c.ANN_CONFIG_HASH)
+        if (
+            want is not None
+            and node not in kept
+            and _is_live(pod)
+            and pod_name == want["metadata"]["name"]
+            and current == want["metadata"]["annotations"][c.ANN_CONFIG_HASH]
+        ):
+            kept.add(node)
+        else:
+            delete.append(pod_name)
+    create = tuple(
+        copy.deepcopy(dict(manifest))
+        for node, manifest in sorted(desired.items())
+        if node not in kept and manifest["metadata"]["name"] not in taken
+    )
+    return CachePodPlan(create=create, delete=tuple(delete))
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
+
+
+def node_cache_status(existing: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The policy status' ``nodeCaches``: each node's cache pod and whether it is ready."""
+    rows = [
+        {"node": cache_pod_node(p), "pod": str((p.get("metadata") or {}).get("name")), "ready": _ready(p)}
+        for p in existing
+        if not (p.get("metadata") or {}).get("deletionTimestamp")
+    ]
+    return sorted(rows, key=lambda r: (r["node"], r["pod"]))
+
+
+def render_cache_service(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """The node-local Service the engines dial: only endpoints on the caller's node count."""
+    namespace, name = _policy_meta(policy)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": cache_service_name(name),
+            "namespace": namespace,
+            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
+            "ownerReferences": [_owner(policy)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": cache_pod_selector(name),
+            "internalTrafficPolicy": "Local",
+            "ports": [{"name": c.REQUEST_PORT_NAME, "port": c.REQUEST_PORT, "targetPort": c.REQUEST_PORT_NAME,
+                       "protocol": "TCP"}],
+        },
+    }  # fmt: skip

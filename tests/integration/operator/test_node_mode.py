@@ -1,0 +1,252 @@
+"""Node-shared mode on the real control plane with kwok GPU nodes: cache pods follow the engines.
+
+One cache pod per node running at least one engine pod of the policy, created when the first is
+scheduled there, removed when the last leaves, whatever moves the engines (scale, drain, a
+mode switch, an operator that was down meanwhile). Engines reach their own node's cache only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hack.localcluster import LocalCluster
+from kvoffload import contract as c
+from kvoffload.operator.node_mode import cache_server_url, cache_service_name, node_shm_host_path
+from tests.integration.operator.operator_support import (
+    OperatorProcess,
+    all_containers,
+    annotate,
+    is_injected,
+    wait_injected,
+)
+from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
+
+pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
+
+POLICY = "shared"
+NODES = ("gpu-node-0", "gpu-node-1", "gpu-node-2")
+
+
+@pytest.fixture
+def node_namespace(cluster: LocalCluster, namespace: str) -> str:
+    """Node mode mounts a hostPath at /dev/shm: the namespace must allow Pod Security privileged."""
+    cluster.kubectl("label", "--overwrite", "namespace", namespace,
+                    "pod-security.kubernetes.io/enforce=privileged")  # fmt: skip
+    return namespace
+
+
+@pytest.fixture
+def uncordon_all(cluster: LocalCluster) -> Iterator[None]:
+    yield
+    for node in NODES:
+        cluster.kubectl("uncordon", node, check=False)
+
+
+def node_policy(namespace: str, mode: str = "node") -> dict[str, Any]:
+    return {
+        "apiVersion": f"{c.API_GROUP}/{c.API_VERSION}", "kind": c.POLICY_KIND,
+        "metadata": {"name": POLICY, "namespace": namespace},
+        "spec": {"mode": mode, "cache": {"l1Size": "2Gi"}},
+    }  # fmt: skip
+
+
+def spread_deployment(name: str, namespace: str, replicas: int, **annotations: str) -> dict[str, Any]:
+    """Engines spread evenly over the GPU nodes (cordoned nodes do not count as a domain)."""
+    dep = trtllm_deployment(name, namespace, replicas=replicas,
+                            annotations={c.ANN_ENABLED: "true", c.ANN_POLICY: POLICY, **annotations})  # fmt: skip
+    dep["spec"]["template"]["spec"]["topologySpreadConstraints"] = [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+        "nodeTaintsPolicy": "Honor", "labelSelector": {"matchLabels": {"app": name}},
+    }]  # fmt: skip
+    return dep
+
+
+def engine_nodes(cluster: LocalCluster, namespace: str, app: str) -> list[str]:
+    """Nodes of the app's scheduled, not terminating pods wired to the node cache."""
+    pods = list_objects(cluster, "pods", namespace, f"app={app},{c.LABEL_NODE_CACHE_POLICY}={POLICY}")
+    return sorted({
+        p["spec"]["nodeName"] for p in pods
+        if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")
+    })  # fmt: skip
+
+
+def cache_pods(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    return list_objects(cluster, "pods", namespace, f"{c.LABEL_CACHE_POLICY}={POLICY}")
+
+
+def cache_nodes(cluster: LocalCluster, namespace: str) -> list[str]:
+    """Node of every cache pod (duplicates kept, so a second pod on a node shows)."""
+    return sorted(p["metadata"]["annotations"][c.ANN_CACHE_NODE] for p in cache_pods(cluster, namespace))
+
+
+def wait_caches_follow(cluster: LocalCluster, namespace: str, app: str, count: int | None = None,
+                       timeout: float = 90) -> list[str]:  # fmt: skip
+    """Until exactly one cache pod, bound to that node, stands on each node with an engine pod."""
+
+    def converged() -> list[str] | None:
+        engines = engine_nodes(cluster, namespace, app)
+        if count is not None and len(engines) != count:
+            return None
+        pods = [p for p in cache_pods(cluster, namespace) if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) != len(cache_pods(cluster, namespace)):
+            return None  # one still terminating
+        bound = sorted(p["spec"].get("nodeName", "") for p in pods)
+        if bound == engines and cache_nodes(cluster, namespace) == engines:
+            return engines
+        return None
+
+    return wait_for(converged, timeout=timeout, interval=1, what=f"one cache pod per engine node of {app}")  # type: ignore[no-any-return]
+
+
+def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_only_locally(
+    cluster: LocalCluster, node_namespace: str, running_operator: OperatorProcess
+) -> None:
+    ns = node_namespace
+    apply(cluster, node_policy(ns))
+    apply(cluster, spread_deployment("llm", ns, replicas=5))
+    dep = wait_for(lambda: (d := get(cluster, "deployment", "llm", ns)) and c.ANN_CONFIG_HASH in
+                   (d["spec"]["template"]["metadata"].get("annotations") or {}) and d, what="llm injected")  # fmt: skip
+    assert not is_injected(dep), "node mode adds no sidecar"
+    spec = dep["spec"]["template"]["spec"]
+    assert {x["name"] for x in all_containers(dep)} == {"trtllm", c.BUNDLE_INIT_CONTAINER}
+    shm = next(v for v in spec["volumes"] if v["name"] == c.VOLUME_SHM)
+    assert shm["hostPath"] == {"path": node_shm_host_path(ns, POLICY), "type": "DirectoryOrCreate"}
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env[c.ENV_SERVER_URL] == cache_server_url(ns, POLICY)
+    assert dep["spec"]["template"]["metadata"]["labels"][c.LABEL_NODE_CACHE_POLICY] == POLICY
+
+    nodes = wait_caches_follow(cluster, ns, "llm", count=3)
+    assert nodes == list(NODES)
+    for pod in cache_pods(cluster, ns):
+        owner = pod["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"]) == (c.POLICY_KIND, POLICY)
+        (container,) = pod["spec"]["containers"]
+        assert container["command"] == ["kvoffload-sidecar"] and "resources" in container
+        assert {p["name"] for p in container["ports"]} == {c.SIDECAR_PORT_NAME, c.REQUEST_PORT_NAME}
+        assert pod["spec"]["volumes"][0]["hostPath"]["path"] == node_shm_host_path(ns, POLICY)
+
+    # The policy status lists each node's cache pod and its readiness.
+    status = wait_for(
+        lambda: (s := get(cluster, "kvcachepolicy", POLICY, ns).get("status") or {})
+        and [r["node"] for r in s.get("nodeCaches") or [] if r["ready"]] == list(NODES) and s,
+        timeout=60, what="policy status lists 3 ready node caches",
+    )  # fmt: skip
+    assert {r["pod"] for r in status["nodeCaches"]} == {p["metadata"]["name"] for p in cache_pods(cluster, ns)}
+
+    # Reaching the cache: a node-local Service; each node has exactly one endpoint, its own cache pod.
+    svc = get(cluster, "service", cache_service_name(POLICY), ns)
+    assert svc["spec"]["internalTrafficPolicy"] == "Local"
+    assert svc["spec"]["selector"] == {c.LABEL_COMPONENT: c.COMPONENT_NODE_CACHE, c.LABEL_CACHE_POLICY: POLICY}
+    pod_node = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in cache_pods(cluster, ns)}
+
+    def endpoints_per_node() -> dict[str, list[str]] | None:
+        slices = list_objects(cluster, "endpointslices", ns, f"kubernetes.io/service-name={svc['metadata']['name']}")
+        per_node: dict[str, list[str]] = {}
+        for item in slices:
+            for ep in item.get("endpoints") or []:
+                per_node.setdefault(ep.get("nodeName", ""), []).append(ep["targetRef"]["name"])
+        return per_node if sorted(per_node) == list(NODES) else None
+
+    per_node = wait_for(endpoints_per_node, timeout=60, what="an endpoint on every node")
+    for node, targets in per_node.items():
+        assert len(targets) == 1 and pod_node[targets[0]] == node, per_node
+
+
+def test_cache_pods_follow_scale_down_drain_and_operator_restart(
+    cluster: LocalCluster, node_namespace: str, running_operator: OperatorProcess, uncordon_all: None
+) -> None:
+    ns = node_namespace
+    apply(cluster, node_policy(ns))
+    apply(cluster, spread_deployment("llm", ns, replicas=5))
+    assert wait_caches_follow(cluster, ns, "llm", count=3) == list(NODES)
+
+    # Scale down: two pods cover at most two nodes; the third node's cache pod goes.
+    cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=2")
+    remaining = wait_caches_follow(cluster, ns, "llm", count=2)
+    assert len(remaining) == 2
+
+    # Cordon and drain a node with engines: they move, and the cache pod moves with them.
+    cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=3")
+    assert wait_caches_follow(cluster, ns, "llm", count=3) == list(NODES)
+    drained = NODES[0]
+    cluster.kubectl("drain", drained, "--ignore-daemonsets", "--delete-emptydir-data", "--force",
+                    "--timeout=120s")  # fmt: skip
+    after_drain = wait_caches_follow(cluster, ns, "llm", count=2)
+    assert drained not in after_drain
+    assert len(list_objects(cluster, "pods", ns, "app=llm")) >= 3  # rescheduled on the other nodes
+    cluster.kubectl("uncordon", drained)
+
+    # Operator down while engines move; an orphan appears; on restart: no duplicate, no orphan.
+    running_operator.stop()
+    orphan = json.loads(json.dumps(cache_pods(cluster, ns)[0]))
+    for key in ("uid", "resourceVersion", "creationTimestamp", "managedFields"):
+        orphan["metadata"].pop(key, None)
+    orphan.pop("status", None)
+    orphan["metadata"]["name"] = f"{POLICY}-cache-stale"
+    orphan["metadata"]["annotations"][c.ANN_CACHE_NODE] = drained
+    orphan["spec"].pop("nodeName", None)
+    orphan["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0]["matchFields"][0]["values"] = [drained]  # fmt: skip
+    apply(cluster, orphan)
+    cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=1")
+    wait_for(lambda: len(list_objects(cluster, "pods", ns, "app=llm")) == 1, timeout=60, what="one engine pod left")
+    running_operator.start()
+    final = wait_caches_follow(cluster, ns, "llm", count=1)
+    assert cache_nodes(cluster, ns) == final
+    assert all(p["metadata"]["name"] != f"{POLICY}-cache-stale" for p in cache_pods(cluster, ns))
+
+    # The last engine leaves: no cache pod remains.
+    cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=0")
+    wait_for(lambda: not cache_pods(cluster, ns), timeout=60, what="no cache pod once no engine runs")
+
+
+def test_switch_sidecar_to_node_and_back_rolls_once_each(
+    cluster: LocalCluster, node_namespace: str, running_operator: OperatorProcess
+) -> None:
+    ns = node_namespace
+    apply(cluster, node_policy(ns, mode="sidecar"))
+    apply(cluster, spread_deployment("llm", ns, replicas=2))
+    dep = wait_injected(cluster, "deployment", "llm", ns)
+    assert not cache_pods(cluster, ns)
+
+    def rolled_once(before: dict[str, Any], check: Any, what: str) -> dict[str, Any]:
+        return wait_for(  # type: ignore[no-any-return]
+            lambda: (d := get(cluster, "deployment", "llm", ns))
+            and d["metadata"]["generation"] == before["metadata"]["generation"] + 1 and check(d) and d,
+            what=what,
+        )  # fmt: skip
+
+    def node_wired(d: dict[str, Any]) -> bool:
+        labels = d["spec"]["template"]["metadata"].get("labels") or {}
+        return labels.get(c.LABEL_NODE_CACHE_POLICY) == POLICY and not is_injected(d)
+
+    before = annotate(cluster, "deployment", "llm", ns, f"{c.ANN_MODE}=node")
+    to_node = rolled_once(before, node_wired, "one rollout to node mode")
+    assert to_node["spec"]["template"]["spec"].get("shareProcessNamespace") is None
+    nodes = wait_caches_follow(cluster, ns, "llm", count=2)
+    assert len(nodes) == 2
+    wait_for(lambda: get(cluster, "deployment", "llm", ns)["status"].get("updatedReplicas") == 2, what="rolled")
+
+    before = annotate(cluster, "deployment", "llm", ns, f"{c.ANN_MODE}=sidecar")
+    back = rolled_once(before, is_injected, "one rollout back to sidecar mode")
+    assert c.LABEL_NODE_CACHE_POLICY not in (back["spec"]["template"]["metadata"].get("labels") or {})
+    assert template_shm_is_empty_dir(back)
+
+    def leftovers() -> dict[str, list[str]]:
+        left = {"engine nodes": engine_nodes(cluster, ns, "llm"), "cache pods": cache_nodes(cluster, ns)}
+        print("left:", left)  # shown on failure
+        return left
+
+    wait_for(lambda: leftovers() == {"engine nodes": [], "cache pods": []}, timeout=180,
+             what="no node-mode engine and no cache pod left")  # fmt: skip
+    assert get(cluster, "deployment", "llm", ns)["metadata"]["generation"] == back["metadata"]["generation"]
+    assert dep["metadata"]["name"] == "llm"
+
+
+def template_shm_is_empty_dir(dep: dict[str, Any]) -> bool:
+    shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == c.VOLUME_SHM)
+    return "emptyDir" in shm and "hostPath" not in shm
