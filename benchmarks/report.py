@@ -157,12 +157,18 @@ def _connector_section(c: dict[str, Any], plots: dict[str, str]) -> list[str]:
         ]
     out += [
         "",
-        f"Retrieved blocks bit-exact: {c['retrieve_bit_exact']}. Differences below the p99 spread are noise on "
-        "this shared machine.",
+        f"Every retrieve checked bit-exact against the stored blocks: {_exact(c['retrieve_bit_exact'])}. "
+        "Differences below the p99 spread are noise on this shared machine.",
     ]
     if "connector" in plots:
         out += ["", f"![connector overhead]({plots['connector']})"]
     return out
+
+
+def _exact(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items())
+    return str(value)
 
 
 def _transfer_section(t: dict[str, Any], plots: dict[str, str]) -> list[str]:
@@ -425,7 +431,7 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], gpu: dict[st
         "## How to reproduce",
         "",
         "```sh",
-        "make bench                               # CPU benchmarks, full counts (about 20 min on 2 cores)",
+        "make bench                               # CPU benchmarks, full counts (about 25 min on 2 cores)",
         "make bench ARGS='--quick'                # small counts, about 3 minutes",
         "make bench ARGS='--only connector'       # one group: connector | transfer | operator",
         "python -m benchmarks.run --render-only benchmarks/results/cpu-<time>.json   # redraw plots + this file",
