@@ -257,6 +257,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "baseline and measurement on twin Deployments (each rolled out once, alternating). The rollout "
         "(new ReplicaSet, scheduling, kwok marking the pod Running) dominates and is noisy: "
         + _pod_split(pods.get("timeline") or [])
+        + _pair_difference(pods)
         + " Compare the two rows, not the absolute seconds; the operator's own share is the template "
         "latency above.",
     ]
@@ -349,6 +350,17 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
     return out
 
 
+def _pair_difference(pods: dict[str, Any]) -> str:
+    plain, injected = pods.get("samples_rollout_s") or [], pods.get("samples_injected_pod_s") or []
+    diffs = sorted(b - a for a, b in zip(plain, injected, strict=False))
+    if not diffs:
+        return ""
+    return (
+        f" Per pair (started together), injected minus plain: median {diffs[len(diffs) // 2]:+.2f} s "
+        f"(min {diffs[0]:+.2f}, max {diffs[-1]:+.2f})."
+    )
+
+
 def _pod_split(timeline: list[dict[str, Any]]) -> str:
     """One sentence on where pod start-up time goes, from the pods' own condition timestamps."""
     sched = [r["to_scheduled_s"] for r in timeline if isinstance(r.get("to_scheduled_s"), (int, float))]
@@ -432,7 +444,7 @@ def render_markdown(results: dict[str, Any], plots: dict[str, str], gpu: dict[st
         "",
         "```sh",
         "make bench                               # CPU benchmarks, full counts (about 25 min on 2 cores)",
-        "make bench ARGS='--quick'                # small counts, about 3 minutes",
+        "make bench ARGS='--quick'                # small counts, 3-4 min (kwok's pod start-up dominates)",
         "make bench ARGS='--only connector'       # one group: connector | transfer | operator",
         "python -m benchmarks.run --render-only benchmarks/results/cpu-<time>.json   # redraw plots + this file",
         "```",

@@ -1,7 +1,7 @@
 """Run kvoffload's CPU benchmarks: JSON results and PNG plots in benchmarks/results/, summary in docs/benchmarks.md.
 
     make bench                                  # full counts
-    make bench ARGS='--quick'                   # small counts, under 3 minutes
+    make bench ARGS='--quick'                   # small counts, 3-4 minutes (kwok's pod start-up dominates)
     make bench ARGS='--only operator'           # one group: connector | transfer | operator
 
 Groups not run this time keep their numbers from the newest results file that has them (the summary
@@ -34,7 +34,7 @@ GPU_LOG = REPO / "docs" / "results" / "gpu-transfer.log"
 
 @dataclass(frozen=True)
 class Counts:
-    """How much each group does; ``quick`` keeps the whole run under 3 minutes on 2 cores."""
+    """How much each group does; ``quick`` keeps the whole run to a few minutes on 2 cores."""
 
     connector_reps: int
     connector_warmup: int
@@ -56,7 +56,7 @@ QUICK = Counts(20, 2, (256, 1024, 4096), 2, 256, 20, 10, 1, 5.0, 5, 2.0)
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=GROUPS, action="append", help="run only this group (repeatable)")
-    parser.add_argument("--quick", action="store_true", help="small counts (under 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="small counts (3-4 minutes on 2 shared cores)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where JSON results and plots go")
     parser.add_argument("--docs", type=Path, default=DOCS_FILE, help="summary file to (re)write")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the summary")
