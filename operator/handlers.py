@@ -35,6 +35,9 @@ def _reconciler(memo: Any) -> Reconciler:
 def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # We post our own Events; kopf must not turn log lines into Events on user objects.
     settings.posting.enabled = False
+    # Our resources are fixed: no need to list or watch CRDs and namespaces to discover them
+    # (which also keeps the RBAC rules free of apiextensions access).
+    settings.scanning.disabled = True
     # Never used by on.event handlers, but if a handler type ever needs storage it must not
     # land under kopf's default keys on user workloads.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.kvoffload.io")

@@ -99,7 +99,13 @@ class Kube:
         data = None if body is None else json.dumps(body).encode()
         if data is not None and content_type is None:
             content_type = "application/json"
-        resp = self._pool.request(method, url, body=data, headers=self._headers(content_type), preload_content=True)
+        try:
+            resp = self._pool.request(method, url, body=data, headers=self._headers(content_type), preload_content=True)
+        except urllib3.exceptions.HTTPError as exc:
+            # The apiserver is down or restarting: an expected, retried condition, not a bug.
+            raise KubeApiError(
+                0, {"reason": "Unreachable", "message": f"apiserver unreachable ({exc})"}, method, path
+            ) from exc
         try:
             decoded = json.loads(resp.data or b"{}")
         except ValueError:

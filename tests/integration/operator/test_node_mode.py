@@ -201,7 +201,7 @@ def test_cache_pods_follow_scale_down_drain_and_operator_restart(
 
     # The last engine leaves: no cache pod remains.
     cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=0")
-    wait_for(lambda: not cache_pods(cluster, ns), timeout=60, what="no cache pod once no engine runs")
+    wait_for(lambda: not cache_pods(cluster, ns), timeout=180, what="no cache pod once no engine runs")
 
 
 def test_switch_sidecar_to_node_and_back_rolls_once_each(
