@@ -28,6 +28,7 @@ from kvoffload import contract
 from tests.integration.sidecar.sidecar_harness import Sidecar, sidecar_env
 from tests.integration.sidecar.test_sidecar_process import sample_sum
 from tests.reliability.scale import count
+from tests.support.connector_env import set_connector_env
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
 
 # The soak's 20 kills meet the supervisor's 30 s backoff cap: allow more than pytest's default 900 s.
@@ -42,19 +43,7 @@ PROMPT_LEN = 200
 @pytest.fixture
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The env the operator injects into the engine (short timeouts so a dead sidecar costs little)."""
-    env = {
-        contract.ENV_PYTHONHASHSEED: "0",
-        contract.ENV_BACKEND: contract.BACKEND_SIDECAR,
-        contract.ENV_LOOKUP_TIMEOUT_MS: "1000",
-        contract.ENV_RETRIEVE_TIMEOUT_MS: "3000",
-        contract.ENV_STORE_TIMEOUT_MS: "3000",
-        contract.ENV_HEARTBEAT_INTERVAL_MS: "200",
-    }
-    for name in (contract.ENV_SERVER_URL, contract.ENV_CHUNK_SIZE, contract.ENV_MODEL_NAME, contract.ENV_ASYNC_SAVE):
-        monkeypatch.delenv(name, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return env
+    return set_connector_env(monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000)
 
 
 @pytest.fixture

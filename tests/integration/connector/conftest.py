@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvoffload import contract
+from tests.support.connector_env import set_connector_env
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import CHUNK, STANDIN_PATH
 
@@ -29,16 +29,4 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
 @pytest.fixture
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Connector env as the operator injects it (timeouts short so failure tests stay quick)."""
-    env = {
-        contract.ENV_PYTHONHASHSEED: "0",
-        contract.ENV_BACKEND: contract.BACKEND_SIDECAR,
-        contract.ENV_LOOKUP_TIMEOUT_MS: "2000",
-        contract.ENV_RETRIEVE_TIMEOUT_MS: "5000",
-        contract.ENV_STORE_TIMEOUT_MS: "5000",
-        contract.ENV_HEARTBEAT_INTERVAL_MS: "200",
-    }
-    for name in (contract.ENV_SERVER_URL, contract.ENV_CHUNK_SIZE, contract.ENV_MODEL_NAME, contract.ENV_ASYNC_SAVE):
-        monkeypatch.delenv(name, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    return env
+    return set_connector_env(monkeypatch, lookup_ms=2000, retrieve_ms=5000, store_ms=5000)
