@@ -21,6 +21,19 @@ REPO = Path(__file__).resolve().parents[1]
 VERSIONED_PACKAGES = ("torch", "lmcache", "kopf", "kubernetes", "prometheus_client", "pyzmq")
 
 
+def best_ns_per_call(fn: Callable[[], object], calls: int, after_round: Callable[[], object], rounds: int = 5) -> float:
+    """Fastest of ``rounds`` timed rounds of ``calls // rounds`` calls, in ns per call; ``after_round`` runs untimed."""
+    per_round = calls // rounds
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(per_round):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / per_round)
+        after_round()
+    return best
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) with linear interpolation between closest ranks; NaN when empty."""
     if not values:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import env_set, interleaved, summarize
+from benchmarks.common import best_ns_per_call, env_set, interleaved, summarize
 
 MODEL = "bench-model"
 KV_NAME = "trtllm_kv_pool"
@@ -460,14 +460,7 @@ def metrics_primitives(n: int = 50_000) -> dict[str, float]:
     }
     out: dict[str, float] = {}
     for name, fn in cases.items():
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter_ns()
-            for _ in range(n // 5):
-                fn()
-            best = min(best, (time.perf_counter_ns() - t0) / (n // 5))
-            on.flush()
-        out[name] = best
+        out[name] = best_ns_per_call(fn, n, on.flush)
     for _ in range(n // 5):
         on.record_lookup(0.0012, 256, 256)
     t0 = time.perf_counter_ns()

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import best_ns_per_call
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -57,15 +59,8 @@ def bench_metrics(n: int = 200_000) -> None:
         for _ in range(1000):
             fn()
         m.flush()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter_ns()
-            for _ in range(n // 5):
-                fn()
-            best = min(best, (time.perf_counter_ns() - t0) / (n // 5))
-            m.flush()
+        best = best_ns_per_call(fn, n, m.flush)
         print(f"{name}: {best:.0f} ns/op (best of 5)")
-    t0 = time.perf_counter_ns()
     for _ in range(10000):
         recorded_lookup()
     t1 = time.perf_counter_ns()
