@@ -159,6 +159,7 @@ M_OPERATOR_RECONCILES: Final = "kvoffload_operator_reconciles"
 M_OPERATOR_RECONCILE_SECONDS: Final = "kvoffload_operator_reconcile_duration_seconds"
 M_OPERATOR_INJECTED_WORKLOADS: Final = "kvoffload_operator_injected_workloads"
 M_OPERATOR_ERRORS: Final = "kvoffload_operator_errors"
+M_OPERATOR_RETRY_QUEUE: Final = "kvoffload_operator_retry_queue"
 
 LMCACHE_SERVER_METRIC_PREFIX: Final = "lmcache_mp_"
 """Prefix of the LMCache MP server's own series, re-exported by the sidecar."""

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "JSON/YAML KVCachePolicy spec laid over the flag defaults (the chart's `defaults` value)")  # fmt: skip
     add("--peering", "KVOFFLOAD_PEERING", "",
         "kopf ClusterKopfPeering name so replicas don't fight (empty: standalone)")  # fmt: skip
+    add("--node-mode", "KVOFFLOAD_NODE_MODE", "false",
+        "true: keep per-node cache pods for mode: node policies (needs the pod rights of the chart's "
+        "nodeMode.enabled); false: such workloads get a KvoffloadInvalid Warning")  # fmt: skip
     add("--resync-seconds", "KVOFFLOAD_RESYNC_SECONDS", "600", "full re-reconcile period (0: off)")
     add("--workers", "KVOFFLOAD_OPERATOR_WORKERS", "8", "threads running reconciles")
     add("--kubeconfig", "KUBECONFIG", "", "kubeconfig (empty: in-cluster service account)")
@@ -128,16 +131,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         native = args.native_sidecars == "true"
     else:
         raise SystemExit(f"{PROG}: --native-sidecars {args.native_sidecars!r}: allowed auto, true, false")
+    if args.node_mode not in ("true", "false"):
+        raise SystemExit(f"{PROG}: --node-mode {args.node_mode!r}: allowed true, false")
+    node_mode = args.node_mode == "true"
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
     reconciler = Reconciler(
         kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native), metrics=metrics,
-        events=EventRecorder(kube), namespaces=tuple(namespaces), node_caches=NodeCaches(kube, defaults),
+        events=EventRecorder(kube), namespaces=tuple(namespaces),
+        node_caches=NodeCaches(kube, defaults) if node_mode else None,
     )  # fmt: skip
     memo = kopf.Memo(reconciler=reconciler, max_workers=int(args.workers), resync_seconds=float(args.resync_seconds))
 
-    from . import handlers  # noqa: F401  (registers the kopf handlers)
+    from . import handlers  # registers the workload and policy handlers
+
+    if node_mode:
+        handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
 
     @kopf.on.login()
     def login(**kwargs: object) -> kopf.ConnectionInfo | None:
@@ -146,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return kopf.login_with_kubeconfig(**kwargs)  # type: ignore[arg-type]
 
     logging.getLogger(__name__).info(
-        "starting version=%s native_sidecars=%s namespaces=%s peering=%s", __version__, native,
-        namespaces or "all", args.peering or "standalone",
+        "starting version=%s native_sidecars=%s namespaces=%s peering=%s node_mode=%s", __version__, native,
+        namespaces or "all", args.peering or "standalone", node_mode,
     )  # fmt: skip
     kopf.run(
         standalone=not args.peering,

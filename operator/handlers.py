@@ -52,6 +52,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     def background() -> None:
         elapsed = 0.0
         while not stop.wait(POLICY_STATUS_INTERVAL_S):
+            try:
+                _reconciler(memo).run_due_retries()
+            except Exception:
+                log.exception("retries failed")
             _reconciler(memo).flush_policy_status()
             elapsed += POLICY_STATUS_INTERVAL_S
             if memo.resync_seconds and elapsed >= memo.resync_seconds:
@@ -96,15 +100,19 @@ def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None
     _reconciler(memo).policy_changed(_plain(body), deleted=type == "DELETED")
 
 
-@kopf.on.event("", "v1", "pods", labels={c.LABEL_NODE_CACHE_POLICY: kopf.PRESENT})
 def engine_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
     """A node-mode engine pod was scheduled, changed or left: recompute its policy's cache pods."""
     meta = body.get("metadata") or {}
     _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_NODE_CACHE_POLICY]))
 
 
-@kopf.on.event("", "v1", "pods", labels={c.LABEL_CACHE_POLICY: kopf.PRESENT})
 def cache_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
     """A cache pod changed or went away: replace it, delete it, or update the policy status."""
     meta = body.get("metadata") or {}
     _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_CACHE_POLICY]))
+
+
+def register_node_mode_handlers() -> None:
+    """Watch engine and cache pods (node mode only: without it the operator has no pod rights)."""
+    kopf.on.event("", "v1", "pods", labels={c.LABEL_NODE_CACHE_POLICY: kopf.PRESENT})(engine_pod_event)
+    kopf.on.event("", "v1", "pods", labels={c.LABEL_CACHE_POLICY: kopf.PRESENT})(cache_pod_event)

@@ -39,6 +39,10 @@ class OperatorMetrics:
             c.M_OPERATOR_ERRORS, "Reconcile errors by kind and reason (bad input, conflicts, API failures).",
             ["kind", "reason"], registry=self.registry,
         )  # fmt: skip
+        self.retry_queue = Gauge(
+            c.M_OPERATOR_RETRY_QUEUE, "Passes that failed on the API and wait for a retry with backoff.",
+            registry=self.registry,
+        )  # fmt: skip
         for kind in KINDS:  # zeros are visible before the first event
             self.injected.labels(kind=kind).set(0)
             for result in RESULTS:

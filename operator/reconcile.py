@@ -34,6 +34,7 @@ from .kube import Kube, KubeApiError, configmap_path, events_path, policy_path, 
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .node_mode import render_node_mode_fragment
+from .retry import RetryQueue
 from .settings import (
     OperatorDefaults,
     SettingsError,
@@ -114,12 +115,14 @@ class Reconciler:
     namespaces: tuple[str, ...] = ()
     """Watched namespaces; empty means all."""
     node_caches: NodeCaches | None = None
-    """Node mode's cache pods (None: node-mode workloads are injected, no cache pods kept)."""
+    """Node mode's cache pods (None: node mode is off, so workloads of ``mode: node`` are refused)."""
     policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     _done: dict[str, tuple[object, ...]] = field(default_factory=dict)
     _dirty_policies: set[tuple[str, str]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    retries: RetryQueue = field(default_factory=RetryQueue)
+    """Passes that failed on the API, run again by ``run_due_retries`` with backoff."""
 
     # --- workloads -------------------------------------------------------------
 
@@ -137,27 +140,66 @@ class Reconciler:
             return self._object_locks.setdefault(uid, threading.Lock())
 
     def reconcile(self, obj: Mapping[str, Any], force: bool = False) -> str:
-        """Bring one Deployment/StatefulSet to its desired state; returns the result label."""
+        """Bring one Deployment/StatefulSet to its desired state; returns the result label.
+
+        A pass that fails on the API is queued for a retry with backoff (kopf will not call
+        again until the object changes); any pass that completes clears that retry.
+        """
         kind = str(obj.get("kind"))
         if kind not in SUPPORTED_KINDS:
             return "skipped"
-        uid = str((obj.get("metadata") or {}).get("uid"))
+        meta = obj.get("metadata") or {}
+        uid = str(meta.get("uid"))
+        retry_key = ("workload", kind, str(meta.get("namespace")), str(meta.get("name")))
         started = time.perf_counter()
+        failure: str | None = None
         with self._object_lock(uid):
             try:
                 result = self._reconcile(obj, force)
             except KubeApiError as exc:
-                log.warning("reconcile %s: %s", _ref(obj), exc)
+                log.warning("reconcile %s: %s (retrying)", _ref(obj), exc)
                 self.metrics.errors.labels(kind=kind, reason="api_error").inc()
-                result = "error"
-            except Exception:  # the operator keeps running whatever one workload does
-                log.exception("reconcile %s failed", _ref(obj))
+                result, failure = "error", f"the API call failed, retrying: {exc}"
+            except Exception as exc:  # the operator keeps running whatever one workload does
+                log.exception("reconcile %s failed (retrying)", _ref(obj))
                 self.metrics.errors.labels(kind=kind, reason="internal").inc()
-                result = "error"
+                result, failure = "error", f"internal error, retrying: {type(exc).__name__}: {exc}"
+        if failure is None:
+            self.retries.succeeded(retry_key)
+        else:
+            delay = self.retries.schedule(retry_key, lambda: self._retry_workload(kind, meta), time.monotonic())
+            self.events.post(obj, "Warning", "KvoffloadRetrying", f"{failure} (next try in {delay:.0f} s)", failure)
+        self.metrics.retry_queue.set(len(self.retries))
         if result != "noop":
             self.metrics.reconciles.labels(kind=kind, result=result).inc()
             self.metrics.duration.labels(kind=kind).observe(time.perf_counter() - started)
         return result
+
+    def _retry_workload(self, kind: str, meta: Mapping[str, Any]) -> None:
+        """Re-read the workload and reconcile it as it is now (gone: forget it)."""
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        retry_key = ("workload", kind, namespace, name)
+        try:
+            current = self.kube.get(workload_path(kind, namespace, name))
+        except KubeApiError as exc:
+            log.warning("retry %s %s/%s: %s", kind, namespace, name, exc)
+            self.retries.schedule(retry_key, lambda: self._retry_workload(kind, meta), time.monotonic())
+            return
+        if current is None:
+            self.retries.succeeded(retry_key)
+            self.forget({"kind": kind, "metadata": meta})
+            return
+        current.setdefault("apiVersion", "apps/v1")
+        current.setdefault("kind", kind)
+        self.reconcile(current)
+
+    def run_due_retries(self) -> int:
+        """Run every retry whose backoff has elapsed; returns how many ran."""
+        actions = self.retries.take_due(time.monotonic())
+        for action in actions:
+            action()
+        self.metrics.retry_queue.set(len(self.retries))
+        return len(actions)
 
     def _reconcile(self, obj: Mapping[str, Any], force: bool) -> str:
         kind = str(obj.get("kind"))
@@ -183,6 +225,12 @@ class Reconciler:
         settings = resolve_settings(annotations, policy, self.defaults, str(meta.get("namespace")))
         if isinstance(settings, SettingsError):
             return self._reject(obj, settings, state)
+        if settings.mode == "node" and self.node_caches is None:
+            return self._reject(obj, SettingsError(
+                "mode", "node", "node mode is off in this operator: it needs the pod rights the chart grants "
+                "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
+                reason="unsupported",
+            ), state)  # fmt: skip
         user_options: str | None = None
         source = options_source(obj, settings)
         if source is not None:
@@ -352,11 +400,16 @@ class Reconciler:
         """Node mode: one cache pod on each node running the policy's engine pods, no other."""
         if self.node_caches is None:
             return
+        retry_key = ("node-caches", namespace, name)
         try:
             self.node_caches.sync(namespace, name)
         except KubeApiError as exc:
-            log.warning("node caches %s/%s: %s", namespace, name, exc)
+            log.warning("node caches %s/%s: %s (retrying)", namespace, name, exc)
             self.metrics.errors.labels(kind=c.POLICY_KIND, reason="api_error").inc()
+            self.retries.schedule(retry_key, lambda: self.sync_node_caches(namespace, name), time.monotonic())
+        else:
+            self.retries.succeeded(retry_key)
+        self.metrics.retry_queue.set(len(self.retries))
         with self._lock:
             self._dirty_policies.add((namespace, name))
 
@@ -384,7 +437,9 @@ class Reconciler:
             try:
                 self.refresh_policy_status(*key)
             except KubeApiError as exc:
-                log.warning("policy status %s/%s: %s", *key, exc)
+                log.warning("policy status %s/%s: %s (retrying)", *key, exc)
+                with self._lock:
+                    self._dirty_policies.add(key)
 
     def refresh_policy_status(self, namespace: str, name: str) -> None:
         policy = self.kube.get(policy_path(namespace, name))
@@ -412,7 +467,8 @@ class Reconciler:
         self.kube.merge_patch(policy_path(namespace, name) + "/status", {"status": status}, c.FIELD_MANAGER)
 
     def resync(self) -> None:
-        """Reconcile every opted-in workload regardless of the cache (drift in inputs we do not watch)."""
+        """Reconcile every opted-in workload and every known policy's node caches regardless of
+        the cache (drift in inputs we do not watch, events lost while the watch reconnected)."""
         for kind in SUPPORTED_KINDS:
             items: list[dict[str, Any]] = []
             for namespace in self.namespaces or ("",):
@@ -423,6 +479,10 @@ class Reconciler:
                 annotations = (item.get("metadata") or {}).get("annotations") or {}
                 if c.ANN_ENABLED in annotations:
                     self.reconcile(item, force=True)
+        with self._lock:
+            known = sorted(self.policies)
+        for namespace, name in known:
+            self.sync_node_caches(namespace, name)
 
 
 def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults, workloads: list[dict[str, Any]],

@@ -64,9 +64,6 @@ OPERATOR_POLICIES: list[tuple[str, dict[str, Any], str]] = [
                                                    "passwordSecretRef": {"name": "Bad_Name!", "key": "pw"}}}},
      "passwordSecretRef.name"),
     ("policy-fs-size-millibytes", {"l2": {"fs": {"path": "/l2", "size": "1500m"}}}, "l2.fs.size"),
-    ("policy-image-whitespace", {"sidecar": {"image": " registry.example/evil:1 --privileged"}}, "sidecar.image"),
-    ("policy-bundle-image-newline", {"connector": {"bundleImage": "reg.example/b:1\nprivileged: true"}},
-     "connector.bundleImage"),
     ("policy-resources-garbage", {"sidecar": {"resources": {"limits": {"memory": "lots"}}}}, "sidecar.resources"),
     ("policy-resources-not-resources", {"sidecar": {"resources": {"privileged": True}}}, "sidecar.resources"),
 ]  # fmt: skip
@@ -94,6 +91,8 @@ BAD_POLICIES: list[tuple[str, dict[str, Any], str]] = [
     ("gpu-access-privileged", {"sidecar": {"gpuAccess": "privileged"}}, "Unsupported value"),
     ("pull-policy-unknown", {"sidecar": {"imagePullPolicy": "Sometimes"}}, "Unsupported value"),
     ("image-empty", {"sidecar": {"image": ""}}, "should be at least 1 chars long"),
+    ("image-whitespace", {"sidecar": {"image": " registry.example/evil:1 --privileged"}}, "should match"),
+    ("bundle-image-newline", {"connector": {"bundleImage": "reg.example/b:1\nprivileged: true"}}, "should match"),
     ("timeouts-inverted", {"connector": {"lookupTimeoutMs": 9000, "retrieveTimeoutMs": 50}}, "must not exceed"),
     ("timeout-huge", {"connector": {"storeTimeoutMs": 10**9}}, "less than or equal to 600000"),
     ("node-inprocess", {"mode": "node", "connector": {"backend": "inprocess"}}, "mode node needs"),

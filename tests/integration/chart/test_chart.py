@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.chart]
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
+NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
 
 
 def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -58,6 +59,8 @@ def test_helm_lint_is_clean_in_strict_mode() -> None:
         ("defaults.connector.lookupTimeoutMs=0", "/defaults/connector/lookupTimeoutMs"),
         ("operator.watchNamespaces[0]=Bad_Name", "/operator/watchNamespaces/0"),
         ("unknownTopLevel=1", "unknownTopLevel"),
+        ("nodeMode.enabled=yes", "/nodeMode/enabled"),
+        ("defaults.mode=node", "nodeMode.enabled is false"),
     ],
 )
 def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:
@@ -83,9 +86,24 @@ def test_prometheus_operator_objects_need_both_enabled_and_the_crds() -> None:
     assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds(with_crds)
 
 
-def test_cluster_role_is_exactly_the_shared_rules_file() -> None:
-    role = next(d for d in render() if d["kind"] == "ClusterRole")
+def operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+
+def test_cluster_role_is_exactly_the_shared_rules_file_and_grants_no_pods() -> None:
+    docs = render()
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
+    assert not [r for r in role["rules"] if {"pods", "services"} & set(r["resources"])]
+    assert "--node-mode=false" in operator_args(docs)
+
+
+def test_node_mode_adds_exactly_its_rules_file_and_turns_the_operator_flag_on() -> None:
+    docs = render("nodeMode.enabled=true", "defaults.mode=node")
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(NODE_MODE_RULES_FILE.read_text())
+    assert "--node-mode=true" in operator_args(docs)
 
 
 def test_operator_pod_is_hardened() -> None:

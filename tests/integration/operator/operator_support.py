@@ -30,6 +30,7 @@ from tests.support.workloads import get, list_objects, wait_for
 
 CHART = REPO_ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
+NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
 CRD_FILE = CHART / "crds" / "kvcachepolicies.yaml"
 OPERATOR_NAMESPACE = "kvoffload-system"
 OPERATOR_SA = "kvoffload-operator"

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from hack.journey import JourneyError
 from hack.localcluster import LocalCluster
 from kvoffload import contract as c
 from kvoffload.operator.node_mode import cache_server_url, cache_service_name, node_shm_host_path
@@ -29,6 +30,14 @@ pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 
 POLICY = "shared"
 NODES = ("gpu-node-0", "gpu-node-1", "gpu-node-2")
+
+
+@pytest.fixture
+def running_operator(node_mode_operator: OperatorProcess) -> OperatorProcess:
+    """This module's operator runs with ``--node-mode true`` (restarted if a test left it stopped)."""
+    if node_mode_operator.popen is None or node_mode_operator.popen.poll() is not None:
+        node_mode_operator.start()
+    return node_mode_operator
 
 
 @pytest.fixture
@@ -99,7 +108,13 @@ def wait_caches_follow(cluster: LocalCluster, namespace: str, app: str, count: i
             return engines
         return None
 
-    return wait_for(converged, timeout=timeout, interval=1, what=f"one cache pod per engine node of {app}")  # type: ignore[no-any-return]
+    try:
+        return wait_for(converged, timeout=timeout, interval=1, what=f"one cache pod per engine node of {app}")  # type: ignore[no-any-return]
+    except JourneyError as exc:
+        engines = list_objects(cluster, "pods", namespace, f"app={app}")
+        seen = [(p["metadata"]["name"], p["spec"].get("nodeName"), (p.get("status") or {}).get("phase"),
+                 bool(p["metadata"].get("deletionTimestamp"))) for p in engines + cache_pods(cluster, namespace)]  # fmt: skip
+        raise JourneyError(f"{exc}; pods (name, node, phase, terminating): {seen}") from exc
 
 
 def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_only_locally(
@@ -250,3 +265,23 @@ def test_switch_sidecar_to_node_and_back_rolls_once_each(
 def template_shm_is_empty_dir(dep: dict[str, Any]) -> bool:
     shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == c.VOLUME_SHM)
     return "emptyDir" in shm and "hostPath" not in shm
+
+
+def test_cache_pods_refused_by_a_pod_quota_are_created_once_it_is_lifted(
+    cluster: LocalCluster, node_namespace: str, running_operator: OperatorProcess
+) -> None:
+    ns = node_namespace
+    apply(cluster, {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods", "namespace": ns},
+                    "spec": {"hard": {"pods": "2"}}})  # fmt: skip
+    wait_for(lambda: "pods" in ((get(cluster, "resourcequota", "pods", ns).get("status") or {}).get("used") or {}),
+             what="quota usage of pods")  # fmt: skip
+    apply(cluster, node_policy(ns))
+    apply(cluster, spread_deployment("llm", ns, replicas=2))
+    # Both engines fit the quota; their node caches do not.
+    wait_for(lambda: len(engine_nodes(cluster, ns, "llm")) == 2, what="two engines scheduled")
+    wait_for(lambda: running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) >= 1 and "exceeded quota"
+             in running_operator.log(), what="the refused cache pods queued for a retry")  # fmt: skip
+    assert cache_pods(cluster, ns) == []
+    cluster.kubectl("delete", "resourcequota", "pods", "-n", ns)
+    assert len(wait_caches_follow(cluster, ns, "llm", count=2, timeout=60)) == 2
+    wait_for(lambda: running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) == 0, what="the retry queue drained")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -257,3 +258,35 @@ def test_operator_exposes_its_metrics(running_operator: OperatorProcess) -> None
     names = {name for name, _ in running_operator.metrics()}
     assert {c.M_OPERATOR_RECONCILES + "_total", c.M_OPERATOR_RECONCILE_SECONDS + "_bucket",
             c.M_OPERATOR_INJECTED_WORKLOADS, c.M_OPERATOR_ERRORS + "_total"} <= names  # fmt: skip
+
+
+def quota(namespace: str, hard: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "tight", "namespace": namespace},
+            "spec": {"hard": hard}}  # fmt: skip
+
+
+def wait_quota_counted(cluster: LocalCluster, namespace: str, resource: str) -> None:
+    """Quota admission only judges creates once the quota controller has filled in ``status.used``."""
+    wait_for(lambda: resource in ((get(cluster, "resourcequota", "tight", namespace).get("status") or {})
+                                  .get("used") or {}), what=f"quota usage of {resource}")  # fmt: skip
+
+
+def test_a_workload_refused_by_a_quota_is_injected_once_it_is_lifted_without_touching_the_workload(
+    cluster: LocalCluster, namespace: str, running_operator: OperatorProcess
+) -> None:
+    # The namespace already holds kube-root-ca.crt: a quota of one ConfigMap refuses ours.
+    apply(cluster, quota(namespace, {"count/configmaps": "1"}))
+    wait_quota_counted(cluster, namespace, "count/configmaps")
+    apply(cluster, trtllm_deployment("quota", namespace, replicas=0, annotations={c.ANN_ENABLED: "true"}))
+    event = wait_for(lambda: events_for(cluster, namespace, "quota", "KvoffloadRetrying"), what="a Retrying Warning")[0]
+    assert event["type"] == "Warning" and "exceeded quota" in event["message"], event["message"]
+    assert running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) >= 1
+    # The Deployment controller's own status write is done: from here nothing changes the object,
+    # so no watch event can bring the operator back; only its retry can.
+    settled = wait_for(lambda: (d := get(cluster, "deployment", "quota", namespace))
+                       and (d.get("status") or {}).get("observedGeneration") == d["metadata"]["generation"] and d,
+                       what="the Deployment's status settled")  # fmt: skip
+    assert not is_injected(settled)
+    cluster.kubectl("delete", "resourcequota", "tight", "-n", namespace)
+    wait_injected(cluster, "deployment", "quota", namespace, timeout=60)
+    wait_for(lambda: running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) == 0, what="the retry queue drained")

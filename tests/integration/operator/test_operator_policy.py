@@ -120,3 +120,18 @@ def test_missing_policy_warns_then_injects_once_the_policy_exists(
     apply(cluster, policy("later", namespace, cache={"l1Size": "2Gi"}))
     dep = wait_injected(cluster, "deployment", "early", namespace)
     assert dep["metadata"]["generation"] == 2
+
+
+def test_a_node_mode_policy_without_node_mode_enabled_is_refused_and_nothing_is_applied(
+    cluster: LocalCluster, namespace: str, running_operator: OperatorProcess
+) -> None:
+    # The default install grants no pod rights, so the operator runs with --node-mode false.
+    apply(cluster, policy("shared", namespace, mode="node"))
+    apply(cluster, trtllm_deployment("llm", namespace, replicas=0,
+                                     annotations={c.ANN_ENABLED: "true", c.ANN_POLICY: "shared"}))  # fmt: skip
+    event = wait_for(lambda: events_for(cluster, namespace, "llm", "KvoffloadInvalid"), what="a Warning")[0]
+    assert "node mode is off" in event["message"] and "nodeMode.enabled=true" in event["message"]
+    dep = get(cluster, "deployment", "llm", namespace)
+    assert c.ANN_CONFIG_HASH not in (dep["spec"]["template"]["metadata"].get("annotations") or {})
+    assert not [m for m in dep["metadata"]["managedFields"] if m["manager"] == c.FIELD_MANAGER]
+    assert list_objects(cluster, "pods", namespace, c.LABEL_CACHE_POLICY) == []

@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.kube import KubeApiError
+from kvoffload.operator.kube import KubeApiError, workload_path
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.reconcile import EventRecorder, Reconciler
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
@@ -114,6 +114,42 @@ def test_bad_input_applies_nothing_and_warns_once() -> None:
     assert kube.calls == []
     assert len(kube.events) == 1 and kube.events[0]["reason"] == "KvoffloadInvalid"
     assert metrics.errors.labels(kind="Deployment", reason="invalid_settings")._value.get() == 2
+
+
+def test_an_api_failure_is_retried_from_the_current_object_until_it_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    unavailable = KubeApiError(503, {"reason": "ServiceUnavailable", "message": "etcd leader changed"}, "PATCH", "/x")
+    kube = FakeKube(apply_errors=[unavailable, unavailable])
+    r, metrics = reconciler(kube)
+    obj = enabled()
+    kube.objects[workload_path("Deployment", "ns", "llama")] = obj
+    clock = [1000.0]
+    monkeypatch.setattr("kvoffload.operator.reconcile.time.monotonic", lambda: clock[0])
+    assert r.reconcile(obj) == "error"
+    (event,) = kube.events
+    assert event["reason"] == "KvoffloadRetrying" and "etcd leader changed" in event["message"]
+    assert metrics.retry_queue._value.get() == 1
+    assert r.run_due_retries() == 0  # backoff: not before one second
+    clock[0] += 1.0
+    assert r.run_due_retries() == 1  # fails again; next try two seconds later
+    assert r.run_due_retries() == 0
+    clock[0] += 2.0
+    assert r.run_due_retries() == 1
+    assert workload_applies(kube) == [False, False, False]
+    assert metrics.retry_queue._value.get() == 0 and len(r.retries) == 0
+    assert r.run_due_retries() == 0
+
+
+def test_a_retry_of_a_deleted_workload_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = FakeKube(apply_errors=[KubeApiError(500, {"message": "boom"}, "PATCH", "/x")])
+    r, _ = reconciler(kube)
+    clock = [0.0]
+    monkeypatch.setattr("kvoffload.operator.reconcile.time.monotonic", lambda: clock[0])
+    assert r.reconcile(enabled()) == "error"
+    clock[0] += 5
+    assert r.run_due_retries() == 1
+    assert len(r.retries) == 0 and workload_applies(kube) == [False]
 
 
 def test_unchanged_input_is_not_applied_twice() -> None:
