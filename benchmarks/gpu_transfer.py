@@ -9,7 +9,12 @@ pool (Llama-3-8B: 32 layers, 8 KV heads, head_dim 128, bf16, 32 tokens/block,
 * kvoffload fast path: the connector's own block<->chunk copies inside LMCache's
   PREPARE/COMMIT protocol into the server's (pinned) shared-memory L1;
 * LMCache 0.5.6 as shipped: the same protocol with LMCache's own gather/scatter
-  (``use_fast_copies=False``), at the smallest size only (it is slow).
+  (``use_fast_copies=False``), at the smallest size only (it is slow);
+* optionally other LMCache chunk sizes (``--chunk-sizes``: fewer, larger chunks mean fewer
+  per-chunk steps in PREPARE/COMMIT) and the in-process backend (``--inprocess``: LMCache's
+  engine inside this process instead of the sidecar).
+
+Per operation the connector logs PREPARE, copy and COMMIT times; their medians are reported.
 
 Every retrieve lands in different block ids and is checked bit-exact.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import socket
@@ -76,12 +82,38 @@ def raw_copy_baseline(nbytes: int, reps: int = 5) -> dict[str, float]:
     return out
 
 
-def start_sidecar(l1: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str, int]:
+class TransferTimings(logging.Handler):
+    """Collects the connector's ``event=transfer_timing`` debug lines (PREPARE / copy / COMMIT)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows: list[dict[str, float | str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "event=transfer_timing" in text:
+            fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
+            self.rows.append({k: (v if k == "op" else float(v)) for k, v in fields.items() if k != "event"})
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        """Median prepare/copy/commit ms per op since the last call (then forgets them)."""
+        out: dict[str, dict[str, float]] = {}
+        for op in ("store", "retrieve"):
+            rows = [r for r in self.rows if r["op"] == op]
+            if rows:
+                out[op] = {k: statistics.median(float(r[k]) for r in rows)
+                           for k in ("prepare_ms", "copy_ms", "commit_ms", "blocks")}  # fmt: skip
+        self.rows.clear()
+        return out
+
+
+def start_sidecar(l1: str, workdir: Path, chunk_size: int = 256) -> tuple[subprocess.Popen[bytes], str, int]:
     port, http_port, health_port = _free_port(), _free_port(), _free_port()
     env = dict(os.environ)
     env.update(
         {
             "KVOFFLOAD_L1_SIZE": l1,
+            "KVOFFLOAD_CHUNK_SIZE": str(chunk_size),
             "KVOFFLOAD_REQUEST_PORT": str(port),
             "KVOFFLOAD_LMCACHE_HTTP_PORT": str(http_port),
             "KVOFFLOAD_SIDECAR_HTTP_PORT": str(health_port),
@@ -188,12 +220,42 @@ def measure(backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps:
     }
 
 
+def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Path, timings: TransferTimings
+                      ) -> list[dict[str, Any]]:  # fmt: skip
+    """The in-process backend: LMCache's engine started inside this process, same data path."""
+    from kvoffload.connector.backends import inprocess
+
+    os.environ["KVOFFLOAD_L1_SIZE"] = args.l1
+    settings = types.SimpleNamespace(world_size=1, chunk_size=args.chunk_sizes[0])
+    url = inprocess.start_engine(settings)  # type: ignore[arg-type]
+    rows = []
+    try:
+        scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
+        backend = make_backend(url, pool, fast=True, workdir=workdir)
+        for tokens in args.inprocess_tokens:
+            nbytes = tokens * BYTES_PER_TOKEN
+            row = {"tokens": tokens, "bytes": nbytes, "chunk_size": args.chunk_sizes[0], "backend": "inprocess",
+                   "raw": raw_copy_baseline(nbytes)}  # fmt: skip
+            row["kvoffload"] = measure(backend, scheduler, pool, tokens, args.reps, salt="inproc")
+            row["phases_ms"] = timings.medians()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        backend.close()
+        scheduler.close()
+    finally:
+        inprocess.stop_engine()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--l1", default="64Gi")
     parser.add_argument("--shipped-tokens", type=int, default=4096, help="size for LMCache's own copies (0: skip)")
+    parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[256], help="LMCache chunk sizes to compare")
+    parser.add_argument("--inprocess-tokens", type=int, nargs="*", default=[],
+                        help="sizes for the in-process backend (LMCache's engine in this process; none: skip)")  # fmt: skip
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -211,47 +273,67 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([sys.executable, "-m", "benchmarks.gpu_transfer", *(argv or sys.argv[1:])]),
     }
     print(json.dumps(env_info), flush=True)
-    sidecar, url, _ = start_sidecar(args.l1, workdir)
+    timings = TransferTimings()
+    connector_log = logging.getLogger("kvoffload.connector")
+    connector_log.setLevel(logging.DEBUG)
+    connector_log.addHandler(timings)
     results: dict[str, Any] = {"env": env_info, "sizes": []}
-    try:
-        max_tokens = max(args.tokens)
-        pool = torch.empty(
-            (2 * max_tokens // TOKENS_PER_BLOCK + 8, LAYERS, 2, KV_HEADS * TOKENS_PER_BLOCK * HEAD_DIM),
-            dtype=torch.bfloat16,
-            device=DEVICE,
-        )
-        scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
-        fast = make_backend(url, pool, fast=True, workdir=workdir)
-        for tokens in args.tokens:
-            nbytes = tokens * BYTES_PER_TOKEN
-            row = {"tokens": tokens, "bytes": nbytes, "raw": raw_copy_baseline(nbytes)}
-            row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt="fast")
-            print(json.dumps(row), flush=True)
-            results["sizes"].append(row)
-        fast.close()
-        if args.shipped_tokens:
-            shipped = make_backend(url, pool, fast=False, workdir=workdir)
-            row = {
-                "tokens": args.shipped_tokens,
-                "bytes": args.shipped_tokens * BYTES_PER_TOKEN,
-                "raw": raw_copy_baseline(args.shipped_tokens * BYTES_PER_TOKEN),
-                "lmcache_shipped": measure(shipped, scheduler, pool, args.shipped_tokens, 0, salt="shipped"),
-            }
-            print(json.dumps(row), flush=True)
-            results["shipped"] = row
-            shipped.close()
-    finally:
-        sidecar.terminate()
-        sidecar.wait(timeout=60)
-        results["sidecar_log_tail"] = (workdir / "sidecar.log").read_text(errors="replace")[-4000:]
-    print("\n| tokens | bytes | raw H2D | raw D2H | store | retrieve | bit-exact |")
-    print("|---|---|---|---|---|---|---|")
+    max_tokens = max([*args.tokens, *args.inprocess_tokens])
+    pool = torch.empty(
+        (2 * max_tokens // TOKENS_PER_BLOCK + 8, LAYERS, 2, KV_HEADS * TOKENS_PER_BLOCK * HEAD_DIM),
+        dtype=torch.bfloat16,
+        device=DEVICE,
+    )
+    for index, chunk_size in enumerate(args.chunk_sizes):
+        sidecar, url, _ = start_sidecar(args.l1, workdir, chunk_size)
+        try:
+            scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
+            fast = make_backend(url, pool, fast=True, workdir=workdir)
+            for tokens in args.tokens:
+                nbytes = tokens * BYTES_PER_TOKEN
+                row = {"tokens": tokens, "bytes": nbytes, "chunk_size": chunk_size, "backend": "sidecar",
+                       "raw": raw_copy_baseline(nbytes)}  # fmt: skip
+                row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt=f"fast{chunk_size}")
+                row["phases_ms"] = timings.medians()
+                print(json.dumps(row), flush=True)
+                results["sizes"].append(row)
+            fast.close()
+            if args.shipped_tokens and index == 0:
+                shipped = make_backend(url, pool, fast=False, workdir=workdir)
+                row = {
+                    "tokens": args.shipped_tokens,
+                    "bytes": args.shipped_tokens * BYTES_PER_TOKEN,
+                    "chunk_size": chunk_size,
+                    "raw": raw_copy_baseline(args.shipped_tokens * BYTES_PER_TOKEN),
+                    "lmcache_shipped": measure(shipped, scheduler, pool, args.shipped_tokens, 0, salt="shipped"),
+                }
+                print(json.dumps(row), flush=True)
+                results["shipped"] = row
+                shipped.close()
+            scheduler.close()
+        finally:
+            sidecar.terminate()
+            sidecar.wait(timeout=60)
+            results.setdefault("sidecar_log_tails", []).append(
+                (workdir / "sidecar.log").read_text(errors="replace")[-2000:]
+            )
+    if args.inprocess_tokens:
+        results["sizes"] += measure_inprocess(pool, args, workdir, timings)
+    print("\n| backend | chunk | tokens | bytes | raw H2D | raw D2H | store | retrieve | store PREPARE/copy/COMMIT ms "
+          "| retrieve PREPARE/copy/COMMIT ms | bit-exact |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["sizes"]:
-        k, raw = row["kvoffload"], row["raw"]
+        k, raw, ph = row["kvoffload"], row["raw"], row.get("phases_ms") or {}
+
+        def phases(op: str, ph: dict[str, Any] = ph) -> str:
+            p = ph.get(op)
+            return f"{p['prepare_ms']:.1f} / {p['copy_ms']:.1f} / {p['commit_ms']:.1f}" if p else "-"
+
         print(
-            f"| {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB | {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
+            f"| {row['backend']} | {row['chunk_size']} | {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB "
+            f"| {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
             f"| {k['store_gbps']:.1f} GB/s ({k['store_ms']:.0f} ms) | {k['retrieve_gbps']:.1f} GB/s "
-            f"({k['retrieve_ms']:.0f} ms) | {k['bit_exact']} |"
+            f"({k['retrieve_ms']:.0f} ms) | {phases('store')} | {phases('retrieve')} | {k['bit_exact']} |"
         )
     if "shipped" in results:
         s = results["shipped"]["lmcache_shipped"]

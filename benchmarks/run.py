@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, command_line, machine_info, versions
-from benchmarks.report import make_plots, parse_gpu_log, render_markdown, results_filename, write_results
+from benchmarks.report import GPU_PLACEHOLDER, make_plots, parse_gpu_log, render_markdown, results_filename, write_results
 
 GROUPS = ("connector", "transfer", "operator")
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -155,6 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
+def keep_after_gpu_placeholder(rendered: str, docs: Path) -> str:
+    """Later GPU runs are written by hand below the placeholder; a re-render keeps them."""
+    if not docs.exists() or GPU_PLACEHOLDER not in rendered:
+        return rendered
+    _, found, kept = docs.read_text().partition(GPU_PLACEHOLDER)
+    return rendered.partition(GPU_PLACEHOLDER)[0] + GPU_PLACEHOLDER + kept if found else rendered
+
+
 def render_docs(results: dict[str, Any], out_dir: Path, docs: Path) -> None:
     """Plots and the summary for ``results``; groups it lacks come from the newest results file holding them."""
     merged = dict(results)
@@ -166,7 +174,7 @@ def render_docs(results: dict[str, Any], out_dir: Path, docs: Path) -> None:
     plots = make_plots(merged, out_dir, rel)
     gpu = parse_gpu_log(GPU_LOG.read_text(errors="replace")) if GPU_LOG.exists() else None
     docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(render_markdown(merged, plots, gpu))
+    docs.write_text(keep_after_gpu_placeholder(render_markdown(merged, plots, gpu), docs))
     print(f"summary: {docs}")
 
 

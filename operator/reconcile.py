@@ -267,13 +267,18 @@ class Reconciler:
             if exc.status == 409 and exc.field_conflicts:
                 return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state)
             raise
-        body = copy.deepcopy(rendered.workload_apply)
-        # Optimistic lock: the fragment was computed from this version of the object.
-        body["metadata"]["resourceVersion"] = meta.get("resourceVersion")
+        # Unforced apply without a resourceVersion: the Deployment controller's status writes change
+        # the object's version constantly, and a version lock here turned many first applies into a
+        # 409 and a second pass. Without force SSA cannot take another manager's field, and a
+        # fragment computed from an older spec is replaced by the next event's pass.
+        body = rendered.workload_apply
         path = workload_path(kind, namespace, name)
         try:
             answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=False)
         except KubeApiError as exc:
+            if exc.status == 422 and self._changed_since(path, meta):
+                log.info("%s changed while reconciling (422 on a stale fragment); the next event retries", _ref(obj))
+                return "skipped"
             if exc.status == 422:
                 # Input the settings could not judge (e.g. a pod-level rule): say so on the workload.
                 return self._reject(obj, SettingsError(
@@ -288,9 +293,12 @@ class Reconciler:
                 return "skipped"
             if not all(f in rendered.forceable_fields for f, _ in conflicts):
                 return self._conflict(obj, exc, f"{kind} {name}", state)
-            # Only the engine's args conflict: the documented rewrite, undone on removal.
+            # Only the engine's args conflict: the documented rewrite, undone on removal. Forcing
+            # takes the user's args, so it is locked to the version the rewrite was computed from.
+            locked = copy.deepcopy(body)
+            locked["metadata"]["resourceVersion"] = meta.get("resourceVersion")
             try:
-                answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=True)
+                answer = self.kube.apply(path, locked, c.FIELD_MANAGER, force=True)
             except KubeApiError as forced:
                 if forced.status == 409:
                     return "skipped"  # changed meanwhile; the resourceVersion lock kept it safe
@@ -304,6 +312,11 @@ class Reconciler:
             )  # fmt: skip
             log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
         return "applied" if changed else "unchanged"
+
+    def _changed_since(self, path: str, meta: Mapping[str, Any]) -> bool:
+        """Whether the object's spec moved on from the version a fragment was computed from."""
+        current = self.kube.get(path)
+        return current is not None and (current.get("metadata") or {}).get("generation") != meta.get("generation")
 
     def _remove(self, obj: Mapping[str, Any]) -> str:
         plan = render_removal(obj)

@@ -211,3 +211,11 @@ def test_runner_options() -> None:
     assert args.quick and args.only == ["operator"]
     assert run.QUICK.fleet < run.FULL.fleet == 1000
     assert run.FULL.window_s >= 120
+
+
+def test_a_rerender_keeps_the_hand_written_gpu_runs_below_the_placeholder(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    assert run.keep_after_gpu_placeholder(f"new\n{GPU_PLACEHOLDER}\n", docs) == f"new\n{GPU_PLACEHOLDER}\n"
+    docs.write_text(f"old\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")
+    assert run.keep_after_gpu_placeholder(f"new\n{GPU_PLACEHOLDER}\n", docs) == (
+        f"new\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")  # fmt: skip

@@ -271,12 +271,15 @@ def test_cache_pods_refused_by_a_pod_quota_are_created_once_it_is_lifted(
     cluster: LocalCluster, node_namespace: str, running_operator: OperatorProcess
 ) -> None:
     ns = node_namespace
+    apply(cluster, node_policy(ns))
+    apply(cluster, spread_deployment("llm", ns, replicas=0))  # injected before any pod exists: no rollout
+    wait_for(lambda: c.ANN_CONFIG_HASH in (get(cluster, "deployment", "llm", ns)["spec"]["template"]["metadata"]
+                                           .get("annotations") or {}), what="llm injected")  # fmt: skip
     apply(cluster, {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "pods", "namespace": ns},
                     "spec": {"hard": {"pods": "2"}}})  # fmt: skip
     wait_for(lambda: "pods" in ((get(cluster, "resourcequota", "pods", ns).get("status") or {}).get("used") or {}),
              what="quota usage of pods")  # fmt: skip
-    apply(cluster, node_policy(ns))
-    apply(cluster, spread_deployment("llm", ns, replicas=2))
+    cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=2")
     # Both engines fit the quota; their node caches do not.
     wait_for(lambda: len(engine_nodes(cluster, ns, "llm")) == 2, what="two engines scheduled")
     wait_for(lambda: running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) >= 1 and "exceeded quota"

@@ -33,9 +33,13 @@ class FakeKube:
     calls: list[tuple[str, str, bool]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    versions: list[object] = field(default_factory=list)
+    """``metadata.resourceVersion`` of each workload apply body (None: no optimistic lock)."""
 
     def apply(self, path: str, body: Mapping[str, Any], field_manager: str, force: bool = False) -> dict[str, Any]:
         self.calls.append(("apply", path, force))
+        if "/configmaps/" not in path:
+            self.versions.append((body.get("metadata") or {}).get("resourceVersion"))
         if "/configmaps/" in path:
             return dict(body)
         if self.apply_errors:
@@ -83,6 +87,32 @@ def test_only_an_args_conflict_is_forced() -> None:
     assert r.reconcile(enabled()) == "applied"
     assert workload_applies(kube) == [False, True]
     assert [e["reason"] for e in kube.events] == ["KvoffloadInjected"]
+
+
+def test_only_the_forced_apply_is_locked_to_the_version_it_was_computed_from() -> None:
+    # Status writes bump resourceVersion all the time: locking the plain apply caused needless 409s.
+    kube = FakeKube(apply_errors=[conflict(ARGS_FIELD)])
+    r, _ = reconciler(kube)
+    obj = enabled()
+    obj["metadata"]["resourceVersion"] = "41"
+    assert r.reconcile(obj) == "applied"
+    assert kube.versions == [None, "41"]
+
+
+def test_a_422_on_a_fragment_of_an_older_spec_is_skipped_not_reported() -> None:
+    invalid = KubeApiError(422, {"reason": "Invalid", "message": "spec.template.spec.containers[1].image: Required"},
+                           "PATCH", "/x")  # fmt: skip
+    kube = FakeKube(apply_errors=[invalid, invalid])
+    r, _ = reconciler(kube)
+    obj = enabled()
+    newer = enabled()
+    newer["metadata"]["generation"] = obj["metadata"].get("generation", 1) + 1
+    kube.objects[workload_path("Deployment", "ns", "llama")] = newer
+    assert r.reconcile(obj) == "skipped"  # the user renamed the container meanwhile: the next event retries
+    assert kube.events == []
+    kube.objects[workload_path("Deployment", "ns", "llama")] = obj
+    assert r.reconcile(obj) == "error"  # the same spec: the apiserver's refusal is the user's to see
+    assert [e["reason"] for e in kube.events] == ["KvoffloadInvalid"]
 
 
 def test_any_other_conflict_is_reported_and_nothing_forced() -> None:
