@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, command_line, machine_info, versions
-from benchmarks.report import GPU_PLACEHOLDER, make_plots, parse_gpu_log, render_markdown, results_filename, write_results
+from benchmarks.report import (
+    GPU_PLACEHOLDER,
+    make_plots,
+    parse_gpu_log,
+    render_markdown,
+    results_filename,
+    write_results,
+)
 
 GROUPS = ("connector", "transfer", "operator")
 RESULTS_DIR = REPO / "benchmarks" / "results"

@@ -131,7 +131,9 @@ def test_a_node_mode_policy_without_node_mode_enabled_is_refused_and_nothing_is_
                                      annotations={c.ANN_ENABLED: "true", c.ANN_POLICY: "shared"}))  # fmt: skip
     event = wait_for(lambda: events_for(cluster, namespace, "llm", "KvoffloadInvalid"), what="a Warning")[0]
     assert "node mode is off" in event["message"] and "nodeMode.enabled=true" in event["message"]
-    dep = get(cluster, "deployment", "llm", namespace)
+    dep = json.loads(cluster.kubectl("get", "deployment", "llm", "-n", namespace, "-o", "json",
+                                     "--show-managed-fields").stdout)  # fmt: skip
     assert c.ANN_CONFIG_HASH not in (dep["spec"]["template"]["metadata"].get("annotations") or {})
-    assert not [m for m in dep["metadata"]["managedFields"] if m["manager"] == c.FIELD_MANAGER]
+    managers = {m["manager"] for m in dep["metadata"]["managedFields"]}
+    assert "kubectl-client-side-apply" in managers and c.FIELD_MANAGER not in managers, managers
     assert list_objects(cluster, "pods", namespace, c.LABEL_CACHE_POLICY) == []
