@@ -21,6 +21,7 @@ from typing import Any
 
 from kvoffload import contract as c
 
+from .drift import object_carries
 from .fragment import (
     SUPPORTED_KINDS,
     ClusterInfo,
@@ -247,7 +248,10 @@ class Reconciler:
         rendered = render(obj, settings, self.cluster, user_options)
         if isinstance(rendered, SettingsError):
             return self._reject(obj, rendered, state)
-        result = self._apply_injection(obj, rendered, state)
+        if force and self._already_carries(obj, rendered):
+            result = "unchanged"  # a resync that found no drift sends nothing
+        else:
+            result = self._apply_injection(obj, rendered, state)
         if result in ("applied", "unchanged"):
             for warning in rendered.warnings:
                 self.events.post(obj, "Warning", "KvoffloadManualStep", warning, state)
@@ -312,6 +316,14 @@ class Reconciler:
             )  # fmt: skip
             log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
         return "applied" if changed else "unchanged"
+
+    def _already_carries(self, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+        """Whether the live workload and its ConfigMap hold every field the apply would set."""
+        if not object_carries(rendered.workload_apply, obj):
+            return False
+        meta = obj.get("metadata") or {}
+        cm = self.kube.get(configmap_path(str(meta.get("namespace")), configmap_name(str(meta.get("name")))))
+        return object_carries(rendered.configmap_apply, cm)
 
     def _changed_since(self, path: str, meta: Mapping[str, Any]) -> bool:
         """Whether the object's spec moved on from the version a fragment was computed from."""

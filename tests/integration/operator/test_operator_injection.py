@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localcluster import LocalCluster
 from kvoffload import contract as c
@@ -290,3 +292,41 @@ def test_a_workload_refused_by_a_quota_is_injected_once_it_is_lifted_without_tou
     cluster.kubectl("delete", "resourcequota", "tight", "-n", namespace)
     wait_injected(cluster, "deployment", "quota", namespace, timeout=60)
     wait_for(lambda: running_operator.metric_sum(c.M_OPERATOR_RETRY_QUEUE) == 0, what="the retry queue drained")
+
+
+def apiserver_applies(cluster: LocalCluster) -> float:
+    """Server-Side Apply requests the apiserver has served (deployments and configmaps)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(
+        s.value for f in text_string_to_metric_families(text) if f.name == "apiserver_request" for s in f.samples
+        if s.name == "apiserver_request_total" and s.labels.get("verb") == "APPLY"
+        and s.labels.get("resource") in ("deployments", "configmaps")
+    )  # fmt: skip
+
+
+def test_a_resync_without_drift_writes_nothing_and_repairs_a_deleted_configmap(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    operator.stop()  # only the resyncing operator below may write (the next test restarts the session one)
+    resyncing = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=tmp_path,
+                                extra_args=["--namespace", namespace, "--resync-seconds", "2"])  # fmt: skip
+    resyncing.start()
+    try:
+        apply(cluster, trtllm_deployment("resync", namespace, replicas=0, annotations={c.ANN_ENABLED: "true"}))
+        dep = wait_injected(cluster, "deployment", "resync", namespace)
+        forced = c.M_OPERATOR_RECONCILES + "_total"
+        base = resyncing.metric_sum(forced, result="unchanged")
+        # The pass on the operator's own apply event is one "unchanged"; the resyncs follow.
+        wait_for(lambda: resyncing.metric_sum(forced, result="unchanged") >= base + 2, what="a first resync")
+        applies = apiserver_applies(cluster)
+        seen = resyncing.metric_sum(forced, result="unchanged")
+        wait_for(lambda: resyncing.metric_sum(forced, result="unchanged") >= seen + 3, what="three more resyncs")
+        assert apiserver_applies(cluster) == applies, "a resync with no drift sent an apply"
+        assert template(get(cluster, "deployment", "resync", namespace)) == template(dep)
+
+        cluster.kubectl("delete", "configmap", f"resync{c.GENERATED_CONFIGMAP_SUFFIX}", "-n", namespace)
+        wait_for(lambda: cluster.kubectl("get", "configmap", f"resync{c.GENERATED_CONFIGMAP_SUFFIX}", "-n", namespace,
+                                         check=False).returncode == 0, timeout=30, what="the ConfigMap recreated")  # fmt: skip
+        assert apiserver_applies(cluster) > applies
+    finally:
+        resyncing.stop()
