@@ -46,6 +46,7 @@ from .settings import (
 
 log = logging.getLogger("kvoffload.operator")
 EVENT_MESSAGE_LIMIT = 1000
+FORCED_APPLY_TRIES = 3
 READY = "Ready"
 
 
@@ -118,7 +119,8 @@ class Reconciler:
     node_caches: NodeCaches | None = None
     """Node mode's cache pods (None: node mode is off, so workloads of ``mode: node`` are refused)."""
     policies: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    _done: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    _done: dict[str, frozenset[tuple[object, ...]]] = field(default_factory=dict)
+    """Input fingerprints already reconciled, per workload uid."""
     _dirty_policies: set[tuple[str, str]] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -220,7 +222,7 @@ class Reconciler:
             self.cluster,
         )
         with self._lock:
-            if not force and self._done.get(uid) == fingerprint:
+            if not force and fingerprint in self._done.get(uid, frozenset()):
                 return "noop"
         state = f"{meta.get('generation')}/{fingerprint[1]}/{fingerprint[2]}"
         settings = resolve_settings(annotations, policy, self.defaults, str(meta.get("namespace")))
@@ -248,20 +250,35 @@ class Reconciler:
         rendered = render(obj, settings, self.cluster, user_options)
         if isinstance(rendered, SettingsError):
             return self._reject(obj, rendered, state)
+        answer: Mapping[str, Any] | None = None
         if force and self._already_carries(obj, rendered):
             result = "unchanged"  # a resync that found no drift sends nothing
         else:
-            result = self._apply_injection(obj, rendered, state)
+            result, answer = self._apply_injection(obj, rendered, state)
         if result in ("applied", "unchanged"):
             for warning in rendered.warnings:
                 self.events.post(obj, "Warning", "KvoffloadManualStep", warning, state)
+            done = {fingerprint}
+            if result == "applied" and answer is not None:
+                # The apply raised the generation. If the object it returned is a fixed point (the
+                # renderer gives the same fragment and the object carries it), the event for that
+                # generation has nothing to do either: remember both as done.
+                again = render(answer, settings, self.cluster, user_options)
+                answer_meta = answer.get("metadata") or {}
+                if (not isinstance(again, SettingsError) and again.config_hash == rendered.config_hash
+                        and object_carries(again.workload_apply, answer)):  # fmt: skip
+                    done.add((answer_meta.get("generation"),
+                              _ours_annotations(answer_meta.get("annotations") or {}), *fingerprint[2:]))  # fmt: skip
             with self._lock:
-                self._done[uid] = fingerprint
+                self._done[uid] = frozenset(done)
             self.metrics.mark_injected(kind, uid, True)
             self._touch_policy(obj)
         return result
 
-    def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str) -> str:
+    def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
+                         ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip
+        """Apply the ConfigMap and the workload fragment; the result label and the object the
+        apiserver returned (None when nothing was applied)."""
         kind = str(obj.get("kind"))
         meta = obj.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
@@ -269,7 +286,7 @@ class Reconciler:
             self.kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply, c.FIELD_MANAGER)
         except KubeApiError as exc:
             if exc.status == 409 and exc.field_conflicts:
-                return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state)
+                return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state), None
             raise
         # Unforced apply without a resourceVersion: the Deployment controller's status writes change
         # the object's version constantly, and a version lock here turned many first applies into a
@@ -282,31 +299,28 @@ class Reconciler:
         except KubeApiError as exc:
             if exc.status == 422 and self._changed_since(path, meta):
                 log.info("%s changed while reconciling (422 on a stale fragment); the next event retries", _ref(obj))
-                return "skipped"
+                return "skipped", None
             if exc.status == 422:
                 # Input the settings could not judge (e.g. a pod-level rule): say so on the workload.
                 return self._reject(obj, SettingsError(
                     f"{kind} {name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
                     reason="rejected_by_apiserver",
-                ), state)  # fmt: skip
+                ), state), None  # fmt: skip
             if exc.status != 409:
                 raise
             conflicts = exc.field_conflicts
             if not conflicts:
                 log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
-                return "skipped"
+                return "skipped", None
             if not all(f in rendered.forceable_fields for f, _ in conflicts):
-                return self._conflict(obj, exc, f"{kind} {name}", state)
+                return self._conflict(obj, exc, f"{kind} {name}", state), None
             # Only the engine's args conflict: the documented rewrite, undone on removal. Forcing
             # takes the user's args, so it is locked to the version the rewrite was computed from.
-            locked = copy.deepcopy(body)
-            locked["metadata"]["resourceVersion"] = meta.get("resourceVersion")
-            try:
-                answer = self.kube.apply(path, locked, c.FIELD_MANAGER, force=True)
-            except KubeApiError as forced:
-                if forced.status == 409:
-                    return "skipped"  # changed meanwhile; the resourceVersion lock kept it safe
-                raise
+            forced_answer = self._force_apply(path, body, meta)
+            if forced_answer is None:
+                log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
+                return "skipped", None
+            answer = forced_answer
         changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
         if changed:
             self.events.post(
@@ -315,7 +329,26 @@ class Reconciler:
                 f"(config hash {rendered.config_hash})", rendered.config_hash,
             )  # fmt: skip
             log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
-        return "applied" if changed else "unchanged"
+        return ("applied" if changed else "unchanged"), answer
+
+    def _force_apply(self, path: str, body: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Forced apply locked to a version with the spec the rewrite was computed from; status
+        writes in between only refresh the lock (a few tries). None: the spec itself changed."""
+        locked = copy.deepcopy(dict(body))
+        version = meta.get("resourceVersion")
+        for _attempt in range(FORCED_APPLY_TRIES):
+            locked["metadata"]["resourceVersion"] = version
+            try:
+                return self.kube.apply(path, locked, c.FIELD_MANAGER, force=True)
+            except KubeApiError as exc:
+                if exc.status != 409:
+                    raise
+            current = self.kube.get(path)
+            current_meta = (current or {}).get("metadata") or {}
+            if current is None or current_meta.get("generation") != meta.get("generation"):
+                return None
+            version = current_meta.get("resourceVersion")
+        return None
 
     def _already_carries(self, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
         """Whether the live workload and its ConfigMap hold every field the apply would set."""

@@ -113,3 +113,37 @@ def test_a_resync_without_drift_sends_no_write_and_one_with_drift_applies() -> N
     kube.objects[configmap_path("ns", configmap_name("llama"))] = merged({}, rendered.configmap_apply)  # type: ignore[union-attr]
     assert r.reconcile(live, force=True) == "unchanged"
     assert len(kube.calls) == calls and cm_apply and len(workload_applies(kube)) == 2
+
+
+def test_the_event_of_the_operators_own_apply_and_late_events_of_the_old_generation_are_no_ops() -> None:
+    from tests.unit.operator.test_operator_reconcile import FakeKube, reconciler, workload_applies
+
+    obj = deployment(annotations={c.ANN_ENABLED: "true"})
+
+    class ApplyingKube(FakeKube):
+        """Answers a workload apply with the object as the apiserver would store it."""
+
+        def apply(self, path: str, body: Any, field_manager: str, force: bool = False) -> dict[str, Any]:
+            super().apply(path, body, field_manager, force)
+            if "/configmaps/" in path:
+                return dict(body)
+            stored = applied(obj, dict(body))
+            stored["metadata"]["generation"] = obj["metadata"].get("generation", 1) + 1
+            return stored
+
+    kube = ApplyingKube()
+    r, _ = reconciler(kube)
+    assert r.reconcile(obj) == "applied"
+    answer_generation = obj["metadata"].get("generation", 1) + 1
+    own_event = applied(obj, kube_body(kube, obj))
+    own_event["metadata"]["generation"] = answer_generation
+    assert r.reconcile(own_event) == "noop"
+    assert r.reconcile(obj) == "noop"  # a status event of the old generation, delivered late
+    assert len(workload_applies(kube)) == 1
+
+
+def kube_body(kube: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    settings = resolve_settings(obj["metadata"]["annotations"], None, OperatorDefaults(), "ns")
+    assert isinstance(settings, InjectionSettings)
+    rendered = render_injection_fragment(obj, settings, ClusterInfo(True), None)
+    return rendered.workload_apply  # type: ignore[union-attr,no-any-return]
