@@ -139,7 +139,15 @@ def start_sidecar(l1: str, workdir: Path, chunk_size: int = 256) -> tuple[subpro
     raise RuntimeError("sidecar not ready in 300 s")
 
 
-def make_backend(url: str, pool: torch.Tensor | None, fast: bool, workdir: Path, role: str = "worker") -> Any:
+def make_backend(
+    url: str,
+    pool: torch.Tensor | None,
+    fast: bool,
+    workdir: Path,
+    role: str = "worker",
+    world_size: int = 1,
+    rank: int = 0,
+) -> Any:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
     from kvoffload.connector.backends.base import kv_geometry
     from kvoffload.connector.backends.sidecar import SidecarBackend
@@ -150,7 +158,7 @@ def make_backend(url: str, pool: torch.Tensor | None, fast: bool, workdir: Path,
         model="meta-llama/Llama-3.1-8B-Instruct",
         kv_cache_config=types.SimpleNamespace(tokens_per_block=TOKENS_PER_BLOCK),
         kv_connector_config=types.SimpleNamespace(server_url=url),
-        tensor_parallel_size=1,
+        tensor_parallel_size=world_size,
         pipeline_parallel_size=1,
     )
     env = {
@@ -160,13 +168,15 @@ def make_backend(url: str, pool: torch.Tensor | None, fast: bool, workdir: Path,
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
-    backend = SidecarBackend(settings, rank=0, role=role, metrics=metrics, use_fast_copies=fast)
+    backend = SidecarBackend(settings, rank=rank, role=role, metrics=metrics, use_fast_copies=fast)
     if pool is None:  # scheduler role: lookups only
         deadline = time.monotonic() + 30
         while not backend.is_up() and time.monotonic() < deadline:
             time.sleep(0.1)
         return backend
-    geometry = kv_geometry(pool.shape[-1], TOKENS_PER_BLOCK, {"num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}, 1)
+    geometry = kv_geometry(
+        pool.shape[-1], TOKENS_PER_BLOCK, {"num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}, world_size
+    )
     backend.register(pool, geometry)
     if not backend.is_up():
         raise RuntimeError("backend did not register")
