@@ -51,6 +51,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def write_json(results: dict[str, Any], out: str) -> None:
+    """The whole result as JSON: to stdout for ``-``, else to the file ``out``."""
+    text = json.dumps(results, indent=1)
+    if out == "-":
+        print(text)
+    else:
+        Path(out).write_text(text)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -351,11 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             f"LMCache's own copies, {results['shipped']['tokens']} tokens: store {s['store_gbps']:.2f} GB/s, "
             f"retrieve {s['retrieve_gbps']:.2f} GB/s, bit-exact {s['bit_exact']}"
         )
-    text = json.dumps(results, indent=1)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
+    write_json(results, args.out)
     return 0
 
 

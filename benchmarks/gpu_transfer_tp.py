@@ -146,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {raw['h2d_gbps']:.1f} / {raw['d2h_gbps']:.1f} GB/s | {row['store_gbps']:.1f} GB/s ({row['store_ms']:.0f} ms) "
             f"| {row['retrieve_gbps']:.1f} GB/s ({row['retrieve_ms']:.0f} ms) | {row['bit_exact']} | {row['all_hit']} |"
         )
-    text = json.dumps({"env": env, "rows": rows}, indent=1)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
+    gt.write_json({"env": env, "rows": rows}, args.out)
     return 0
 
 

@@ -143,11 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['tokens']} | {row['kv_bytes'] / 2**20:.0f} MiB | {row['prefill_ms']:.1f} ms "
             f"| {row['retrieve_ms']:.1f} ms ({row['retrieve_gbps']:.1f} GB/s) | {row['speedup']:.1f}x | {row['bit_exact']} |"
         )
-    text = json.dumps(results, indent=1)
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
+    gt.write_json(results, args.out)
     return 0
 
 

@@ -160,9 +160,13 @@ class Reconciler:
             try:
                 result = self._reconcile(obj, force)
             except KubeApiError as exc:
-                log.warning("reconcile %s: %s (retrying)", _ref(obj), exc)
-                self.metrics.errors.labels(kind=kind, reason="api_error").inc()
-                result, failure = "error", f"the API call failed, retrying: {exc}"
+                if exc.status in (403, 404) and self._gone(obj):
+                    log.info("reconcile %s: the workload is gone or being deleted (%s)", _ref(obj), exc.reason)
+                    result = "skipped"
+                else:
+                    log.warning("reconcile %s: %s (retrying)", _ref(obj), exc)
+                    self.metrics.errors.labels(kind=kind, reason="api_error").inc()
+                    result, failure = "error", f"the API call failed, retrying: {exc}"
             except Exception as exc:  # the operator keeps running whatever one workload does
                 log.exception("reconcile %s failed (retrying)", _ref(obj))
                 self.metrics.errors.labels(kind=kind, reason="internal").inc()
@@ -177,6 +181,16 @@ class Reconciler:
             self.metrics.reconciles.labels(kind=kind, result=result).inc()
             self.metrics.duration.labels(kind=kind).observe(time.perf_counter() - started)
         return result
+
+    def _gone(self, obj: Mapping[str, Any]) -> bool:
+        """Whether the workload no longer exists or is being deleted (its namespace too, maybe)."""
+        meta = obj.get("metadata") or {}
+        try:
+            current = self.kube.get(workload_path(str(obj.get("kind")), str(meta.get("namespace")),
+                                                  str(meta.get("name"))))  # fmt: skip
+        except KubeApiError:
+            return False
+        return current is None or bool((current.get("metadata") or {}).get("deletionTimestamp"))
 
     def _retry_workload(self, kind: str, meta: Mapping[str, Any]) -> None:
         """Re-read the workload and reconcile it as it is now (gone: forget it)."""
@@ -208,6 +222,8 @@ class Reconciler:
         kind = str(obj.get("kind"))
         meta = obj.get("metadata") or {}
         uid = str(meta.get("uid"))
+        if meta.get("deletionTimestamp"):
+            return "noop"  # being deleted: an apply could only race the garbage collector
         annotations = meta.get("annotations") or {}
         enabled = enabled_state(annotations)
         if isinstance(enabled, SettingsError):

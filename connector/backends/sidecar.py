@@ -9,6 +9,12 @@ server exposes as a POSIX shared-memory segment (``--shm-name`` with
 ``--no-l1-use-lazy``). Everything here is LMCache's public client API:
 ``RequestClientFactory``, ``create_transfer_context``, ``IPCCacheServerKey``.
 
+COMMIT off the engine's path: after the copy (synchronised, so the KV is where it must be) the
+COMMIT that publishes a store or releases a retrieve's slots is sent by a committer thread
+while the engine goes on. Lookups in this process first wait for pending COMMITs (bounded by
+the lookup timeout), so a request never misses KV that a finished request of this process
+stored. A COMMIT that fails marks the backend down like any other failed call.
+
 Failure handling: every call has its own timeout (settings, ms). A failed call
 marks the backend down; while down, calls fail at once (lookups answer 0, stores
 are skipped) and nothing waits. A heartbeat thread PINGs the server (which also
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -47,6 +55,39 @@ _MIN_PING_TIMEOUT_S = 2.0
 
 def _reason(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
+
+
+class PendingCommits:
+    """COMMITs queued in this process and not yet answered; lookups wait for none to be left."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def add(self) -> None:
+        with self._idle:
+            self._count += 1
+
+    def done(self) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True when none is pending (at once, or within ``timeout_s``)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)
+
+
+PENDING_COMMITS = PendingCommits()
+
+
+@dataclass(frozen=True)
+class _Commit:
+    operation: str
+    transfer: Any
+    key: IPCCacheServerKey
 
 
 class SidecarBackend:
@@ -91,6 +132,9 @@ class SidecarBackend:
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
         self._stop = threading.Event()
+        self._commits: queue.Queue[_Commit | None] = queue.Queue()
+        self._committer = threading.Thread(target=self._commit_loop, name=f"kvoffload-commit-{role}", daemon=True)
+        self._committer.start()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"kvoffload-heartbeat-{role}", daemon=True)
         self._heartbeat.start()
 
@@ -168,6 +212,8 @@ class SidecarBackend:
         """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
         if not self._up.is_set():
             raise BackendError("lookup", "unavailable")
+        # Read this process's own stores: wait (at most one lookup timeout) for their COMMITs.
+        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
         key = self._key(session_id, token_ids, 0, end, salt, worker=False)
         client = self._client
         deadline = time.monotonic() + self._lookup_timeout_s
@@ -322,7 +368,7 @@ class SidecarBackend:
                 synchronize_device(self._pool.device)  # the server may reuse the slots after COMMIT
         finally:
             t2 = time.perf_counter()
-            edc.commit_retrieve(key, self._instance_id)
+            self._commit_later("retrieve", key)  # the slots go back to the server after the copy
         logger.debug(
             "event=transfer_timing op=retrieve blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
             len(op.block_ids),
@@ -373,7 +419,8 @@ class SidecarBackend:
         gather_chunks(self._pool, op.block_ids, slots, indices, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
         synchronize_device(self._pool.device)
         t2 = time.perf_counter()
-        committed = bool(edc.commit_store(key, self._instance_id, []))
+        self._commit_later("store", key)
+        committed = True  # a COMMIT the server refuses is counted as a store error by the committer
         logger.debug(
             "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
             len(indices) * bpc,
@@ -382,6 +429,47 @@ class SidecarBackend:
             (time.perf_counter() - t2) * 1e3,
         )
         return committed
+
+    # --- deferred COMMIT ----------------------------------------------------------------
+    def _commit_later(self, operation: str, key: IPCCacheServerKey) -> None:
+        """Queue the COMMIT of a finished copy (called with the transfer lock held)."""
+        PENDING_COMMITS.add()
+        self._commits.put(_Commit(operation, self._transfer, key))
+
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commits.get()
+            if item is None:
+                return
+            try:
+                self._commit_now(item)
+            finally:
+                PENDING_COMMITS.done()
+
+    def _commit_now(self, item: _Commit) -> None:
+        with self._lock:
+            if item.transfer is not self._transfer or item.transfer is None:
+                return  # reconnected meanwhile: that server (and its reservation) is gone
+            edc = item.transfer.engine_driven_context
+            start = time.perf_counter()
+            try:
+                ok = True
+                if item.operation == "store":
+                    ok = bool(edc.commit_store(item.key, self._instance_id, []))
+                else:
+                    edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
+            except Exception as exc:
+                self._fail(item.operation, _reason(exc), f"COMMIT: {exc!r}")
+                return
+            if not ok:
+                self._metrics.error(item.operation, "server_error")
+                logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+            logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
+                         (time.perf_counter() - start) * 1e3)  # fmt: skip
+
+    def flush_commits(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued COMMIT of this process was answered."""
+        return PENDING_COMMITS.wait_idle(timeout_s)
 
     # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -426,7 +514,9 @@ class SidecarBackend:
         old.close()
 
     def close(self) -> None:
-        """Stop the heartbeat, unregister and close the connection."""
+        """Send the queued COMMITs, stop the heartbeat, unregister and close the connection."""
+        self._commits.put(None)
+        self._committer.join(timeout=max(5.0, self._store_timeout_s))
         self._stop.set()
         self._heartbeat.join(timeout=5)
         with self._lock:

@@ -222,3 +222,25 @@ def test_native_sidecars_follow_the_apiserver_version(info: dict[str, str], nati
     from kvoffload.operator.kube import parse_version
 
     assert (parse_version(info) >= NATIVE_SIDECAR_MIN) is native
+
+
+def test_a_workload_being_deleted_is_left_alone() -> None:
+    kube = FakeKube()
+    r, _ = reconciler(kube)
+    obj = enabled()
+    obj["metadata"]["deletionTimestamp"] = "2026-11-30T14:22:16Z"
+    assert r.reconcile(obj) == "noop"
+    assert kube.calls == [] and kube.events == []
+
+
+def test_an_apply_refused_because_the_workload_or_its_namespace_went_away_is_not_retried() -> None:
+    terminating = KubeApiError(403, {"reason": "Forbidden", "message": "namespace is being terminated"}, "PATCH", "/x")
+    kube = FakeKube(apply_errors=[terminating])
+    r, metrics = reconciler(kube)
+    assert r.reconcile(enabled()) == "skipped"  # GET answers None: it is gone
+    assert len(r.retries) == 0 and kube.events == []
+    assert metrics.errors.labels(kind="Deployment", reason="api_error")._value.get() == 0
+    kube.apply_errors = [terminating]
+    obj = enabled()
+    kube.objects[workload_path("Deployment", "ns", "llama")] = obj  # still there: a real refusal (RBAC)
+    assert r.reconcile(obj) == "error" and len(r.retries) == 1
