@@ -235,6 +235,7 @@ def measure(backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps:
         "retrieve_ms": retr_ms,
         "bit_exact": all(r["bit_exact"] for r in rounds),
         "all_hit": all(r["hit_tokens"] == tokens for r in rounds),
+        "hit_tokens": [r["hit_tokens"] for r in rounds],
         "rounds": len(warm),
     }
 
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     connector_log = logging.getLogger("kvoffload.connector")
     connector_log.setLevel(logging.DEBUG)
     connector_log.addHandler(timings)
+    warnings_out = logging.StreamHandler()
+    warnings_out.setLevel(logging.WARNING)
+    connector_log.addHandler(warnings_out)  # backend_down, commit_refused, ... show in the log
     results: dict[str, Any] = {"env": env_info, "sizes": []}
     max_tokens = max([*args.tokens, *args.inprocess_tokens])
     pool = torch.empty(

@@ -218,7 +218,10 @@ class SidecarBackend:
         client = self._client
         deadline = time.monotonic() + self._lookup_timeout_s
         try:
-            client.lookup(key, 1)
+            # The server may run LOOKUP and WAIT on different threads: WAIT before LOOKUP has
+            # registered the prefetch job answers 0 (a miss for KV that is there), so LOOKUP's
+            # answer comes first.
+            client.lookup(key, 1).result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
             # WAIT (not QUERY) so a prefetch still running is not misread as a miss.
             chunks = client.wait_prefetch_status(session_id, self._lookup_timeout_s).result(
                 timeout=max(0.0, deadline - time.monotonic()) + 0.05
@@ -230,14 +233,17 @@ class SidecarBackend:
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str
     ) -> None:
-        """Release lookup read locks on chunk ranges that will not be retrieved (no waiting)."""
+        """Release lookup read locks on chunk ranges that will not be retrieved."""
+        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
         if not self._up.is_set():
             return
         for start, end in ranges:
             self._client.free_lookup_locks(self._key(session_id, token_ids, start, end, salt, worker=False), 1)
 
     def end_session(self, session_id: str) -> None:
-        """Tell the server the request ended (no waiting)."""
+        """Tell the server the request ended, after this process's queued COMMITs (the server sees
+        a session's COMMIT before its end, as with synchronous COMMITs)."""
+        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
         if self._up.is_set():
             self._client.end_session(session_id)
 
@@ -449,7 +455,11 @@ class SidecarBackend:
     def _commit_now(self, item: _Commit) -> None:
         with self._lock:
             if item.transfer is not self._transfer or item.transfer is None:
-                return  # reconnected meanwhile: that server (and its reservation) is gone
+                # Reconnected meanwhile: that server (and its reservation) is gone; a store is lost.
+                if item.operation == "store":
+                    self._metrics.error("store", "unavailable")
+                logger.warning("event=commit_dropped operation=%s session=%s", item.operation, item.key.request_id)
+                return
             edc = item.transfer.engine_driven_context
             start = time.perf_counter()
             try:
