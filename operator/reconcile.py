@@ -267,8 +267,10 @@ class Reconciler:
         if isinstance(rendered, SettingsError):
             return self._reject(obj, rendered, state)
         answer: Mapping[str, Any] | None = None
-        if force and self._already_carries(obj, rendered):
-            result = "unchanged"  # a resync that found no drift sends nothing
+        with self._lock:
+            first_sight = uid not in self._done
+        if (force or first_sight) and self._already_carries(obj, rendered):
+            result = "unchanged"  # a resync or a restarted operator that found no drift sends nothing
         else:
             result, answer = self._apply_injection(obj, rendered, state)
         if result in ("applied", "unchanged"):

@@ -93,7 +93,7 @@ def test_a_missing_object_or_a_missing_key_never_carries() -> None:
     assert carries({"emptyDir": {}}, {"emptyDir": {"sizeLimit": "1Gi"}})
 
 
-def test_a_resync_without_drift_sends_no_write_and_one_with_drift_applies() -> None:
+def test_a_resync_or_a_restart_without_drift_sends_no_write_and_one_with_drift_applies() -> None:
     from kvoffload.operator.fragment import configmap_name
     from kvoffload.operator.kube import configmap_path
     from tests.unit.operator.test_operator_reconcile import FakeKube, reconciler, workload_applies
@@ -113,6 +113,9 @@ def test_a_resync_without_drift_sends_no_write_and_one_with_drift_applies() -> N
     kube.objects[configmap_path("ns", configmap_name("llama"))] = merged({}, rendered.configmap_apply)  # type: ignore[union-attr]
     assert r.reconcile(live, force=True) == "unchanged"
     assert len(kube.calls) == calls and cm_apply and len(workload_applies(kube)) == 2
+    restarted, _ = reconciler(kube)  # an operator that starts sees every workload once, no cache
+    assert restarted.reconcile(live) == "unchanged"
+    assert len(kube.calls) == calls
 
 
 def test_the_event_of_the_operators_own_apply_and_late_events_of_the_old_generation_are_no_ops() -> None:
