@@ -449,6 +449,8 @@ class SidecarBackend:
                 return
             try:
                 self._commit_now(item)
+            except Exception:  # the committer must outlive any one COMMIT
+                logger.exception("event=commit_failed operation=%s", item.operation)
             finally:
                 PENDING_COMMITS.done()
 
