@@ -306,14 +306,17 @@ class Reconciler:
             if exc.status == 409 and exc.field_conflicts:
                 return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state), None
             raise
-        # Unforced apply without a resourceVersion: the Deployment controller's status writes change
-        # the object's version constantly, and a version lock here turned many first applies into a
-        # 409 and a second pass. Without force SSA cannot take another manager's field, and a
-        # fragment computed from an older spec is replaced by the next event's pass.
+        # Both applies are locked to the resourceVersion the fragment was computed from (a stale
+        # fragment must never land: it would roll the pods twice). A 409 caused only by a status
+        # write refreshes the lock instead of waiting for the next event (``_locked_apply``).
         body = rendered.workload_apply
         path = workload_path(kind, namespace, name)
         try:
-            answer = self.kube.apply(path, body, c.FIELD_MANAGER, force=False)
+            unforced = self._locked_apply(path, body, meta, force=False)
+            if unforced is None:
+                log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
+                return "skipped", None
+            answer = unforced
         except KubeApiError as exc:
             if exc.status == 422 and self._changed_since(path, meta):
                 log.info("%s changed while reconciling (422 on a stale fragment); the next event retries", _ref(obj))
@@ -334,7 +337,7 @@ class Reconciler:
                 return self._conflict(obj, exc, f"{kind} {name}", state), None
             # Only the engine's args conflict: the documented rewrite, undone on removal. Forcing
             # takes the user's args, so it is locked to the version the rewrite was computed from.
-            forced_answer = self._force_apply(path, body, meta)
+            forced_answer = self._locked_apply(path, body, meta, force=True)
             if forced_answer is None:
                 log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
                 return "skipped", None
@@ -349,21 +352,25 @@ class Reconciler:
             log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
         return ("applied" if changed else "unchanged"), answer
 
-    def _force_apply(self, path: str, body: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Forced apply locked to a version with the spec the rewrite was computed from; status
-        writes in between only refresh the lock (a few tries). None: the spec itself changed."""
+    def _locked_apply(self, path: str, body: Mapping[str, Any], meta: Mapping[str, Any], force: bool
+                      ) -> dict[str, Any] | None:  # fmt: skip
+        """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
+        computed from; status writes in between only refresh the lock (a few tries). None: the
+        inputs changed (the next event carries them). Field conflicts are raised to the caller."""
         locked = copy.deepcopy(dict(body))
         version = meta.get("resourceVersion")
+        ours = _ours_annotations(meta.get("annotations") or {})
         for _attempt in range(FORCED_APPLY_TRIES):
             locked["metadata"]["resourceVersion"] = version
             try:
-                return self.kube.apply(path, locked, c.FIELD_MANAGER, force=True)
+                return self.kube.apply(path, locked, c.FIELD_MANAGER, force=force)
             except KubeApiError as exc:
-                if exc.status != 409:
+                if exc.status != 409 or exc.field_conflicts:
                     raise
             current = self.kube.get(path)
             current_meta = (current or {}).get("metadata") or {}
-            if current is None or current_meta.get("generation") != meta.get("generation"):
+            if (current is None or current_meta.get("generation") != meta.get("generation")
+                    or _ours_annotations(current_meta.get("annotations") or {}) != ours):  # fmt: skip
                 return None
             version = current_meta.get("resourceVersion")
         return None
@@ -513,6 +520,8 @@ class Reconciler:
             try:
                 self.refresh_policy_status(*key)
             except KubeApiError as exc:
+                if exc.status == 404:  # the policy or its namespace is gone
+                    continue
                 log.warning("policy status %s/%s: %s (retrying)", *key, exc)
                 with self._lock:
                     self._dirty_policies.add(key)

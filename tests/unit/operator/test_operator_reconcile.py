@@ -89,14 +89,17 @@ def test_only_an_args_conflict_is_forced() -> None:
     assert [e["reason"] for e in kube.events] == ["KvoffloadInjected"]
 
 
-def test_only_the_forced_apply_is_locked_to_the_version_it_was_computed_from() -> None:
-    # Status writes bump resourceVersion all the time: locking the plain apply caused needless 409s.
-    kube = FakeKube(apply_errors=[conflict(ARGS_FIELD)])
+def test_both_applies_are_locked_and_a_status_only_409_refreshes_the_lock() -> None:
+    stale = KubeApiError(409, {"reason": "Conflict", "message": "the object has been modified"}, "PATCH", "/x")
+    kube = FakeKube(apply_errors=[stale, conflict(ARGS_FIELD)])
     r, _ = reconciler(kube)
     obj = enabled()
     obj["metadata"]["resourceVersion"] = "41"
+    status_moved = enabled()
+    status_moved["metadata"]["resourceVersion"] = "42"  # same spec and annotations, newer status
+    kube.objects[workload_path("Deployment", "ns", "llama")] = status_moved
     assert r.reconcile(obj) == "applied"
-    assert kube.versions == [None, "41"]
+    assert kube.versions == ["41", "42", "41"]  # refreshed; the forced apply starts from its own lock again
 
 
 def test_a_422_on_a_fragment_of_an_older_spec_is_skipped_not_reported() -> None:
