@@ -21,6 +21,7 @@ from .reconcile import Reconciler
 
 log = logging.getLogger("kvoffload.operator")
 POLICY_STATUS_INTERVAL_S = 2.0
+NODE_CACHE_RECHECK_S = 30.0
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,12 +52,20 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 
     def background() -> None:
         elapsed = 0.0
+        since_node_check = 0.0
         while not stop.wait(POLICY_STATUS_INTERVAL_S):
             try:
                 _reconciler(memo).run_due_retries()
             except Exception:
                 log.exception("retries failed")
             _reconciler(memo).flush_policy_status()
+            since_node_check += POLICY_STATUS_INTERVAL_S
+            if since_node_check >= NODE_CACHE_RECHECK_S:  # a missed pod event must not strand a cache pod
+                since_node_check = 0.0
+                try:
+                    _reconciler(memo).recheck_node_caches()
+                except Exception:
+                    log.exception("node cache recheck failed")
             elapsed += POLICY_STATUS_INTERVAL_S
             if memo.resync_seconds and elapsed >= memo.resync_seconds:
                 elapsed = 0.0

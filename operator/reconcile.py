@@ -496,6 +496,16 @@ class Reconciler:
         with self._lock:
             self._dirty_policies.add((namespace, name))
 
+    def recheck_node_caches(self) -> None:
+        """Node mode: one level-triggered pass per known policy (two LISTs each; no write unless
+        a cache pod is missing or stranded), whatever events were missed."""
+        if self.node_caches is None:
+            return
+        with self._lock:
+            known = sorted(self.policies)
+        for namespace, name in known:
+            self.sync_node_caches(namespace, name)
+
     def _workloads_naming(self, namespace: str, name: str) -> Iterable[dict[str, Any]]:
         for kind in SUPPORTED_KINDS:
             listing = self.kube.request("GET", workload_path(kind, namespace))
@@ -564,10 +574,7 @@ class Reconciler:
                 annotations = (item.get("metadata") or {}).get("annotations") or {}
                 if c.ANN_ENABLED in annotations:
                     self.reconcile(item, force=True)
-        with self._lock:
-            known = sorted(self.policies)
-        for namespace, name in known:
-            self.sync_node_caches(namespace, name)
+        self.recheck_node_caches()
 
 
 def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults, workloads: list[dict[str, Any]],
