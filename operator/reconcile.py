@@ -46,7 +46,7 @@ from .settings import (
 
 log = logging.getLogger("kvoffload.operator")
 EVENT_MESSAGE_LIMIT = 1000
-FORCED_APPLY_TRIES = 3
+LOCKED_APPLY_TRIES = 3
 READY = "Ready"
 
 
@@ -360,7 +360,7 @@ class Reconciler:
         locked = copy.deepcopy(dict(body))
         version = meta.get("resourceVersion")
         ours = _ours_annotations(meta.get("annotations") or {})
-        for _attempt in range(FORCED_APPLY_TRIES):
+        for _attempt in range(LOCKED_APPLY_TRIES):
             locked["metadata"]["resourceVersion"] = version
             try:
                 return self.kube.apply(path, locked, c.FIELD_MANAGER, force=force)

@@ -479,10 +479,6 @@ class SidecarBackend:
             logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
                          (time.perf_counter() - start) * 1e3)  # fmt: skip
 
-    def flush_commits(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued COMMIT of this process was answered."""
-        return PENDING_COMMITS.wait_idle(timeout_s)
-
     # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
