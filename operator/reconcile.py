@@ -25,6 +25,7 @@ from .drift import object_carries
 from .fragment import (
     SUPPORTED_KINDS,
     ClusterInfo,
+    RemovalPlan,
     RenderedInjection,
     configmap_name,
     options_source,
@@ -389,20 +390,33 @@ class Reconciler:
         return current is not None and (current.get("metadata") or {}).get("generation") != meta.get("generation")
 
     def _remove(self, obj: Mapping[str, Any]) -> str:
-        plan = render_removal(obj)
-        if not plan.steps:
-            return "noop"
         kind = str(obj.get("kind"))
         meta = obj.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
         path = workload_path(kind, namespace, name)
-        for step in plan.steps:
+        current: Mapping[str, Any] = obj
+        for _attempt in range(LOCKED_APPLY_TRIES):
+            plan = render_removal(current)
+            if not plan.steps:
+                return "noop"
             try:
-                self.kube.apply(path, step.body, step.field_manager, force=False)
+                self._apply_removal(path, plan, (current.get("metadata") or {}).get("resourceVersion"))
+                break
             except KubeApiError as exc:
-                if exc.status == 409 and exc.field_conflicts:
+                if exc.status != 409:
+                    raise
+                if exc.field_conflicts:
                     return self._conflict(obj, exc, f"{kind} {name}", "removal")
-                raise
+            # The plan was made from a stale version (often our own removal's intermediate
+            # state, delivered late): plan again from the live object, which may need nothing.
+            live = self.kube.get(path)
+            if live is None or enabled_state((live.get("metadata") or {}).get("annotations") or {}) is not False:
+                log.info("%s changed while removing; the next event carries the new version", _ref(obj))
+                return "skipped"
+            current = {"kind": kind, **live}
+        else:
+            log.info("%s kept changing while removing; the next event retries", _ref(obj))
+            return "skipped"
         cm = self.kube.get(configmap_path(namespace, configmap_name(name)))
         if cm and ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
             self.kube.delete(configmap_path(namespace, configmap_name(name)))
@@ -416,6 +430,15 @@ class Reconciler:
         log.info("removed injection from %s", _ref(obj))
         self._touch_policy(obj)
         return "removed"
+
+    def _apply_removal(self, path: str, plan: RemovalPlan, version: str | None) -> None:
+        """Apply the removal steps; the first is locked to the version the plan was made from
+        (a stale plan would re-claim fields and loop on its own intermediate writes)."""
+        for index, step in enumerate(plan.steps):
+            body = copy.deepcopy(step.body)
+            if index == 0 and version:
+                body["metadata"]["resourceVersion"] = version
+            self.kube.apply(path, body, step.field_manager, force=False)
 
     def _reject(self, obj: Mapping[str, Any], error: SettingsError, state: str) -> str:
         """Bad input: a Warning Event naming field, value and what is allowed; nothing applied."""

@@ -110,6 +110,10 @@ def test_operator_sigkilled_at_random_points_converges_with_one_rollout_per_chan
                  what=f"convergence after change {step} ({kind} {name})")  # fmt: skip
         recovery.append(time.monotonic() - started)
     time.sleep(3)  # a late duplicate apply would land now
+    versions = {n: get(cluster, "deployment", n, namespace)["metadata"]["resourceVersion"] for n in desired}
+    time.sleep(3)
+    quiet = {n: get(cluster, "deployment", n, namespace)["metadata"]["resourceVersion"] for n in desired}
+    assert quiet == versions, "converged workloads must see no more writes (a late event must not restart a removal)"
     report = []
     for name, want in desired.items():
         obj = get(cluster, "deployment", name, namespace)

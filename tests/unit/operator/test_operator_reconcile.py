@@ -215,6 +215,24 @@ def test_opt_out_removes_and_deletes_the_configmap() -> None:
     assert len(kube.calls) == calls
 
 
+def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_more() -> None:
+    """Our own removal's intermediate versions arrive late; re-running its steps from one of them
+    would re-claim the args and start the cycle again (a write loop seen under load)."""
+    kube = FakeKube()
+    r, _ = reconciler(kube)
+    s = resolve_settings({c.ANN_ENABLED: "true"}, None, OperatorDefaults())
+    assert isinstance(s, InjectionSettings)
+    rendered = render_injection_fragment(deployment(), s, ClusterInfo(True))
+    assert isinstance(rendered, RenderedInjection)
+    stale = applied(deployment(), rendered.workload_apply)
+    stale["metadata"]["resourceVersion"] = "41"
+    kube.objects[workload_path("Deployment", "ns", "llama")] = deployment()  # already clean, live
+    kube.apply_errors = [KubeApiError(409, {"reason": "Conflict"}, "PATCH", "/x")]
+    assert r.reconcile(stale) == "noop"
+    assert kube.versions == ["41"], "one apply, locked to the version the plan was made from"
+    assert not [call for call in kube.calls if call[0] == "delete"]
+
+
 @pytest.mark.parametrize(
     ("info", "native"),
     [({"major": "1", "minor": "36"}, True), ({"major": "1", "minor": "29+"}, True),
