@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.connector.backends.blockcopy import gather_chunk, scatter_chunk
+from kvoffload.connector.backends.blockcopy import gather_chunk, gather_chunks, scatter_chunk, scatter_chunks
 
 pytestmark = pytest.mark.connector
 
@@ -64,5 +64,38 @@ def test_scatter_inverts_gather_and_skips(
     for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         want = before[s] if i >= skip else before[d]
         assert torch.equal(pool[d].view(torch.int16), want.view(torch.int16))
+    untouched = [b for b in range(nb) if b not in dst[skip:]]
+    assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    chunks=st.integers(1, 4),
+    bpc=st.integers(1, 3),
+    data=st.data(),
+)
+def test_many_chunks_round_trip_with_a_skip_across_chunk_boundaries(chunks: int, bpc: int, data: st.DataObject) -> None:
+    nl, nh, bs, hd = 2, 2, 2, 4
+    n = chunks * bpc
+    nb = 2 * n + 1
+    pool = _pool(nb, nl, nh, bs, hd)
+    order = data.draw(st.permutations(range(nb)))
+    src, dst = order[:n], order[n : 2 * n]
+    wanted = data.draw(st.lists(st.integers(0, chunks - 1), min_size=1, max_size=chunks, unique=True))
+    outs = [torch.empty(2, nl, bpc * bs, nh * hd, dtype=pool.dtype) for _ in wanted]
+    gather_chunks(pool, src, outs, wanted, bpc, nh, bs, hd)
+    for out, c in zip(outs, wanted, strict=True):
+        one = torch.empty_like(out)
+        gather_chunk(pool, src[c * bpc : (c + 1) * bpc], one, nh, bs, hd)
+        assert torch.equal(out.view(torch.int16), one.view(torch.int16))
+
+    every = [torch.empty(2, nl, bpc * bs, nh * hd, dtype=pool.dtype) for _ in range(chunks)]
+    gather_chunks(pool, src, every, list(range(chunks)), bpc, nh, bs, hd)
+    skip = data.draw(st.integers(0, n))
+    before = pool.clone()
+    scatter_chunks(pool, dst, every, skip, bpc, nh, bs, hd)
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        want = before[s] if i >= skip else before[d]
+        assert torch.equal(pool[d].view(torch.int16), want.view(torch.int16)), (i, skip)
     untouched = [b for b in range(nb) if b not in dst[skip:]]
     assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
