@@ -18,6 +18,9 @@ from hack.localcluster import LocalCluster
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# The operator's session fixtures, defined once for every suite that drives the operator.
+pytest_plugins = ("tests.support.operator_fixtures",)
+
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:

@@ -38,6 +38,10 @@ SIDECAR_IMAGE = "registry.example/kvoffload/sidecar:test"
 BUNDLE_IMAGE = "registry.example/kvoffload/connector-bundle:test"
 
 
+_STARTED: list[OperatorProcess] = []
+"""Every operator process the session started: at most one may run at a time."""
+
+
 @dataclass
 class OperatorProcess:
     """``python -m kvoffload.operator`` with the ServiceAccount kubeconfig; restartable."""
@@ -55,6 +59,10 @@ class OperatorProcess:
         return self.workdir / f"operator-{self.starts}.log"
 
     def start(self) -> None:
+        others = [p for p in _STARTED if p is not self and p.popen is not None and p.popen.poll() is None]
+        assert not others, f"another operator is still running ({others[0].workdir}): two would race each other"
+        if self not in _STARTED:
+            _STARTED.append(self)
         self.starts += 1
         self.metrics_port, self.health_port = free_port(), free_port()
         argv = [

@@ -1,0 +1,85 @@
+"""Operator fixtures for every suite (registered in ``tests/conftest.py``): the CRD, the operator's
+ServiceAccount bound to the chart's RBAC rules, and one operator process for the session.
+
+The ServiceAccount is bound to a ClusterRole built from the chart's
+``files/operator-clusterrole-rules.yaml``, the same file the Helm chart renders, so these tests
+prove that exactly those rules suffice. Defined once, here: a second definition of a session
+fixture (re-exported by another conftest) is a second instance, i.e. two operators at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hack.localcluster import LocalCluster
+from tests.integration.operator.operator_support import (
+    CRD_FILE,
+    OPERATOR_NAMESPACE,
+    OPERATOR_SA,
+    RULES_FILE,
+    OperatorProcess,
+)
+
+
+def apply_json(cluster: LocalCluster, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+def bind_rules(cluster: LocalCluster, name: str, rules_file: Path) -> None:
+    """A ClusterRole holding exactly ``rules_file``'s rules, bound to the operator's ServiceAccount."""
+    apply_json(cluster, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": name}, "rules": yaml.safe_load(rules_file.read_text()),
+    })  # fmt: skip
+    apply_json(cluster, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}],
+    })  # fmt: skip
+
+
+def assert_no_internal_errors(proc: OperatorProcess) -> None:
+    """Whatever the tests threw at it, the operator never crashed inside a reconcile."""
+    for log in sorted(proc.workdir.glob("operator-*.log")):
+        text = log.read_text(errors="replace")
+        assert " ERROR kvoffload" not in text, f"{log}:\n{text[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def operator_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CRD installed; a ServiceAccount bound to the chart's ClusterRole rules; its kubeconfig."""
+    cluster.kubectl("apply", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/kvcachepolicies.kvoffload.io", "--timeout=60s")
+    apply_json(cluster, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
+    apply_json(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
+                          "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}})  # fmt: skip
+    bind_rules(cluster, "kvoffload-operator-test", RULES_FILE)
+    path = tmp_path_factory.mktemp("operator") / "operator.kubeconfig"
+    return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, path)
+
+
+@pytest.fixture(scope="session")
+def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """One operator process for the session (tests that kill it start it again)."""
+    proc = OperatorProcess(kubeconfig=operator_kubeconfig, workdir=tmp_path_factory.mktemp("operator-run"))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+    assert_no_internal_errors(proc)
+
+
+@pytest.fixture
+def running_operator(operator: OperatorProcess) -> OperatorProcess:
+    """The session operator, restarted if an earlier test left it stopped."""
+    if operator.popen is None or operator.popen.poll() is not None:
+        operator.start()
+    return operator
