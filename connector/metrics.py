@@ -12,16 +12,22 @@ about 8 us. Hooks therefore only append one tuple to a deque
 (``record_lookup``/``record_retrieve``/``record_store``, well under 1 us) and a
 background thread applies them to prometheus_client every
 ``FLUSH_INTERVAL_S``; ``flush()`` runs at shutdown and exit as well.
+
+Where no sidecar serves the pod's ``/metrics`` (node mode, in-process backend) the operator sets
+``KVOFFLOAD_METRICS_PORT`` and one connector process serves them (``metrics_endpoint``).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections import deque
 from typing import Any
 
 from kvoffload import contract
+
+from .metrics_endpoint import MetricsEndpoint, render_connector_metrics
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("lookup", "retrieve", "store", "register", "heartbeat")
@@ -189,18 +195,45 @@ def flush_all() -> None:
         metrics.flush()
 
 
+_ENDPOINT: list[MetricsEndpoint] = []
+ENDPOINT_RETRY_S = 10.0
+"""How often a process that could not bind the metrics port tries again (to take over)."""
+
+
 def _flush_loop(stop: threading.Event) -> None:
+    ticks_per_retry = max(1, round(ENDPOINT_RETRY_S / FLUSH_INTERVAL_S))
+    tick = 0
     while not stop.wait(FLUSH_INTERVAL_S):
         flush_all()
+        tick += 1
+        if _ENDPOINT and not _ENDPOINT[0].serving and tick % ticks_per_retry == 0:
+            _ENDPOINT[0].try_serve()
 
 
-def get_metrics(model: str, backend: str, enabled: bool) -> ConnectorMetrics:
-    """The process-wide metrics for (model, backend); created once (scheduler and worker share it)."""
+def _registries() -> list[Any]:
+    with _LOCK:
+        return [m.registry for m in _INSTANCES.values() if m.enabled]
+
+
+def get_metrics(model: str, backend: str, enabled: bool, port: int | None = None) -> ConnectorMetrics:
+    """The process-wide metrics for (model, backend); created once (scheduler and worker share it).
+
+    With a multiprocess directory this process takes its liveness lock before writing any
+    series; with ``port`` it serves the pod's connector metrics there if it can bind it first.
+    """
     key = (model, backend, enabled)
+    directory = os.environ.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None
     with _LOCK:
         metrics = _INSTANCES.get(key)
         if metrics is None:
+            if enabled and directory:
+                from kvoffload.multiproc import hold_liveness_lock
+
+                hold_liveness_lock(directory)
             metrics = _INSTANCES[key] = ConnectorMetrics(model, backend, enabled)
+        if enabled and port and not _ENDPOINT:
+            _ENDPOINT.append(MetricsEndpoint(port, lambda: render_connector_metrics(directory, _registries())))
+            _ENDPOINT[0].try_serve()
         if enabled and not _FLUSHER:
             stop = threading.Event()
             thread = threading.Thread(target=_flush_loop, args=(stop,), name="kvoffload-metrics", daemon=True)

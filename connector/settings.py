@@ -48,6 +48,8 @@ class ConnectorSettings:
     async_save: bool
     metrics_enabled: bool
     metrics_dir: str | None
+    metrics_port: int | None = None
+    """Serve the pod's connector metrics on this port (no sidecar in the pod to do it)."""
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -73,6 +75,13 @@ def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None) 
     if value <= 0:
         raise SettingsError(f"{name}={raw!r} must be a positive integer")
     return value
+
+
+def _parse_port(env: Mapping[str, str], name: str) -> int | None:
+    port = _parse_positive_int(env, name, None)
+    if port is not None and port > 65535:
+        raise SettingsError(f"{name}={port} is not a TCP port; allowed: 1-65535")
+    return port
 
 
 def _attr(obj: Any, *path: str) -> Any:
@@ -145,4 +154,5 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         async_save=_parse_bool(env, contract.ENV_ASYNC_SAVE, DEFAULT_ASYNC_SAVE),
         metrics_enabled=_parse_bool(env, contract.ENV_METRICS_ENABLED, True),
         metrics_dir=env.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None,
+        metrics_port=_parse_port(env, contract.ENV_METRICS_PORT),
     )

@@ -57,6 +57,10 @@ LMCACHE_HTTP_PORT: Final = 5580
 SIDECAR_HTTP_PORT: Final = 9455
 """The sidecar's own health and /metrics endpoint, reachable on the pod IP."""
 SIDECAR_PORT_NAME: Final = "kvo-metrics"
+ENGINE_METRICS_PORT: Final = 9456
+"""Without a sidecar in the pod (node mode, in-process backend) the connector itself serves the
+pod's connector metrics here (one TensorRT-LLM process binds it; the others write files)."""
+ENGINE_METRICS_PORT_NAME: Final = "kvo-connector"
 REQUEST_PORT_NAME: Final = "kvo-cache"
 OPERATOR_METRICS_PORT: Final = 8080
 OPERATOR_HEALTH_PORT: Final = 8081
@@ -100,6 +104,8 @@ ENV_SAVE_DECODE_TOKENS: Final = "KVOFFLOAD_SAVE_DECODE_TOKENS"
 ENV_METRICS_ENABLED: Final = "KVOFFLOAD_METRICS_ENABLED"
 ENV_HEARTBEAT_INTERVAL_MS: Final = "KVOFFLOAD_HEARTBEAT_INTERVAL_MS"
 ENV_ASYNC_SAVE: Final = "KVOFFLOAD_ASYNC_SAVE"
+ENV_METRICS_PORT: Final = "KVOFFLOAD_METRICS_PORT"
+"""Set (by the operator, where no sidecar serves the pod's /metrics): the port the connector serves them on."""
 ENV_PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
 ENV_PYTHONHASHSEED: Final = "PYTHONHASHSEED"
 ENV_PYTHONPATH: Final = "PYTHONPATH"

@@ -238,7 +238,8 @@ def _env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
-def _engine_env(settings: InjectionSettings, server_url: str) -> list[dict[str, Any]]:
+def _engine_env(settings: InjectionSettings, server_url: str, serve_metrics: bool) -> list[dict[str, Any]]:
+    """The connector's settings; ``serve_metrics``: no sidecar in the pod, the connector serves /metrics."""
     env = []
     if settings.backend == c.BACKEND_SIDECAR:
         env.append(_env(c.ENV_SERVER_URL, server_url))
@@ -256,6 +257,8 @@ def _engine_env(settings: InjectionSettings, server_url: str) -> list[dict[str, 
         # inprocess) and sends usage telemetry unless told not to: nothing leaves the pod by default.
         _env(c.ENV_LMCACHE_TRACK_USAGE, "false"),
     ]
+    if serve_metrics:
+        env.append(_env(c.ENV_METRICS_PORT, str(c.ENGINE_METRICS_PORT)))
     if settings.connector_source == "init-container":
         env.append(_env(c.ENV_PYTHONPATH, c.BUNDLE_PYTHONPATH))
     return env
@@ -414,15 +417,16 @@ def _check_collisions(workload: Mapping[str, Any], engine: str, view: _EngineVie
     return None
 
 
-def _scrape_annotations(workload: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
-    wanted = dict(zip(c.PROMETHEUS_SCRAPE_ANNOTATIONS, ("true", str(c.SIDECAR_HTTP_PORT), c.PATH_METRICS), strict=True))
+def _scrape_annotations(workload: Mapping[str, Any], port: int, port_name: str) -> tuple[dict[str, str], str | None]:
+    """prometheus.io/* pointing at the pod's /metrics on ``port``, unless the user set them otherwise."""
+    wanted = dict(zip(c.PROMETHEUS_SCRAPE_ANNOTATIONS, ("true", str(port), c.PATH_METRICS), strict=True))
     current = _template_annotations(workload)
     for name, value in wanted.items():
         path = (*TEMPLATE_META, "f:annotations", f"f:{name}")
         if name in current and current[name] != value and owned_by_others(workload, path, c.FIELD_MANAGER):
             return {}, (
                 f"pod template annotation {name}={current[name]!r} is the user's; kvoffload leaves the scrape "
-                f"annotations alone, scrape port {c.SIDECAR_PORT_NAME} ({c.SIDECAR_HTTP_PORT}) yourself"
+                f"annotations alone, scrape port {port_name} ({port}) yourself"
             )
     return wanted, None
 
@@ -480,7 +484,10 @@ def render_injection_fragment(
 
     # Engine container: env, mounts, args.
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
-    engine_env, env_error = _merge_engine_env(_engine_env(settings, url), view.container.get("env") or [], engine)
+    uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
+    engine_env, env_error = _merge_engine_env(
+        _engine_env(settings, url, serve_metrics=not uses_sidecar), view.container.get("env") or [], engine
+    )
     if env_error:
         return env_error
     user_shm = next(
@@ -506,6 +513,10 @@ def render_injection_fragment(
         engine_mounts.append({"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH, "readOnly": True})
     engine_mounts.append({"name": c.VOLUME_TRTLLM_OPTIONS, "mountPath": c.TRTLLM_OPTIONS_MOUNT_PATH, "readOnly": True})
     engine_fragment: dict[str, Any] = {"name": engine, "env": engine_env, "volumeMounts": engine_mounts}
+    if not uses_sidecar:
+        engine_fragment["ports"] = [
+            {"name": c.ENGINE_METRICS_PORT_NAME, "containerPort": c.ENGINE_METRICS_PORT, "protocol": "TCP"}
+        ]
     if args is not None:
         engine_fragment["args"] = args
 
@@ -530,7 +541,6 @@ def render_injection_fragment(
         "name": c.VOLUME_TRTLLM_OPTIONS,
         "configMap": {"name": cm_name, "items": [{"key": c.TRTLLM_OPTIONS_FILE, "path": c.TRTLLM_OPTIONS_FILE}]},
     })  # fmt: skip
-    uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
     if uses_sidecar:
         volumes.append({
             "name": c.VOLUME_POLICY,
@@ -584,11 +594,13 @@ def render_injection_fragment(
         c.POLICY_FILE: json.dumps(settings.policy_document(), sort_keys=True, indent=2) + "\n",
     }
     annotations: dict[str, str] = {}
-    if uses_sidecar:
-        scrape, scrape_warning = _scrape_annotations(workload)
-        annotations.update(scrape)
-        if scrape_warning:
-            warnings.append(scrape_warning)
+    scrape, scrape_warning = _scrape_annotations(
+        workload, *((c.SIDECAR_HTTP_PORT, c.SIDECAR_PORT_NAME) if uses_sidecar else
+                    (c.ENGINE_METRICS_PORT, c.ENGINE_METRICS_PORT_NAME))
+    )  # fmt: skip
+    annotations.update(scrape)
+    if scrape_warning:
+        warnings.append(scrape_warning)
     if isinstance(plan, MergeFromConfigMap):
         annotations[c.ANN_ORIGINAL_OPTIONS_PATH] = plan.path
     annotations[c.ANN_INJECTED_VERSION] = cluster.operator_version

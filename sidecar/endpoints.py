@@ -12,9 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
 from kvoffload import contract
+from kvoffload.multiproc import CONTENT_TYPE
 
 from .lifecycle import HealthVerdict
-from .metrics import CONTENT_TYPE, SidecarMetricsState, render_pod_metrics
+from .metrics import SidecarMetricsState, render_pod_metrics
 
 log = logging.getLogger(__name__)
 

@@ -28,28 +28,23 @@ metrics) cannot have its fresh files removed.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from kvoffload import contract
+from kvoffload.multiproc import clean_dead_writers
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_DB_FILE = re.compile(r"^[a-z_]+_(?P<pid>[0-9]+)\.db$")
-_LOCK_FILE = re.compile(
-    "^" + re.escape(contract.METRICS_LIVE_LOCK_TEMPLATE).replace(r"\{pid\}", "(?P<pid>[0-9]+)") + "$"
-)
 _SAMPLE_NAME = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)")
 
 # LMCache series that count work the server has accepted but not finished.
@@ -95,46 +90,6 @@ def inflight_work(lmcache_metrics_text: str) -> int:
     for submitted, finished in _SUBMITTED_FINISHED:
         pending += max(0.0, values.get(submitted, 0.0) - values.get(finished, 0.0))
     return int(pending)
-
-
-def writer_pids(filenames: Iterable[str]) -> tuple[set[int], set[int]]:
-    """PIDs that have multiprocess ``.db`` files, and PIDs that have a liveness lock file."""
-    with_files: set[int] = set()
-    with_locks: set[int] = set()
-    for name in filenames:
-        if match := _DB_FILE.match(name):
-            with_files.add(int(match["pid"]))
-        elif match := _LOCK_FILE.match(name):
-            with_locks.add(int(match["pid"]))
-    return with_files, with_locks
-
-
-def clean_dead_writers(directory: str) -> list[int]:
-    """Remove live-gauge files of writers whose liveness lock is free; returns their PIDs."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    with_files, with_locks = writer_pids(names)
-    cleaned: list[int] = []
-    for pid in sorted(with_files & with_locks):
-        lock_path = os.path.join(directory, contract.METRICS_LIVE_LOCK_TEMPLATE.format(pid=pid))
-        try:
-            fd = os.open(lock_path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # held: the writer is alive
-            if any(n.startswith("gauge_live") and n.endswith(f"_{pid}.db") for n in names):
-                mark_process_dead(pid, directory)
-                cleaned.append(pid)
-                log.info("event=metrics_writer_dead pid=%d action=removed_live_gauges", pid)
-        finally:
-            os.close(fd)  # releases our flock
-    return cleaned
 
 
 @dataclass(frozen=True)

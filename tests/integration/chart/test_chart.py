@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
+from kvoffload import contract
 
 pytestmark = [pytest.mark.chart]
 
@@ -84,6 +85,21 @@ def test_prometheus_operator_objects_need_both_enabled_and_the_crds() -> None:
     assert not kinds(render(*enabled)) & {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
     with_crds = render(*enabled, "--api-versions=monitoring.coreos.com/v1")
     assert {"ServiceMonitor", "PodMonitor", "PrometheusRule"} <= kinds(with_crds)
+
+
+def test_pod_monitors_scrape_the_sidecar_or_the_connector_and_node_caches_in_node_mode() -> None:
+    enabled = ["metrics.podMonitor.enabled=true", "--api-versions=monitoring.coreos.com/v1"]
+    (workloads,) = [d for d in render(*enabled) if d["kind"] == "PodMonitor"]
+    ports = [e["port"] for e in workloads["spec"]["podMetricsEndpoints"]]
+    assert ports == [contract.SIDECAR_PORT_NAME, contract.ENGINE_METRICS_PORT_NAME]
+    assert workloads["spec"]["selector"]["matchLabels"] == {contract.LABEL_INJECTED: "true"}
+    monitors = [d for d in render(*enabled, "nodeMode.enabled=true") if d["kind"] == "PodMonitor"]
+    caches = next(d for d in monitors if d["metadata"]["name"].endswith("-node-caches"))
+    assert caches["spec"]["selector"]["matchLabels"] == {
+        contract.LABEL_COMPONENT: contract.COMPONENT_NODE_CACHE,
+        contract.LABEL_MANAGED_BY: contract.LABEL_MANAGED_BY_VALUE,
+    }
+    assert [e["port"] for e in caches["spec"]["podMetricsEndpoints"]] == [contract.SIDECAR_PORT_NAME]
 
 
 def operator_args(docs: list[dict[str, Any]]) -> list[str]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
+from hack.localcluster import free_port
 from kvoffload import contract
+from kvoffload.connector.metrics import flush_all
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
 
 pytestmark = pytest.mark.connector
@@ -25,8 +28,11 @@ def inprocess_env(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.usefixtures("inprocess_env")
-def test_inprocess_store_evict_load_bit_exact() -> None:
-    """Request 1 stores into the in-process engine; after eviction request 2 loads the prefix bit-exact."""
+def test_inprocess_store_evict_load_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request 1 stores into the in-process engine; after eviction request 2 loads the prefix bit-exact.
+    No sidecar serves the pod's /metrics here: the connector does, on the port the operator sets."""
+    port = free_port()
+    monkeypatch.setenv(contract.ENV_METRICS_PORT, str(port))
     ex = StandinExecutor(connector_llm_args("inproc-model", None), num_blocks=64)
     try:
         p1 = make_prompt(11, 170)
@@ -39,8 +45,23 @@ def test_inprocess_store_evict_load_bit_exact() -> None:
         assert r2.connector_matched_tokens == expected
         assert r2.computed_prompt_tokens == len(p2) - expected
         assert ex.kv_mismatches == 0
+        flush_all()
+        served = _endpoint_port()
+        with urllib.request.urlopen(f"http://127.0.0.1:{served}{contract.PATH_METRICS}", timeout=5) as resp:
+            text = resp.read().decode()
+        labels = f'{{backend="{contract.BACKEND_INPROCESS}",model="inproc-model"}}'
+        assert f"{contract.M_LOOKUP_HIT_TOKENS}_total{labels} {float(expected)}" in text
+        assert f"{contract.M_RETRIEVE_REQUESTS}_total{labels} 1.0" in text
     finally:
         ex.close()
+
+
+def _endpoint_port() -> int:
+    """The port this process serves on (the first test to set one bound it for the process)."""
+    from kvoffload.connector import metrics
+
+    assert metrics._ENDPOINT and metrics._ENDPOINT[0].serving, "the connector serves /metrics without a sidecar"
+    return metrics._ENDPOINT[0].port
 
 
 def test_inprocess_rejects_tensor_parallel(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,7 +118,16 @@ def test_engine_fragment_wires_the_node_cache_instead_of_a_sidecar() -> None:
     assert mounts[c.SHM_MOUNT_PATH] == c.VOLUME_SHM
     meta = r.workload_apply["spec"]["template"]["metadata"]
     assert meta["labels"] == {c.LABEL_INJECTED: "true", c.LABEL_NODE_CACHE_POLICY: "shared"}
-    assert not any(k.startswith("prometheus.io/") for k in meta["annotations"])  # no sidecar to scrape
+    # No sidecar to serve the pod's /metrics: the connector serves them on its own port.
+    assert env[c.ENV_METRICS_PORT] == str(c.ENGINE_METRICS_PORT)
+    assert spec["containers"][0]["ports"] == [
+        {"name": c.ENGINE_METRICS_PORT_NAME, "containerPort": c.ENGINE_METRICS_PORT, "protocol": "TCP"}
+    ]
+    assert {k: v for k, v in meta["annotations"].items() if k.startswith("prometheus.io/")} == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(c.ENGINE_METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def test_engine_fragment_is_the_sidecar_fragment_minus_the_sidecar() -> None:
@@ -131,7 +140,7 @@ def test_engine_fragment_is_the_sidecar_fragment_minus_the_sidecar() -> None:
     assert n_engine["args"] == s_engine["args"]
     assert n_engine["volumeMounts"] == s_engine["volumeMounts"]
     differing = {e["name"] for e in n_engine["env"]} ^ {e["name"] for e in s_engine["env"]}
-    assert not differing
+    assert differing == {c.ENV_METRICS_PORT}  # no sidecar in the pod: the connector serves /metrics
     assert node.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE] == side.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE]
     assert node.config_hash != side.config_hash  # switching modes rolls the pods once
 

@@ -234,10 +234,22 @@ def test_connector_source_image_skips_the_bundle() -> None:
     assert c.VOLUME_BUNDLE not in [v["name"] for v in spec["volumes"]]
 
 
-def test_inprocess_backend_has_no_sidecar() -> None:
-    spec = pod(render(deployment(), **{c.ANN_BACKEND: "inprocess"}).workload_apply)
+def test_inprocess_backend_has_no_sidecar_and_the_connector_serves_the_pod_metrics() -> None:
+    applied_body = render(deployment(), **{c.ANN_BACKEND: "inprocess"}).workload_apply
+    spec = pod(applied_body)
     assert c.SIDECAR_CONTAINER not in json.dumps(spec) and "shareProcessNamespace" not in spec
-    assert env_of(named(spec["containers"], "trtllm"))[c.ENV_BACKEND] == "inprocess"
+    engine = named(spec["containers"], "trtllm")
+    assert env_of(engine)[c.ENV_BACKEND] == "inprocess"
+    assert env_of(engine)[c.ENV_METRICS_PORT] == str(c.ENGINE_METRICS_PORT)
+    assert [p["name"] for p in engine["ports"]] == [c.ENGINE_METRICS_PORT_NAME]
+    annotations = applied_body["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(c.ENGINE_METRICS_PORT)
+
+
+def test_with_a_sidecar_the_connector_serves_no_metrics_port() -> None:
+    spec = pod(render(deployment()).workload_apply)
+    engine = named(spec["containers"], "trtllm")
+    assert c.ENV_METRICS_PORT not in env_of(engine) and "ports" not in engine
 
 
 def test_policy_tiers_and_runtime_class() -> None:

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvoffload import contract
+from kvoffload.multiproc import clean_dead_writers, writer_pids
 from kvoffload.sidecar.metrics import (
     SidecarMetricsState,
-    clean_dead_writers,
     filter_lmcache_families,
     inflight_work,
     render_pod_metrics,
-    writer_pids,
 )
 
 pytestmark = pytest.mark.sidecar
