@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ import yaml
 
 from hack.localcluster import LocalCluster
 from kvoffload import contract
+from tests.integration.operator.operator_support import OperatorProcess, is_injected, wait_injected
+from tests.support.workloads import apply, get, trtllm_deployment
 
 pytestmark = [pytest.mark.chart]
 
@@ -196,3 +199,56 @@ def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) 
     assert leftovers == ""
     # Helm never deletes CRDs from crds/ (policies users created stay); docs/operator.md says so.
     assert cluster.kubectl("get", "crd", "kvcachepolicies.kvoffload.io", check=False).returncode == 0
+
+
+def test_watch_namespaces_bind_the_rules_in_those_namespaces_only() -> None:
+    docs = render("operator.watchNamespaces[0]=team-a", "operator.watchNamespaces[1]=team-b")
+    bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [
+        ("RoleBinding", "team-a"), ("RoleBinding", "team-b")
+    ]  # fmt: skip
+    assert all(d["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                "name": "kvo-kvoffload-operator"} for d in bindings)  # fmt: skip
+    assert {"--namespace=team-a", "--namespace=team-b"} <= set(operator_args(docs))
+
+
+@pytest.mark.controlplane
+def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """watchNamespaces: the operator's ServiceAccount can act in the watched namespace only, and
+    the operator injects there with exactly those rights."""
+    release_ns = "kvo-scoped-system"
+    other = f"{namespace}-unwatched"
+    for ns in (release_ns, other):
+        cluster.kubectl("create", "namespace", ns, check=False)
+    helm("install", "kvo-scoped", str(CHART), "-n", release_ns, "--wait=false",
+         "--set", f"operator.watchNamespaces[0]={namespace}", kubeconfig=cluster.admin_kubeconfig)  # fmt: skip
+    try:
+        sa = "kvo-scoped-kvoffload"
+        user = f"system:serviceaccount:{release_ns}:{sa}"
+
+        def can(*args: str) -> bool:
+            out = cluster.kubectl("auth", "can-i", *args, f"--as={user}", check=False).stdout.strip()
+            return out == "yes"
+
+        assert can("patch", "deployments", "-n", namespace) and can("create", "configmaps", "-n", namespace)
+        assert not can("patch", "deployments", "-n", other) and not can("get", "configmaps", "-n", other)
+        assert not can("list", "deployments", "--all-namespaces")
+
+        operator.stop()  # one operator at a time; the next test restarts the session one
+        kubeconfig = cluster.service_account_kubeconfig(release_ns, sa, tmp_path / "scoped.kubeconfig")
+        scoped = OperatorProcess(kubeconfig=kubeconfig, workdir=tmp_path, extra_args=["--namespace", namespace])
+        scoped.start()
+        try:
+            for ns in (namespace, other):
+                apply(cluster, trtllm_deployment("llm", ns, replicas=0, annotations={contract.ANN_ENABLED: "true"}))
+            wait_injected(cluster, "deployment", "llm", namespace)
+            time.sleep(3)
+            assert not is_injected(get(cluster, "deployment", "llm", other)), "an unwatched namespace is left alone"
+            assert " 403 " not in scoped.log() and "Forbidden" not in scoped.log(), scoped.log()[-3000:]
+        finally:
+            scoped.stop()
+    finally:
+        helm("uninstall", "kvo-scoped", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
+        cluster.kubectl("delete", "namespace", other, release_ns, "--wait=false", check=False)
