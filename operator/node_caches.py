@@ -23,6 +23,7 @@ from .node_mode import (
     desired_cache_pods,
     node_cache_status,
     plan_cache_pods,
+    render_cache_network_policy,
     render_cache_service,
 )
 from .settings import OperatorDefaults, SettingsError
@@ -32,6 +33,11 @@ log = logging.getLogger("kvoffload.operator")
 
 def pods_path(namespace: str, name: str = "") -> str:
     base = f"/api/v1/namespaces/{namespace}/pods"
+    return f"{base}/{name}" if name else base
+
+
+def network_policies_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
     return f"{base}/{name}" if name else base
 
 
@@ -88,6 +94,8 @@ class NodeCaches:
                 if desired:
                     self.kube.apply(services_path(namespace, cache_service_name(policy_name)),
                                     render_cache_service(policy), c.FIELD_MANAGER)  # fmt: skip
+                    self.kube.apply(network_policies_path(namespace, cache_service_name(policy_name)),
+                                    render_cache_network_policy(policy), c.FIELD_MANAGER)  # fmt: skip
             plan = plan_cache_pods(desired, existing)
             for name in plan.delete:
                 log.info("node cache: deleting pod %s/%s", namespace, name)

@@ -324,3 +324,29 @@ def render_cache_service(policy: Mapping[str, Any]) -> dict[str, Any]:
                        "protocol": "TCP"}],
         },
     }  # fmt: skip
+
+
+def render_cache_network_policy(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """Who may reach a policy's cache pods: its own engines on the request port; anyone on the
+    metrics/health port (Prometheus). Without it any pod on the node could dial the cache.
+    Enforced only where the cluster's network plugin implements NetworkPolicy."""
+    namespace, name = _policy_meta(policy)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": cache_service_name(name),
+            "namespace": namespace,
+            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
+            "ownerReferences": [_owner(policy)],
+        },
+        "spec": {
+            "podSelector": {"matchLabels": cache_pod_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {c.LABEL_NODE_CACHE_POLICY: name}}}],
+                 "ports": [{"port": c.REQUEST_PORT, "protocol": "TCP"}]},
+                {"ports": [{"port": c.SIDECAR_HTTP_PORT, "protocol": "TCP"}]},
+            ],
+        },
+    }  # fmt: skip

@@ -171,6 +171,13 @@ def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_o
                 per_node.setdefault(ep.get("nodeName", ""), []).append(ep["targetRef"]["name"])
         return per_node if sorted(per_node) == list(NODES) else None
 
+    netpol = get(cluster, "networkpolicy", cache_service_name(POLICY), ns)
+    assert netpol["spec"]["podSelector"]["matchLabels"] == svc["spec"]["selector"]
+    assert netpol["spec"]["ingress"][0]["from"] == [
+        {"podSelector": {"matchLabels": {c.LABEL_NODE_CACHE_POLICY: POLICY}}}
+    ]
+    assert netpol["metadata"]["ownerReferences"][0]["name"] == POLICY  # goes with the policy
+
     per_node = wait_for(endpoints_per_node, timeout=60, what="an endpoint on every node")
     for node, targets in per_node.items():
         assert len(targets) == 1 and pod_node[targets[0]] == node, per_node

@@ -23,6 +23,7 @@ from kvoffload.operator.node_mode import (
     node_cache_status,
     node_shm_host_path,
     plan_cache_pods,
+    render_cache_network_policy,
     render_cache_pod,
     render_cache_service,
     render_node_mode_fragment,
@@ -318,6 +319,25 @@ def test_service_reaches_only_the_local_cache_pod_of_its_policy() -> None:
     assert other != selector and other == cache_pod_selector("other")
     (port,) = svc["spec"]["ports"]
     assert (port["port"], port["targetPort"]) == (c.REQUEST_PORT, c.REQUEST_PORT_NAME)
+
+
+def test_network_policy_admits_only_the_policys_engines_to_the_request_port() -> None:
+    pol = policy()
+    netpol = render_cache_network_policy(pol)
+    s = cache_settings(pol, DEFAULTS)
+    assert isinstance(s, InjectionSettings)
+    cache_labels = render_cache_pod(pol, s, "gpu-node-0")["metadata"]["labels"]
+    assert netpol["spec"]["podSelector"]["matchLabels"].items() <= cache_labels.items()
+    assert netpol["spec"]["policyTypes"] == ["Ingress"]
+    engines, metrics = netpol["spec"]["ingress"]
+    engine_labels = render_node(deployment()).workload_apply["spec"]["template"]["metadata"]["labels"]
+    (source,) = engines["from"]
+    assert source["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    assert engines["ports"] == [{"port": c.REQUEST_PORT, "protocol": "TCP"}]
+    assert "from" not in metrics and metrics["ports"] == [{"port": c.SIDECAR_HTTP_PORT, "protocol": "TCP"}]
+    other = render_cache_network_policy(policy("other"))["spec"]["ingress"][0]["from"][0]["podSelector"]
+    assert not other["matchLabels"].items() <= engine_labels.items(), "another policy's engines are not admitted"
+    assert netpol["metadata"]["ownerReferences"][0]["kind"] == c.POLICY_KIND
 
 
 def test_policies_and_namespaces_never_share_a_segment_directory_or_service() -> None:
