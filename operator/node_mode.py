@@ -304,18 +304,24 @@ def node_cache_status(existing: Iterable[Mapping[str, Any]]) -> list[dict[str, A
     return sorted(rows, key=lambda r: (r["node"], r["pod"]))
 
 
+def _policy_object_meta(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """Metadata of a per-policy object (Service, NetworkPolicy): named after the policy, owned by it."""
+    namespace, name = _policy_meta(policy)
+    return {
+        "name": cache_service_name(name),
+        "namespace": namespace,
+        "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
+        "ownerReferences": [_owner(policy)],
+    }
+
+
 def render_cache_service(policy: Mapping[str, Any]) -> dict[str, Any]:
     """The node-local Service the engines dial: only endpoints on the caller's node count."""
-    namespace, name = _policy_meta(policy)
+    _, name = _policy_meta(policy)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": cache_service_name(name),
-            "namespace": namespace,
-            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
-            "ownerReferences": [_owner(policy)],
-        },
+        "metadata": _policy_object_meta(policy),
         "spec": {
             "type": "ClusterIP",
             "selector": cache_pod_selector(name),
@@ -330,16 +336,11 @@ def render_cache_network_policy(policy: Mapping[str, Any]) -> dict[str, Any]:
     """Who may reach a policy's cache pods: its own engines on the request port; anyone on the
     metrics/health port (Prometheus). Without it any pod on the node could dial the cache.
     Enforced only where the cluster's network plugin implements NetworkPolicy."""
-    namespace, name = _policy_meta(policy)
+    _, name = _policy_meta(policy)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {
-            "name": cache_service_name(name),
-            "namespace": namespace,
-            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
-            "ownerReferences": [_owner(policy)],
-        },
+        "metadata": _policy_object_meta(policy),
         "spec": {
             "podSelector": {"matchLabels": cache_pod_selector(name)},
             "policyTypes": ["Ingress"],
