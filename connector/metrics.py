@@ -20,7 +20,6 @@ Where no sidecar serves the pod's ``/metrics`` (node mode, in-process backend) t
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from collections import deque
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from kvoffload import contract
 
 from .metrics_endpoint import MetricsEndpoint, render_connector_metrics
+from .settings import ConnectorSettings
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 OPERATIONS = ("lookup", "retrieve", "store", "register", "heartbeat")
@@ -215,14 +215,22 @@ def _registries() -> list[Any]:
         return [m.registry for m in _INSTANCES.values() if m.enabled]
 
 
-def get_metrics(model: str, backend: str, enabled: bool, port: int | None = None) -> ConnectorMetrics:
+def metrics_for(settings: ConnectorSettings) -> ConnectorMetrics:
+    """The process-wide metrics the connector's settings ask for."""
+    return get_metrics(settings.model_name, settings.backend, settings.metrics_enabled, settings.metrics_port,
+                       settings.metrics_dir)  # fmt: skip
+
+
+def get_metrics(
+    model: str, backend: str, enabled: bool, port: int | None = None, directory: str | None = None
+) -> ConnectorMetrics:
     """The process-wide metrics for (model, backend); created once (scheduler and worker share it).
 
-    With a multiprocess directory this process takes its liveness lock before writing any
-    series; with ``port`` it serves the pod's connector metrics there if it can bind it first.
+    With a multiprocess ``directory`` (``PROMETHEUS_MULTIPROC_DIR``) this process takes its
+    liveness lock before writing any series; with ``port`` it serves the pod's connector metrics
+    there if it can bind it first.
     """
     key = (model, backend, enabled)
-    directory = os.environ.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None
     with _LOCK:
         metrics = _INSTANCES.get(key)
         if metrics is None:

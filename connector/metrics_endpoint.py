@@ -49,6 +49,8 @@ class MetricsEndpoint:
         with self._lock:
             if self._server is not None:
                 return True
+            from kvoffload.multiproc import CONTENT_TYPE
+
             body = self._body
 
             class Handler(BaseHTTPRequestHandler):
@@ -62,7 +64,7 @@ class MetricsEndpoint:
                         log.warning("event=metrics_render_failed error=%r", exc)
                         payload, status = b"", 500
                     self.send_response(status)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                    self.send_header("Content-Type", CONTENT_TYPE)
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)

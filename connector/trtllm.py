@@ -28,7 +28,7 @@ from kvoffload import contract
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, KVBackend, kv_geometry, read_hf_config
 from kvoffload.connector.keys import salt_of
-from kvoffload.connector.metrics import ConnectorMetrics, get_metrics
+from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
 from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
 try:
@@ -88,12 +88,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._settings = parse_settings(os.environ, llm_args)
-        self._metrics = get_metrics(
-            self._settings.model_name,
-            self._settings.backend,
-            self._settings.metrics_enabled,
-            self._settings.metrics_port,
-        )
+        self._metrics = metrics_for(self._settings)
         self._backend = _make_backend(self._settings, "scheduler", 0, self._metrics)
         self._block = self._settings.tokens_per_block
         self._chunk = self._backend.chunk_size
@@ -243,12 +238,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self._settings = parse_settings(os.environ, llm_args)
         self._rank = _rank()
-        self._metrics = get_metrics(
-            self._settings.model_name,
-            self._settings.backend,
-            self._settings.metrics_enabled,
-            self._settings.metrics_port,
-        )
+        self._metrics = metrics_for(self._settings)
         self._backend = _make_backend(self._settings, "worker", self._rank, self._metrics)
         self._block = self._settings.tokens_per_block
         # Async saves: one background thread; request ids wait in _saving until their stores ran.

@@ -65,7 +65,7 @@ WRITER = textwrap.dedent(
     """
     import os, sys
     from kvoffload.connector.metrics import get_metrics, flush_all
-    m = get_metrics("model-a", "inprocess", True)
+    m = get_metrics("model-a", "inprocess", True, directory=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     m.record_lookup(0.001, 256, 128)
     m.backend_up.set(1)
     flush_all()
