@@ -164,24 +164,27 @@ def parse_version(info: Mapping[str, Any]) -> tuple[int, int]:
     return number(info.get("major", 0)), number(info.get("minor", 0))
 
 
+def namespaced_path(api: str, plural: str, namespace: str, name: str = "") -> str:
+    """``{api}/namespaces/{namespace}/{plural}[/{name}]``; ``api`` is ``/api/v1`` or ``/apis/<group>/<version>``."""
+    base = f"{api}/namespaces/{quote(namespace)}/{plural}"
+    return f"{base}/{quote(name)}" if name else base
+
+
 def workload_path(kind: str, namespace: str = "", name: str = "") -> str:
     """Path of one workload, of a namespace's workloads, or (no namespace) of all of them."""
     plural = {"Deployment": "deployments", "StatefulSet": "statefulsets"}[kind]
     if not namespace:
         return f"/apis/apps/v1/{plural}"
-    base = f"/apis/apps/v1/namespaces/{quote(namespace)}/{plural}"
-    return f"{base}/{quote(name)}" if name else base
+    return namespaced_path("/apis/apps/v1", plural, namespace, name)
 
 
 def configmap_path(namespace: str, name: str = "") -> str:
-    base = f"/api/v1/namespaces/{quote(namespace)}/configmaps"
-    return f"{base}/{quote(name)}" if name else base
+    return namespaced_path("/api/v1", "configmaps", namespace, name)
 
 
 def policy_path(namespace: str, name: str = "", group: str = "kvoffload.io", version: str = "v1alpha1",
                 plural: str = "kvcachepolicies") -> str:  # fmt: skip
-    base = f"/apis/{group}/{version}/namespaces/{quote(namespace)}/{plural}"
-    return f"{base}/{quote(name)}" if name else base
+    return namespaced_path(f"/apis/{group}/{version}", plural, namespace, name)
 
 
 def events_path(namespace: str) -> str:

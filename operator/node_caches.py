@@ -15,7 +15,7 @@ from typing import Any
 
 from kvoffload import contract as c
 
-from .kube import Kube, KubeApiError, policy_path
+from .kube import Kube, KubeApiError, namespaced_path, policy_path
 from .node_mode import (
     cache_pod_selector,
     cache_service_name,
@@ -32,18 +32,15 @@ log = logging.getLogger("kvoffload.operator")
 
 
 def pods_path(namespace: str, name: str = "") -> str:
-    base = f"/api/v1/namespaces/{namespace}/pods"
-    return f"{base}/{name}" if name else base
+    return namespaced_path("/api/v1", "pods", namespace, name)
 
 
 def network_policies_path(namespace: str, name: str = "") -> str:
-    base = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
-    return f"{base}/{name}" if name else base
+    return namespaced_path("/apis/networking.k8s.io/v1", "networkpolicies", namespace, name)
 
 
 def services_path(namespace: str, name: str = "") -> str:
-    base = f"/api/v1/namespaces/{namespace}/services"
-    return f"{base}/{name}" if name else base
+    return namespaced_path("/api/v1", "services", namespace, name)
 
 
 def _selector(labels: dict[str, str]) -> str:

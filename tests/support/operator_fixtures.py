@@ -9,10 +9,8 @@ fixture (re-exported by another conftest) is a second instance, i.e. two operato
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -25,19 +23,16 @@ from tests.integration.operator.operator_support import (
     RULES_FILE,
     OperatorProcess,
 )
-
-
-def apply_json(cluster: LocalCluster, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+from tests.support.workloads import apply
 
 
 def bind_rules(cluster: LocalCluster, name: str, rules_file: Path) -> None:
     """A ClusterRole holding exactly ``rules_file``'s rules, bound to the operator's ServiceAccount."""
-    apply_json(cluster, {
+    apply(cluster, {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
         "metadata": {"name": name}, "rules": yaml.safe_load(rules_file.read_text()),
     })  # fmt: skip
-    apply_json(cluster, {
+    apply(cluster, {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
         "metadata": {"name": name},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
@@ -57,8 +52,8 @@ def operator_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPath
     """CRD installed; a ServiceAccount bound to the chart's ClusterRole rules; its kubeconfig."""
     cluster.kubectl("apply", "-f", str(CRD_FILE))
     cluster.kubectl("wait", "--for=condition=Established", "crd/kvcachepolicies.kvoffload.io", "--timeout=60s")
-    apply_json(cluster, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
-    apply_json(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
+    apply(cluster, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}})
+    apply(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
                           "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}})  # fmt: skip
     bind_rules(cluster, "kvoffload-operator-test", RULES_FILE)
     path = tmp_path_factory.mktemp("operator") / "operator.kubeconfig"
