@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -32,6 +33,18 @@ def best_ns_per_call(fn: Callable[[], object], calls: int, after_round: Callable
         best = min(best, (time.perf_counter_ns() - t0) / per_round)
         after_round()
     return best
+
+
+def scattered_block_ids(nblocks: int, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two disjoint sets of ``nblocks`` block ids from ``range(2 * nblocks)``, shuffled (seeded).
+
+    A pool that has served requests for a while hands out scattered blocks; with shuffled ids
+    almost no two neighbours in a request are neighbours in the pool, so every block is its own
+    copy (the worst case for block-granular DMA).
+    """
+    ids = list(range(2 * nblocks))
+    random.Random(seed).shuffle(ids)
+    return tuple(ids[:nblocks]), tuple(ids[nblocks:])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import best_ns_per_call, env_set, interleaved, summarize
+from benchmarks.common import best_ns_per_call, env_set, interleaved, scattered_block_ids, summarize
 
 MODEL = "bench-model"
 KV_NAME = "trtllm_kv_pool"
@@ -160,35 +160,23 @@ class RawClient:
         """PREPARE_STORE -> our block copies into the SHM slots -> COMMIT_STORE."""
         from kvoffload.connector.backends.blockcopy import gather_chunk
 
-        s = self.shape
         edc = self.transfer.engine_driven_context
         key = self.key(session, tokens, 0, len(tokens), True)
         slots, indices = edc.prepare_store(key, self.instance_id)
         for slot, i in zip(slots, indices, strict=False):
-            gather_chunk(
-                self.pool, blocks[i * self.bpc : (i + 1) * self.bpc], slot, s.heads, s.tokens_per_block, s.head_dim
-            )
+            gather_chunk(self.pool, blocks[i * self.bpc : (i + 1) * self.bpc], slot)
         return bool(edc.commit_store(key, self.instance_id, []))
 
     def retrieve_protocol(self, session: str, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> bool:
         """PREPARE_RETRIEVE -> our block copies out of the SHM slots -> COMMIT_RETRIEVE."""
         from kvoffload.connector.backends.blockcopy import scatter_chunk
 
-        s = self.shape
         edc = self.transfer.engine_driven_context
         key = self.key(session, tokens, 0, len(tokens), True)
         chunks = edc.prepare_retrieve(key, self.instance_id)
         try:
             for i, chunk in enumerate(chunks or []):
-                scatter_chunk(
-                    self.pool,
-                    blocks[i * self.bpc : (i + 1) * self.bpc],
-                    chunk,
-                    0,
-                    s.heads,
-                    s.tokens_per_block,
-                    s.head_dim,
-                )
+                scatter_chunk(self.pool, blocks[i * self.bpc : (i + 1) * self.bpc], chunk, 0)
         finally:
             edc.commit_retrieve(key, self.instance_id)
         return chunks is not None
@@ -507,7 +495,7 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
             stack.callback(scheduler.close)
             nb = tokens // block
             nbytes = tokens * shape.bytes_per_token
-            src, dst = tuple(range(nb)), tuple(range(nb, 2 * nb))
+            src, dst = scattered_block_ids(nb, seed=tokens)
             buf = torch.empty_like(pool[:nb])
             chunk_bufs = [
                 torch.empty((2, shape.layers, chunk, shape.heads * shape.head_dim), dtype=pool.dtype)
@@ -531,9 +519,7 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
             ) -> float:
                 t0 = time.perf_counter()
                 for i, out in enumerate(bufs):
-                    gather_chunk(
-                        pool, src[i * bpc : (i + 1) * bpc], out, geometry.num_kv_heads, block, geometry.head_dim
-                    )
+                    gather_chunk(pool, src[i * bpc : (i + 1) * bpc], out)
                 return time.perf_counter() - t0
 
             def blockcopy_retrieve(
@@ -541,9 +527,7 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
             ) -> float:
                 t0 = time.perf_counter()
                 for i, c in enumerate(bufs):
-                    scatter_chunk(
-                        pool, dst[i * bpc : (i + 1) * bpc], c, 0, geometry.num_kv_heads, block, geometry.head_dim
-                    )
+                    scatter_chunk(pool, dst[i * bpc : (i + 1) * bpc], c, 0)
                 return time.perf_counter() - t0
 
             store_s: dict[str, list[float]] = {}

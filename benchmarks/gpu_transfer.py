@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import scattered_block_ids
+
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 32, 8, 128, 32
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16
 DEVICE = "cuda"
@@ -58,6 +60,15 @@ def write_json(results: dict[str, Any], out: str) -> None:
         print(text)
     else:
         Path(out).write_text(text)
+
+
+def _cuda_ops_loads() -> str:
+    """Whether LMCache's compiled ``cuda_ops`` loads here (its own copies use it; ours do not)."""
+    try:
+        import lmcache.cuda_ops  # noqa: F401
+    except Exception as exc:  # an ImportError, or an undefined symbol against this torch
+        return f"no: {exc!r}"[:300]
+    return "yes"
 
 
 def _free_port() -> int:
@@ -192,19 +203,27 @@ def make_backend(
     return backend
 
 
+def request_block_ids(nblocks: int, order: str, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Source and destination block ids of one round: ``contiguous`` ranges or ``scattered`` (shuffled)."""
+    if order == "contiguous":
+        return tuple(range(nblocks)), tuple(range(nblocks, 2 * nblocks))
+    return scattered_block_ids(nblocks, seed)
+
+
 def transfer_round(
-    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, rep: int, salt: str
+    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, rep: int, salt: str, order: str = "scattered"
 ) -> dict[str, Any]:
     from kvoffload.connector.planning import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
-    src = tuple(range(nblocks))
-    dst = tuple(range(nblocks, 2 * nblocks))
+    src, dst = request_block_ids(nblocks, order, seed=1000 * rep + tokens)
+    src_idx = torch.tensor(src, device=DEVICE)
+    dst_idx = torch.tensor(dst, device=DEVICE)
     gen = torch.Generator().manual_seed(1000 * rep + tokens)
     token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
     # fresh KV in the source blocks for this round, poison in the destination
-    pool[:nblocks].copy_(torch.randn(pool[:nblocks].shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
-    pool[nblocks : 2 * nblocks].fill_(float("nan"))
+    pool[: 2 * nblocks].copy_(torch.randn(pool[: 2 * nblocks].shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
+    pool.index_fill_(0, dst_idx, float("nan"))
     sync()
     store = TransferOp(0, f"s{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt)
     t0 = time.perf_counter()
@@ -217,13 +236,15 @@ def transfer_round(
     backend.retrieve(load)
     sync()
     t_retrieve = time.perf_counter() - t0
-    exact = bool(torch.equal(pool[:nblocks].view(torch.int16), pool[nblocks : 2 * nblocks].view(torch.int16)))
+    exact = bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
     scheduler.end_session(load.session_id)
     return {"store_s": t_store, "retrieve_s": t_retrieve, "bit_exact": exact, "hit_tokens": hit}
 
 
-def measure(backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps: int, salt: str) -> dict[str, Any]:
-    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt) for r in range(reps + 1)]
+def measure(
+    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps: int, salt: str, order: str = "scattered"
+) -> dict[str, Any]:
+    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order) for r in range(reps + 1)]
     nbytes = tokens * BYTES_PER_TOKEN
     warm = rounds[1:] if reps > 0 else rounds
     store_gbps, store_ms = _median_gbps(nbytes, [r["store_s"] for r in warm])
@@ -276,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[256], help="LMCache chunk sizes to compare")
     parser.add_argument("--inprocess-tokens", type=int, nargs="*", default=[],
                         help="sizes for the in-process backend (LMCache's engine in this process; none: skip)")  # fmt: skip
+    parser.add_argument("--block-orders", nargs="+", default=["scattered"], choices=["scattered", "contiguous"],
+                        help="block ids of each request: shuffled over the pool (worst case) or consecutive")  # fmt: skip
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -290,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "lmcache": getattr(lmcache, "__version__", "0.5.6"),
         "python": platform.python_version(),
+        "lmcache_cuda_ops": _cuda_ops_loads(),
         "command": " ".join([sys.executable, "-m", "benchmarks.gpu_transfer", *(argv or sys.argv[1:])]),
     }
     print(json.dumps(env_info), flush=True)
@@ -313,13 +337,15 @@ def main(argv: list[str] | None = None) -> int:
             scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
             fast = make_backend(url, pool, fast=True, workdir=workdir)
             for tokens in args.tokens:
-                nbytes = tokens * BYTES_PER_TOKEN
-                row = {"tokens": tokens, "bytes": nbytes, "chunk_size": chunk_size, "backend": "sidecar",
-                       "raw": raw_copy_baseline(nbytes)}  # fmt: skip
-                row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt=f"fast{chunk_size}")
-                row["phases_ms"] = timings.medians()
-                print(json.dumps(row), flush=True)
-                results["sizes"].append(row)
+                for order in args.block_orders:
+                    nbytes = tokens * BYTES_PER_TOKEN
+                    row = {"tokens": tokens, "bytes": nbytes, "chunk_size": chunk_size, "backend": "sidecar",
+                           "block_order": order, "raw": raw_copy_baseline(nbytes)}  # fmt: skip
+                    salt = f"fast{chunk_size}{order}"
+                    row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt, order)
+                    row["phases_ms"] = timings.medians()
+                    print(json.dumps(row), flush=True)
+                    results["sizes"].append(row)
             fast.close()
             if args.shipped_tokens and index == 0:
                 shipped = make_backend(url, pool, fast=False, workdir=workdir)
@@ -342,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.inprocess_tokens:
         results["sizes"] += measure_inprocess(pool, args, workdir, timings)
-    print("\n| backend | chunk | tokens | bytes | raw H2D | raw D2H | store | retrieve | store PREPARE/copy/COMMIT ms "
+    print("\n| backend | chunk | block ids | tokens | bytes | raw H2D | raw D2H | store | retrieve | store PREPARE/copy/COMMIT ms "
           "| retrieve PREPARE/copy/COMMIT ms | bit-exact |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["sizes"]:
         k, raw, ph = row["kvoffload"], row["raw"], row.get("phases_ms") or {}
 
@@ -353,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             return f"{p['prepare_ms']:.1f} / {p['copy_ms']:.1f} / {p['commit_ms']:.1f}" if p else "-"
 
         print(
-            f"| {row['backend']} | {row['chunk_size']} | {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB "
+            f"| {row['backend']} | {row['chunk_size']} | {row.get('block_order', 'contiguous')} | {row['tokens']} | {row['bytes'] / 2**20:.0f} MiB "
             f"| {raw['h2d_gbps']:.1f} GB/s | {raw['d2h_gbps']:.1f} GB/s "
             f"| {k['store_gbps']:.1f} GB/s ({k['store_ms']:.0f} ms) | {k['retrieve_gbps']:.1f} GB/s "
             f"({k['retrieve_ms']:.0f} ms) | {phases('store')} | {phases('retrieve')} | {k['bit_exact']} |"

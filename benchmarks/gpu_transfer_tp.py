@@ -53,13 +53,14 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
         barrier.wait()
         raw = gt.raw_copy_baseline(nbytes)
         nblocks = tokens // gt.TOKENS_PER_BLOCK
-        src, dst = tuple(range(nblocks)), tuple(range(nblocks, 2 * nblocks))
         stores, retrieves, exact, hits = [], [], True, []
         for rep in range(args.reps + 1):
+            src, dst = gt.request_block_ids(nblocks, args.block_order, seed=1000 * rep + tokens + rank)
+            src_idx, dst_idx = torch.tensor(src, device=gt.DEVICE), torch.tensor(dst, device=gt.DEVICE)
             gen = torch.Generator().manual_seed(1000 * rep + tokens)  # same tokens on every rank
             token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
-            pool[:nblocks].copy_(torch.randn(pool[:nblocks].shape, device=gt.DEVICE).to(pool.dtype))
-            pool[nblocks : 2 * nblocks].fill_(float("nan"))
+            pool[: 2 * nblocks].copy_(torch.randn(pool[: 2 * nblocks].shape, device=gt.DEVICE).to(pool.dtype))
+            pool.index_fill_(0, dst_idx, float("nan"))
             gt.sync()
             barrier.wait()
             t0 = time.perf_counter()
@@ -74,7 +75,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
             backend.retrieve(TransferOp(0, f"r{rep}-{tokens}", token_ids, 0, tokens, dst, 0, "tp"))
             gt.sync()
             t_retrieve = time.perf_counter() - t0
-            exact &= bool(torch.equal(pool[:nblocks].view(torch.int16), pool[nblocks : 2 * nblocks].view(torch.int16)))
+            exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
             if scheduler is not None:
                 scheduler.end_session(f"r{rep}-{tokens}")
             if rep:
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--l1", default="48Gi")
+    parser.add_argument("--block-order", default="scattered", choices=["scattered", "contiguous"])
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)

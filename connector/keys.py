@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+CHUNK_LAYOUT_TAG = "kvoffload-blocks-v1"
 _SALT_ATTRS = ("cache_salt", "cache_salt_id", "py_cache_salt", "py_cache_salt_id")
 
 
@@ -48,3 +49,13 @@ def chunk_floor(tokens: int, chunk_size: int) -> int:
 def chunk_ceil(tokens: int, chunk_size: int) -> int:
     """Smallest multiple of ``chunk_size`` not below ``tokens``."""
     return -(-tokens // chunk_size) * chunk_size
+
+
+def cache_model_name(model_name: str) -> str:
+    """The model name in LMCache keys, tagged with the chunk layout this connector writes.
+
+    Chunks hold TensorRT-LLM's block bytes (``blockcopy``), not LMCache's own layout, so a client
+    that expects LMCache's layout (LMCache's own adapter, another connector version) must never
+    find them in a shared or persistent tier, nor this connector find theirs.
+    """
+    return f"{model_name}~{CHUNK_LAYOUT_TAG}"

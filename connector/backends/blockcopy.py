@@ -1,37 +1,51 @@
-"""Block <-> chunk copies between TensorRT-LLM's pool and LMCache chunk buffers (device-neutral torch).
+"""Block <-> chunk copies between TensorRT-LLM's pool and LMCache chunk slots (device-neutral torch).
 
-LMCache's engine-driven path stores a chunk of ``T = blocks_per_chunk * tokens_per_block`` tokens
-as ``[2, num_layers, T, num_kv_heads * head_dim]`` (K/V, layer, token, hidden). TensorRT-LLM keeps
-one block as ``[num_layers, 2, num_kv_heads, tokens_per_block, head_dim]``. So one chunk is a single
-permute of ``blocks_per_chunk`` pool blocks, ``(b, l, kv, h, t, d) -> (kv, l, b, t, h, d)``.
+A TensorRT-LLM block holds all layers of ``tokens_per_block`` tokens contiguously
+(``[num_layers, 2, num_kv_heads * tokens_per_block * head_dim]``: 4 MiB for Llama-3-8B). In
+LMCache's engine-driven protocol the server only stores the bytes of the chunk slots it hands out
+(PREPARE) and hands them back (RETRIEVE); it never reads them. So a chunk here is **block-native**:
+the raw bytes of its ``blocks_per_chunk`` blocks, in order. A store or a load is then one DMA per
+run of consecutive block ids (at most one per block) between the pool and the (pinned) slot, with
+no reordering kernel and no staging buffer; the copy runs at the host link's speed.
 
-LMCache 0.5.6's ``gather_paged_kv_to_cpu``/``scatter_cpu_to_paged_kv`` do the same through its
-generic transfer op. These functions produce byte-identical chunks (unit-tested against LMCache's
-own gather) and are used inside LMCache's PREPARE/COMMIT protocol, into the SHM slots the server
-hands out; measured in docs/connector.md.
+The chunk slot's declared shape is LMCache's (``[2, layers, tokens, heads * head_dim]``); only its
+byte size matters here and is checked. Chunks written this way are not LMCache's own layout, so the
+connector keys them under a layout-tagged model name (``sidecar.cache_model_name``) and never mixes
+them with chunks written by LMCache's gather/scatter.
 
-On a GPU pool the permute runs on the device into a contiguous staging tensor and one async DMA
-per chunk moves it to/from the (``cudaHostRegister``-ed) SHM slot; the block ids go to the device
-once per operation. Callers synchronize the device before COMMIT.
+Copies are issued on the current stream, asynchronously where the device allows; callers
+synchronize the device before COMMIT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 
-def _blocks_view(pool: torch.Tensor, num_kv_heads: int, tokens_per_block: int, head_dim: int) -> torch.Tensor:
-    nb, nl, kv, _ = pool.shape
-    return pool.view(nb, nl, kv, num_kv_heads, tokens_per_block, head_dim)
+def block_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids in ``block_ids``: ``(position, first id, length)``."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield start, int(block_ids[start]), i - start
+            start = i
 
 
-def _index(pool: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    idx = torch.tensor(list(block_ids), dtype=torch.long)
-    if pool.device.type == "cpu":
-        return idx
-    return idx.pin_memory().to(pool.device, non_blocking=True)
+def _pool_blocks(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as ``[num_blocks, block_bytes]`` bytes (a view: raises if blocks are not contiguous)."""
+    return pool.view(pool.shape[0], -1).view(torch.uint8)
+
+
+def _slot_blocks(slot: torch.Tensor, blocks_per_chunk: int, block_bytes: int) -> torch.Tensor:
+    """A chunk slot as ``[blocks_per_chunk, block_bytes]`` bytes (a view)."""
+    flat = slot.view(-1).view(torch.uint8)
+    if flat.numel() != blocks_per_chunk * block_bytes:
+        raise ValueError(
+            f"chunk slot holds {flat.numel()} bytes, {blocks_per_chunk} blocks need {blocks_per_chunk * block_bytes}"
+        )
+    return flat.view(blocks_per_chunk, block_bytes)
 
 
 def gather_chunks(
@@ -40,21 +54,14 @@ def gather_chunks(
     outs: Sequence[torch.Tensor],
     chunk_indices: Sequence[int],
     blocks_per_chunk: int,
-    num_kv_heads: int,
-    tokens_per_block: int,
-    head_dim: int,
 ) -> None:
-    """Copy chunk ``chunk_indices[i]`` of ``block_ids`` into ``outs[i]`` (``[2, layers, T, heads*head_dim]``)."""
-    blocks = _blocks_view(pool, num_kv_heads, tokens_per_block, head_dim)
-    idx = _index(pool, block_ids)
-    shape = (2, pool.shape[1], blocks_per_chunk, tokens_per_block, num_kv_heads, head_dim)
-    for out, c in zip(outs, chunk_indices, strict=False):
-        # [b, l, kv, h, t, d] -> [kv, l, b, t, h, d]
-        src = blocks.index_select(0, idx[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]).permute(2, 1, 0, 4, 3, 5)
-        if out.device == pool.device:
-            out.view(shape).copy_(src)
-        else:  # reorder on the device, then one contiguous async DMA
-            out.view(shape).copy_(src.contiguous(), non_blocking=True)
+    """Copy chunk ``chunk_indices[i]`` of ``block_ids`` (its blocks, in order) into the slot ``outs[i]``."""
+    blocks = _pool_blocks(pool)
+    for out, c in zip(outs, chunk_indices, strict=True):
+        slot = _slot_blocks(out, blocks_per_chunk, blocks.shape[1])
+        ids = block_ids[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
+        for pos, first, n in block_runs(ids):
+            slot[pos : pos + n].copy_(blocks[first : first + n], non_blocking=True)
 
 
 def scatter_chunks(
@@ -63,47 +70,26 @@ def scatter_chunks(
     chunks: Sequence[torch.Tensor],
     skip_blocks: int,
     blocks_per_chunk: int,
-    num_kv_heads: int,
-    tokens_per_block: int,
-    head_dim: int,
 ) -> None:
     """Write ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the first ``skip_blocks`` untouched."""
-    blocks = _blocks_view(pool, num_kv_heads, tokens_per_block, head_dim)
-    idx = _index(pool, block_ids)
-    nl = pool.shape[1]
+    blocks = _pool_blocks(pool)
     for i, chunk in enumerate(chunks):
         lo = i * blocks_per_chunk
-        first = max(skip_blocks - lo, 0)
-        if first >= blocks_per_chunk:
+        first_kept = max(skip_blocks - lo, 0)
+        if first_kept >= blocks_per_chunk:
             continue
-        src = chunk.view(2, nl, blocks_per_chunk, tokens_per_block, num_kv_heads, head_dim)
-        if chunk.device != pool.device:  # one contiguous async DMA, then reorder on the device (stream-ordered)
-            src = src.to(pool.device, non_blocking=True)
-        # [kv, l, b, t, h, d] -> [b, l, kv, h, t, d]
-        reordered = src[:, :, first:].permute(2, 1, 0, 4, 3, 5).contiguous()
-        blocks.index_copy_(0, idx[lo + first : lo + blocks_per_chunk], reordered)
+        slot = _slot_blocks(chunk, blocks_per_chunk, blocks.shape[1])
+        ids = block_ids[lo + first_kept : lo + blocks_per_chunk]
+        for pos, first, n in block_runs(ids):
+            at = first_kept + pos
+            blocks[first : first + n].copy_(slot[at : at + n], non_blocking=True)
 
 
-def gather_chunk(
-    pool: torch.Tensor,
-    block_ids: Sequence[int],
-    out: torch.Tensor,
-    num_kv_heads: int,
-    tokens_per_block: int,
-    head_dim: int,
-) -> None:
+def gather_chunk(pool: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:
     """One chunk's blocks into ``out`` (convenience for tests and single chunks)."""
-    gather_chunks(pool, block_ids, [out], [0], len(block_ids), num_kv_heads, tokens_per_block, head_dim)
+    gather_chunks(pool, block_ids, [out], [0], len(block_ids))
 
 
-def scatter_chunk(
-    pool: torch.Tensor,
-    block_ids: Sequence[int],
-    chunk: torch.Tensor,
-    skip_blocks: int,
-    num_kv_heads: int,
-    tokens_per_block: int,
-    head_dim: int,
-) -> None:
+def scatter_chunk(pool: torch.Tensor, block_ids: Sequence[int], chunk: torch.Tensor, skip_blocks: int) -> None:
     """One chunk back into ``block_ids`` (convenience for tests and single chunks)."""
-    scatter_chunks(pool, block_ids, [chunk], skip_blocks, len(block_ids), num_kv_heads, tokens_per_block, head_dim)
+    scatter_chunks(pool, block_ids, [chunk], skip_blocks, len(block_ids))

@@ -41,6 +41,7 @@ from lmcache.v1.platform import synchronize_device
 
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
+from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
 from kvoffload.connector.settings import ConnectorSettings
@@ -196,7 +197,7 @@ class SidecarBackend:
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, worker: bool
     ) -> IPCCacheServerKey:
         return IPCCacheServerKey(
-            model_name=self._settings.model_name,
+            model_name=cache_model_name(self._settings.model_name),
             world_size=self._settings.world_size,
             worker_id=self._rank if worker else None,
             token_ids=token_ids,
@@ -268,7 +269,7 @@ class SidecarBackend:
             )
             transfer.register(
                 kv,
-                self._settings.model_name,
+                cache_model_name(self._settings.model_name),
                 self._settings.world_size,
                 self._blocks_per_chunk,
                 max(self._store_timeout_s, self._retrieve_timeout_s),
@@ -368,9 +369,7 @@ class SidecarBackend:
         try:
             if ok:
                 skip = op.skip_tokens // g.tokens_per_block
-                scatter_chunks(
-                    self._pool, op.block_ids, chunks, skip, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim
-                )
+                scatter_chunks(self._pool, op.block_ids, chunks, skip, bpc)
                 synchronize_device(self._pool.device)  # the server may reuse the slots after COMMIT
         finally:
             t2 = time.perf_counter()
@@ -410,8 +409,7 @@ class SidecarBackend:
         return len(op.block_ids) * self._block_bytes
 
     def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
-        assert self._geometry is not None and self._instance_id is not None
-        g = self._geometry
+        assert self._instance_id is not None
         bpc = self._blocks_per_chunk
         synchronize_device(self._pool.device)  # the forward pass must have written the KV
         t0 = time.perf_counter()
@@ -422,7 +420,7 @@ class SidecarBackend:
         slots, indices = prepared
         if not indices:
             return True  # LMCache already holds every chunk
-        gather_chunks(self._pool, op.block_ids, slots, indices, bpc, g.num_kv_heads, g.tokens_per_block, g.head_dim)
+        gather_chunks(self._pool, op.block_ids, slots, indices, bpc)
         synchronize_device(self._pool.device)
         t2 = time.perf_counter()
         self._commit_later("store", key)

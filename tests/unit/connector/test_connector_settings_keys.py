@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvoffload import contract
 from kvoffload.connector.backends.base import kv_geometry
-from kvoffload.connector.keys import normalize_salt, salt_of
+from kvoffload.connector.keys import cache_model_name, normalize_salt, salt_of
 from kvoffload.connector.settings import (
     DEFAULT_LOOKUP_TIMEOUT_MS,
     DEFAULT_RETRIEVE_TIMEOUT_MS,
@@ -100,6 +100,17 @@ def test_salt_is_lmcache_safe_and_injective_enough(raw: str) -> None:
         return
     assert len(salt) <= 128 and not set(salt) & set("@/\\\x00")
     assert salt != normalize_salt(raw + "x")
+
+
+def test_cache_model_name_tags_the_chunk_layout_without_lmcache_key_separators() -> None:
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    tagged = cache_model_name("meta-llama/Llama-3.1-8B")
+    assert tagged != "meta-llama/Llama-3.1-8B" and tagged.startswith("meta-llama/Llama-3.1-8B")
+    assert "@" not in tagged.removeprefix("meta-llama/Llama-3.1-8B")
+    key = CacheEngineKey(model_name=tagged, world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
+    assert CacheEngineKey.from_string(key.to_string()).model_name == tagged
 
 
 def test_salt_of_reads_newer_and_older_fields() -> None:
