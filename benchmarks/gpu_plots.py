@@ -22,7 +22,8 @@ def transfer_series(runs: dict[str, dict[str, Any]]) -> dict[str, list[tuple[int
     series: dict[str, list[tuple[int, float, float]]] = {}
     for run_label, run in runs.items():
         for row in run.get("sizes", []):
-            label = f"{row.get('backend', 'sidecar')}, chunk {row.get('chunk_size', 256)}, {run_label}"
+            order = f", {row['block_order']} ids" if "block_order" in row else ""
+            label = f"{row.get('backend', 'sidecar')}, chunk {row.get('chunk_size', 256)}{order}, {run_label}"
             k = row["kvoffload"]
             series.setdefault(label, []).append((row["tokens"], k["store_gbps"], k["retrieve_gbps"]))
             raw = row["raw"]
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     runs = {}
-    for name, label in (("gpu-transfer-chunks.json", "sync COMMIT"),
-                        ("gpu-transfer-deferred-commit.json", "deferred COMMIT")):  # fmt: skip
+    for name, label in (("gpu-transfer-deferred-commit.json", "permuting copies (4th run)"),
+                        ("gpu-transfer-blocks.json", "block-native copies (5th run)")):  # fmt: skip
         path = args.results / name
         if path.exists():
             runs[label] = json.loads(path.read_text())
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(args.out / "gpu-transfer.png", dpi=110)
         plt.close(fig)
         print(args.out / "gpu-transfer.png")
-    recompute = args.results / "recompute-vs-load.json"
+    recompute = args.results / "recompute-vs-load-blocks.json"
     if recompute.exists():
         data = json.loads(recompute.read_text())
         rows = data["rows"]
