@@ -1,5 +1,5 @@
 """Effects of node mode: fetch the policy and its pods, call ``node_mode``'s pure planner,
-create and delete cache pods, apply the node-local Service.
+create and delete cache pods, apply the node-local Service and NetworkPolicy where they drifted.
 
 Level-triggered: every pass lists the pods as they are now, so an operator that restarts, or
 misses events, converges on the next pass (kopf's initial listing triggers one per pod).
@@ -15,6 +15,7 @@ from typing import Any
 
 from kvoffload import contract as c
 
+from .drift import object_carries
 from .kube import Kube, KubeApiError, namespaced_path, policy_path
 from .node_mode import (
     cache_pod_selector,
@@ -67,6 +68,11 @@ class NodeCaches:
     def status(self, namespace: str, policy: str) -> list[dict[str, Any]]:
         return node_cache_status(self.cache_pods(namespace, policy))
 
+    def _apply_if_drifted(self, path: str, body: dict[str, Any]) -> None:
+        """Apply ``body`` unless the live object already carries all of it (a read, not a write, per pass)."""
+        if not object_carries(body, self.kube.get(path)):
+            self.kube.apply(path, body, c.FIELD_MANAGER)
+
     def sync(self, namespace: str, policy_name: str) -> bool:
         """One pass for one policy; True when it created or deleted something."""
         with self._policy_lock((namespace, policy_name)):
@@ -89,10 +95,9 @@ class NodeCaches:
                 )
                 desired = desired_cache_pods(policy, settings, engines)
                 if desired:
-                    self.kube.apply(services_path(namespace, cache_service_name(policy_name)),
-                                    render_cache_service(policy), c.FIELD_MANAGER)  # fmt: skip
-                    self.kube.apply(network_policies_path(namespace, cache_service_name(policy_name)),
-                                    render_cache_network_policy(policy), c.FIELD_MANAGER)  # fmt: skip
+                    name = cache_service_name(policy_name)
+                    self._apply_if_drifted(services_path(namespace, name), render_cache_service(policy))
+                    self._apply_if_drifted(network_policies_path(namespace, name), render_cache_network_policy(policy))
             plan = plan_cache_pods(desired, existing)
             for name in plan.delete:
                 log.info("node cache: deleting pod %s/%s", namespace, name)

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localcluster import LocalCluster, free_port
 from kvoffload import contract as c
+from kvoffload.operator.settings import OperatorDefaults
 from tests.conftest import REPO_ROOT
 from tests.support.workloads import get, list_objects, wait_for
 
@@ -36,6 +37,20 @@ OPERATOR_NAMESPACE = "kvoffload-system"
 OPERATOR_SA = "kvoffload-operator"
 SIDECAR_IMAGE = "registry.example/kvoffload/sidecar:test"
 BUNDLE_IMAGE = "registry.example/kvoffload/connector-bundle:test"
+
+
+DEFAULTS_FLAGS = (
+    "--sidecar-image", SIDECAR_IMAGE, "--bundle-image", BUNDLE_IMAGE,
+    "--default-l1-size", "4Gi", "--default-shm-size", "1Gi",
+)  # fmt: skip
+"""The defaults every test operator runs with (``operator_defaults`` gives the same in-process)."""
+
+
+def operator_defaults() -> OperatorDefaults:
+    """The ``OperatorDefaults`` a test operator process computes from ``DEFAULTS_FLAGS``."""
+    from kvoffload.operator.__main__ import build_parser, defaults_from
+
+    return defaults_from(build_parser().parse_args(list(DEFAULTS_FLAGS)))
 
 
 _STARTED: list[OperatorProcess] = []
@@ -69,9 +84,7 @@ class OperatorProcess:
             sys.executable, "-m", "kvoffload.operator",
             "--kubeconfig", str(self.kubeconfig),
             "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
-            "--sidecar-image", SIDECAR_IMAGE, "--bundle-image", BUNDLE_IMAGE,
-            "--default-l1-size", "4Gi", "--default-shm-size", "1Gi",
-            "--resync-seconds", "0", "--log-level", "info", *self.extra_args,
+            *DEFAULTS_FLAGS, "--resync-seconds", "0", "--log-level", "info", *self.extra_args,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         env.pop("KUBERNETES_SERVICE_HOST", None)

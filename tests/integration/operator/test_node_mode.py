@@ -8,7 +8,7 @@ mode switch, an operator that was down meanwhile). Engines reach their own node'
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -16,12 +16,15 @@ import pytest
 from hack.journey import JourneyError
 from hack.localcluster import LocalCluster
 from kvoffload import contract as c
+from kvoffload.operator.kube import Kube, load_configuration
+from kvoffload.operator.node_caches import NodeCaches, services_path
 from kvoffload.operator.node_mode import cache_server_url, cache_service_name, node_shm_host_path
 from tests.integration.operator.operator_support import (
     OperatorProcess,
     all_containers,
     annotate,
     is_injected,
+    operator_defaults,
     wait_injected,
 )
 from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
@@ -53,6 +56,20 @@ def uncordon_all(cluster: LocalCluster) -> Iterator[None]:
     yield
     for node in NODES:
         cluster.kubectl("uncordon", node, check=False)
+
+
+class WriteRecordingKube(Kube):
+    """The operator's API client, recording every write (method, path) it sends."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.writes: list[tuple[str, str]] = []
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
+                params: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        if method != "GET":
+            self.writes.append((method, path))
+        return super().request(method, path, body=body, content_type=content_type, params=params)
 
 
 def node_policy(namespace: str, mode: str = "node") -> dict[str, Any]:
@@ -181,6 +198,19 @@ def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_o
     per_node = wait_for(endpoints_per_node, timeout=60, what="an endpoint on every node")
     for node, targets in per_node.items():
         assert len(targets) == 1 and pod_node[targets[0]] == node, per_node
+
+    # A converged pass only reads; a Service deleted meanwhile comes back on the next pass. The
+    # passes here are the operator's own code and credentials, with the process stopped so that
+    # they are the only ones (the fixture restarts it for the next test).
+    running_operator.stop()
+    kube = WriteRecordingKube(load_configuration(str(running_operator.kubeconfig)))
+    caches = NodeCaches(kube, operator_defaults())
+    assert caches.sync(ns, POLICY) is False
+    assert kube.writes == [], "a pass over converged node caches sends no write"
+    cluster.kubectl("delete", "service", cache_service_name(POLICY), "-n", ns)
+    caches.sync(ns, POLICY)
+    assert kube.writes == [("PATCH", services_path(ns, cache_service_name(POLICY)))]
+    assert get(cluster, "service", cache_service_name(POLICY), ns)["spec"]["selector"] == svc["spec"]["selector"]
 
 
 def test_cache_pods_follow_scale_down_drain_and_operator_restart(
