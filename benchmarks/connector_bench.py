@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import best_ns_per_call, env_set, interleaved, scattered_block_ids, summarize
+from kvoffload.connector.keys import cache_model_name
 
 MODEL = "bench-model"
+KEY_MODEL = cache_model_name(MODEL)
+"""The model name in LMCache keys, as the connector writes it (the raw client must find its chunks)."""
 KV_NAME = "trtllm_kv_pool"
 
 
@@ -130,14 +133,14 @@ class RawClient:
                 "tokens_per_block": shape.tokens_per_block,
                 "head_dim": shape.head_dim,
             }
-            self.transfer.register(kv, MODEL, 1, self.bpc, 60.0, layout_hints=hints, engine_type=EngineType.TRTLLM)
+            self.transfer.register(kv, KEY_MODEL, 1, self.bpc, 60.0, layout_hints=hints, engine_type=EngineType.TRTLLM)
             self.transfer.engine_driven_context.mq_timeout = 60.0
 
     def key(self, session: str, tokens: tuple[int, ...], start: int, end: int, worker: bool, salt: str = "") -> Any:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         return IPCCacheServerKey(
-            model_name=MODEL,
+            model_name=KEY_MODEL,
             world_size=1,
             worker_id=0 if worker else None,
             token_ids=tokens,
@@ -269,6 +272,12 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             # One stored chunk that every lookup and retrieve hits.
             hot = _prompt(1, chunk + 1)
             hot_key = hot[:chunk]
+            # LMCache's own copies write its layout, not block-native chunks: their retrieve reads a
+            # chunk they stored (other tokens), never one of ours.
+            hot_lmcache_key = _prompt(2, chunk)
+            if not raw.store_lmcache("warm-store-lmcache", hot_lmcache_key, src):
+                raise RuntimeError("warm-up store (LMCache's copies) failed")
+            raw.client.end_session("warm-store-lmcache")
             if not raw.store_protocol("warm-store", hot_key, src):
                 raise RuntimeError("could not store the benchmark chunk")
             raw.client.end_session("warm-store")
@@ -324,10 +333,10 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             # --- retrieve (each preceded by an untimed lookup, as TensorRT-LLM does) ---------
             exact: dict[str, bool] = {}
 
-            def retrieve_with(name: str, fn: Any) -> Any:
+            def retrieve_with(name: str, fn: Any, key: tuple[int, ...] = hot_key) -> Any:
                 def run(_: int) -> float:
                     sid = f"rr{next(ids)}"
-                    assert raw.lookup(sid, hot_key, chunk) == chunk
+                    assert raw.lookup(sid, key, chunk) == chunk
                     pool[list(dst)] = 0
                     t0 = time.perf_counter()
                     ok = fn(sid)
@@ -359,7 +368,11 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                     ("raw", retrieve_with("raw", lambda sid: raw.retrieve_protocol(sid, hot_key, dst))),
                     (
                         "lmcache_copies",
-                        retrieve_with("lmcache_copies", lambda sid: raw.retrieve_lmcache(sid, hot_key, dst)),
+                        retrieve_with(
+                            "lmcache_copies",
+                            lambda sid: raw.retrieve_lmcache(sid, hot_lmcache_key, dst),
+                            hot_lmcache_key,
+                        ),
                     ),
                     ("backend", retrieve_with("backend", lambda sid: backend.retrieve(op(sid, hot_key, dst)) > 0)),
                     ("hook_metrics_off", retrieve_with("hook_metrics_off", hook_load(False))),

@@ -211,8 +211,18 @@ def request_block_ids(nblocks: int, order: str, seed: int) -> tuple[tuple[int, .
 
 
 def transfer_round(
-    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, rep: int, salt: str, order: str = "scattered"
+    backend: Any,
+    scheduler: Any,
+    pool: torch.Tensor,
+    tokens: int,
+    rep: int,
+    salt: str,
+    order: str = "scattered",
+    sync_after: bool = True,
 ) -> dict[str, Any]:
+    """One store, lookup and retrieve; ``sync_after=False`` times each call alone (the backend returns
+    once its copies are done) instead of adding a device-wide synchronize, which under load would
+    wait for the stand-in engine's work too."""
     from kvoffload.connector.planning import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
@@ -228,13 +238,15 @@ def transfer_round(
     store = TransferOp(0, f"s{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt)
     t0 = time.perf_counter()
     backend.store(store)
-    sync()
+    if sync_after:
+        sync()
     t_store = time.perf_counter() - t0
     load = TransferOp(0, f"r{rep}-{tokens}-{salt}", token_ids, 0, tokens, dst, 0, salt)
     hit = scheduler.lookup(load.session_id, token_ids, tokens, salt)  # TensorRT-LLM looks up first
     t0 = time.perf_counter()
     backend.retrieve(load)
-    sync()
+    if sync_after:
+        sync()
     t_retrieve = time.perf_counter() - t0
     exact = bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
     scheduler.end_session(load.session_id)
@@ -242,9 +254,16 @@ def transfer_round(
 
 
 def measure(
-    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps: int, salt: str, order: str = "scattered"
+    backend: Any,
+    scheduler: Any,
+    pool: torch.Tensor,
+    tokens: int,
+    reps: int,
+    salt: str,
+    order: str = "scattered",
+    sync_after: bool = True,
 ) -> dict[str, Any]:
-    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order) for r in range(reps + 1)]
+    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order, sync_after) for r in range(reps + 1)]
     nbytes = tokens * BYTES_PER_TOKEN
     warm = rounds[1:] if reps > 0 else rounds
     store_gbps, store_ms = _median_gbps(nbytes, [r["store_s"] for r in warm])
@@ -259,6 +278,100 @@ def measure(
         "hit_tokens": [r["hit_tokens"] for r in rounds],
         "rounds": len(warm),
     }
+
+
+class EngineLoad:
+    """A stand-in engine keeping the GPU busy on its own stream: bf16 matmuls queued in
+    ``forward_ms`` batches ("forward passes"), one after another, until stopped."""
+
+    def __init__(self, forward_ms: float = 20.0, n: int = 8192) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+        self._b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+        self._stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            self._a @ self._b  # warm-up
+        self._stream.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            for _ in range(10):
+                self._a @ self._b
+        self._stream.synchronize()
+        per_matmul_ms = (time.perf_counter() - t0) * 100
+        self.matmuls_per_forward = max(1, round(forward_ms / per_matmul_ms))
+        self.forward_ms = self.matmuls_per_forward * per_matmul_ms
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with torch.cuda.stream(self._stream):
+            while not self._stop.is_set():
+                for _ in range(self.matmuls_per_forward):
+                    self._a @ self._b
+                self._stream.synchronize()
+
+    def __enter__(self) -> EngineLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class DeviceWideSync:
+    """The connector's copies as before the dedicated transfer stream: on the caller's stream,
+    with a device-wide synchronize (also before the copies for stores), for a same-run comparison."""
+
+    def __init__(self, before_copies: bool) -> None:
+        self._before = before_copies
+
+    def after_caller(self) -> Any:
+        import contextlib
+
+        if self._before:
+            torch.cuda.synchronize()
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, reps: int) -> dict[str, Any]:
+    """Store/retrieve idle (baseline), then while ``EngineLoad`` runs: with the shipped transfer stream
+    and with device-wide synchronisation (the previous behaviour), same tokens size and block order."""
+    row: dict[str, Any] = {
+        "tokens": tokens,
+        "bytes": tokens * BYTES_PER_TOKEN,
+        "raw": raw_copy_baseline(tokens * BYTES_PER_TOKEN),
+    }
+    row["idle"] = measure(backend, scheduler, pool, tokens, reps, salt="idle", sync_after=False)
+    shipped = backend._copies
+    with EngineLoad() as load:
+        row["forward_ms"] = load.forward_ms
+        row["under_load_transfer_stream"] = measure(
+            backend, scheduler, pool, tokens, reps, salt="load-stream", sync_after=False
+        )
+        real_store, real_retrieve = backend._store_fast, backend._retrieve_fast
+
+        def store_old(edc: Any, key: Any, op: Any) -> bool:
+            backend._copies = DeviceWideSync(before_copies=True)
+            return bool(real_store(edc, key, op))
+
+        def retrieve_old(edc: Any, key: Any, op: Any) -> bool:
+            backend._copies = DeviceWideSync(before_copies=False)
+            return bool(real_retrieve(edc, key, op))
+
+        backend._store_fast, backend._retrieve_fast = store_old, retrieve_old
+        try:
+            row["under_load_device_sync"] = measure(
+                backend, scheduler, pool, tokens, reps, salt="load-device", sync_after=False
+            )
+        finally:
+            backend._store_fast, backend._retrieve_fast = real_store, real_retrieve
+            backend._copies = shipped
+    return row
 
 
 def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Path, timings: TransferTimings
@@ -299,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sizes for the in-process backend (LMCache's engine in this process; none: skip)")  # fmt: skip
     parser.add_argument("--block-orders", nargs="+", default=["scattered"], choices=["scattered", "contiguous"],
                         help="block ids of each request: shuffled over the pool (worst case) or consecutive")  # fmt: skip
+    parser.add_argument("--under-load-tokens", type=int, default=0,
+                        help="also time this size while a stand-in engine keeps the GPU busy (0: skip)")  # fmt: skip
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -342,10 +457,15 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"tokens": tokens, "bytes": nbytes, "chunk_size": chunk_size, "backend": "sidecar",
                            "block_order": order, "raw": raw_copy_baseline(nbytes)}  # fmt: skip
                     salt = f"fast{chunk_size}{order}"
+                    timings.medians()  # forget phases logged by anything measured before this row
                     row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt, order)
                     row["phases_ms"] = timings.medians()
                     print(json.dumps(row), flush=True)
                     results["sizes"].append(row)
+            if args.under_load_tokens and index == 0 and DEVICE == "cuda":
+                row = measure_under_load(fast, scheduler, pool, args.under_load_tokens, args.reps)
+                print(json.dumps(row), flush=True)
+                results["under_load"] = row
             fast.close()
             if args.shipped_tokens and index == 0:
                 shipped = make_backend(url, pool, fast=False, workdir=workdir)
@@ -390,6 +510,15 @@ def main(argv: list[str] | None = None) -> int:
             f"LMCache's own copies, {results['shipped']['tokens']} tokens: store {s['store_gbps']:.2f} GB/s, "
             f"retrieve {s['retrieve_gbps']:.2f} GB/s, bit-exact {s['bit_exact']}"
         )
+    if "under_load" in results:
+        u = results["under_load"]
+        print(f"\nUnder load ({u['tokens']} tokens, a {u['forward_ms']:.0f} ms stand-in forward pass always queued):")
+        for name in ("idle", "under_load_transfer_stream", "under_load_device_sync"):
+            k = u[name]
+            print(
+                f"  {name}: store {k['store_ms']:.1f} ms ({k['store_gbps']:.1f} GB/s), "
+                f"retrieve {k['retrieve_ms']:.1f} ms ({k['retrieve_gbps']:.1f} GB/s), bit-exact {k['bit_exact']}"
+            )
     write_json(results, args.out)
     return 0
 

@@ -182,8 +182,10 @@ def _transfer_section(t: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "",
         "- `memcpy`: `torch` `copy_` of the same bytes between the pool and a contiguous buffer (the ceiling "
         "here; **the baseline**).",
-        "- `block copies only`: our block<->chunk permuting copies (`blockcopy`) into preallocated chunk "
-        "buffers, no server.",
+        "- `block copies only`: our block-native copies (`blockcopy`: a chunk holds its blocks' bytes, one "
+        "copy per run of consecutive block ids) into preallocated chunk buffers, no server. The request's "
+        "blocks are scattered over the pool (shuffled ids), so each block is its own copy; `memcpy` moves "
+        "the same bytes in one piece.",
         f"- `LMCache copies`: LMCache 0.5.6's own gather/scatter in the same protocol (up to "
         f"{t['shipped_max_tokens']} tokens).",
         "",
@@ -204,9 +206,9 @@ def _transfer_section(t: dict[str, Any], plots: dict[str, str]) -> list[str]:
         )
     out += [
         "",
-        "Store runs slower than retrieve because the server first-touches and registers fresh L1 objects; "
-        "on CPU the permuting block copy, not the protocol, bounds the rest (compare the `block copies only` "
-        "column).",
+        "Store runs slower than retrieve because the server first-touches and registers fresh L1 objects "
+        "in PREPARE_STORE (the copies alone run near memcpy: compare the `block copies only` column); "
+        "retrieve pays the PREPARE/COMMIT messages on top of the copy.",
     ]
     if "transfer" in plots:
         out += ["", f"![CPU transfer throughput]({plots['transfer']})"]

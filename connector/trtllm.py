@@ -77,6 +77,18 @@ def _count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
         metrics.error(exc.operation, "unavailable")
 
 
+def _use_private_stream(device: Any) -> None:
+    """Make this thread's current CUDA stream its own (no-op off CUDA).
+
+    The saver waits for the forward pass's event on the CPU; a backend then orders its copies after
+    this thread's current stream, which must not be one the engine keeps queueing work on.
+    """
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_stream(torch.cuda.Stream(device=device))
+
+
 def _prompt_tokens(request: Any) -> list[int]:
     tokens = request.get_tokens(0)
     return list(tokens)
@@ -247,6 +259,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._saving: dict[int, int] = {}
         self._finished_waiting: set[int] = set()
         self._save_thread: threading.Thread | None = None
+        self._kv_device: Any = None
         if self._settings.async_save:
             self._save_thread = threading.Thread(target=self._save_loop, name="kvoffload-save", daemon=True)
             self._save_thread.start()
@@ -259,6 +272,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             read_hf_config(self._settings.model_name),
             self._settings.world_size,
         )
+        self._kv_device = kv_cache_tensor.device
         self._backend.register(kv_cache_tensor, geometry)
 
     def start_load_kv(self, stream: Any) -> None:
@@ -319,12 +333,16 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._metrics.record_store(time.perf_counter() - t0, op.end - op.start, nbytes)
 
     def _save_loop(self) -> None:
+        on_private_stream = False
         while True:
             with self._save_cv:
                 while not self._save_queue:
                     self._save_cv.wait()
                 op, event = self._save_queue.popleft()
             try:
+                if not on_private_stream:
+                    _use_private_stream(self._kv_device)
+                    on_private_stream = True
                 if event is not None:
                     event.synchronize()
                 self._store(op)

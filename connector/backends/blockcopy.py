@@ -10,15 +10,19 @@ no reordering kernel and no staging buffer; the copy runs at the host link's spe
 
 The chunk slot's declared shape is LMCache's (``[2, layers, tokens, heads * head_dim]``); only its
 byte size matters here and is checked. Chunks written this way are not LMCache's own layout, so the
-connector keys them under a layout-tagged model name (``sidecar.cache_model_name``) and never mixes
+connector keys them under a layout-tagged model name (``keys.cache_model_name``) and never mixes
 them with chunks written by LMCache's gather/scatter.
 
-Copies are issued on the current stream, asynchronously where the device allows; callers
-synchronize the device before COMMIT.
+Copies are issued on the current stream, asynchronously where the device allows. Backends run
+them on a ``TransferStream``: on a GPU pool a dedicated CUDA stream, ordered after the work the
+calling thread already queued (the forward pass that wrote the KV), and synchronized alone before
+COMMIT, so a transfer never waits for unrelated work the engine queued meanwhile (a device-wide
+synchronize would wait for the next forward pass) and its DMA overlaps the engine's kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -93,3 +97,28 @@ def gather_chunk(pool: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor
 def scatter_chunk(pool: torch.Tensor, block_ids: Sequence[int], chunk: torch.Tensor, skip_blocks: int) -> None:
     """One chunk back into ``block_ids`` (convenience for tests and single chunks)."""
     scatter_chunks(pool, block_ids, [chunk], skip_blocks, len(block_ids))
+
+
+class TransferStream:
+    """Where a backend's block copies run: a dedicated CUDA stream for a GPU pool, inline on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def after_caller(self) -> Iterator[None]:
+        """Run the block's copies on this stream, after the work already queued on the caller's stream.
+
+        The ordering is on the device: the calling thread does not wait for the caller's stream.
+        """
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def synchronize(self) -> None:
+        """Wait until every copy issued on this stream finished (and the work it was ordered after)."""
+        if self._stream is not None:
+            self._stream.synchronize()

@@ -37,10 +37,9 @@ from lmcache.utils import EngineType
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
-from lmcache.v1.platform import synchronize_device
 
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
-from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
+from kvoffload.connector.backends.blockcopy import TransferStream, gather_chunks, scatter_chunks
 from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
@@ -126,6 +125,7 @@ class SidecarBackend:
         self._needs_reset = False
         self._needs_register = False
         self._pool: Any = None
+        self._copies: TransferStream  # set with the pool (register)
         self._geometry: KvGeometry | None = None
         self._block_bytes = 0
         self._transfer: Any = None
@@ -252,6 +252,7 @@ class SidecarBackend:
     def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
         """Register the pool now; on failure the heartbeat keeps trying."""
         self._pool = kv_pool
+        self._copies = TransferStream(kv_pool.device)
         self._geometry = geometry
         self._block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
         try:
@@ -369,8 +370,9 @@ class SidecarBackend:
         try:
             if ok:
                 skip = op.skip_tokens // g.tokens_per_block
-                scatter_chunks(self._pool, op.block_ids, chunks, skip, bpc)
-                synchronize_device(self._pool.device)  # the server may reuse the slots after COMMIT
+                with self._copies.after_caller():
+                    scatter_chunks(self._pool, op.block_ids, chunks, skip, bpc)
+                self._copies.synchronize()  # the KV is in before the forward; the server may reuse the slots
         finally:
             t2 = time.perf_counter()
             self._commit_later("retrieve", key)  # the slots go back to the server after the copy
@@ -411,7 +413,8 @@ class SidecarBackend:
     def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
         assert self._instance_id is not None
         bpc = self._blocks_per_chunk
-        synchronize_device(self._pool.device)  # the forward pass must have written the KV
+        # PREPARE needs no KV: it overlaps the forward pass still running; the copies are ordered
+        # after it on the device (after_caller).
         t0 = time.perf_counter()
         prepared = edc.prepare_store(key, self._instance_id)
         t1 = time.perf_counter()
@@ -420,8 +423,9 @@ class SidecarBackend:
         slots, indices = prepared
         if not indices:
             return True  # LMCache already holds every chunk
-        gather_chunks(self._pool, op.block_ids, slots, indices, bpc)
-        synchronize_device(self._pool.device)
+        with self._copies.after_caller():
+            gather_chunks(self._pool, op.block_ids, slots, indices, bpc)
+        self._copies.synchronize()  # the slots hold the KV before COMMIT publishes them
         t2 = time.perf_counter()
         self._commit_later("store", key)
         committed = True  # a COMMIT the server refuses is counted as a store error by the committer
