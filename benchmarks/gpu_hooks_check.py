@@ -1,0 +1,130 @@
+"""The connector's TensorRT-LLM hooks on a CUDA pool, end to end through the real sidecar (a check, not a benchmark).
+
+CI has no GPU, so the hook path with CUDA streams (the forward pass's event, the async saver on its
+private stream, the backend's transfer stream) only runs here, on the lent GPU machine:
+
+1. ``register_kv_caches`` with a Llama-3-8B-shaped bf16 pool on ``cuda:0``;
+2. the "forward pass": big matmuls queued on the engine's stream, then the KV written into the
+   source blocks on that same stream, so the KV lands tens of ms after ``wait_for_save`` returns;
+3. ``wait_for_save(stream)`` (async save: the saver waits on the stream's event) and
+   ``get_finished`` until the request's save is reported;
+4. the scheduler's ``get_num_new_matched_tokens`` for the same prompt, then ``start_load_kv`` into
+   other (scattered) blocks, checked bit-exact against the source blocks.
+
+A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
+check. Prints one JSON line per round and exits 1 on any mismatch or miss.
+
+    python -m benchmarks.gpu_hooks_check --tokens 4096 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import gpu_transfer as gt
+from benchmarks.common import scattered_block_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--l1", default="16Gi")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    args = parser.parse_args(argv)
+    dev = args.device
+    assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests" / "standin"))
+    from kvoffload import contract
+    from kvoffload.connector.planning import ConnectorMetadata, TransferOp
+    from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-hooks-"))
+    sidecar, url, _ = gt.start_sidecar(args.l1, workdir, chunk_size=256)
+    os.environ.update({
+        contract.ENV_BACKEND: contract.BACKEND_SIDECAR, contract.ENV_ASYNC_SAVE: "true",
+        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
+    })  # fmt: skip
+    failures = 0
+    try:
+        from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
+
+        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
+        scheduler = KvoffloadConnectorScheduler(llm_args)
+        worker = KvoffloadConnectorWorker(llm_args)
+        nblocks = args.tokens // gt.TOKENS_PER_BLOCK
+        pool = torch.zeros(
+            (2 * nblocks + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
+            dtype=torch.bfloat16,
+            device=dev,
+        )
+        worker.register_kv_caches(pool)
+        engine = torch.cuda.Stream() if dev == "cuda" else None
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
+        for rnd in range(args.rounds):
+            rid = 100 + rnd
+            src, dst = scattered_block_ids(nblocks, seed=rnd)
+            src_idx, dst_idx = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+            prompt = [(rnd * 7919 + i * 31) % 30000 + 1 for i in range(args.tokens + 1)]
+            fresh = torch.randn((nblocks, *pool.shape[1:]), device=dev).to(pool.dtype)
+            sync()
+            with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
+                for _ in range(20 if a is not None else 0):  # the forward pass: busy, then it writes the KV
+                    a @ a
+                pool.index_copy_(0, src_idx, fresh)
+            save = TransferOp(rid, f"hooks-save-{rnd}", tuple(prompt[: args.tokens]), 0, args.tokens, src, 0, "")
+            worker.bind_connector_meta(ConnectorMetadata(saves=(save,)))
+            t0 = time.perf_counter()
+            worker.wait_for_save(engine)
+            returned_ms = (time.perf_counter() - t0) * 1e3
+            worker._clear_connector_meta()
+            done: list[int] = []
+            deadline = time.monotonic() + 60
+            while rid not in done and time.monotonic() < deadline:
+                done, _ = worker.get_finished([rid], [])
+                time.sleep(0.001)
+            saved_ms = (time.perf_counter() - t0) * 1e3
+            request = StandinLlmRequest(PromptRequest(rid + 1000, prompt))
+            matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
+            session = scheduler._requests[rid + 1000].session_id
+            load = TransferOp(rid + 1000, session, tuple(prompt[:matched]), 0, matched,
+                              dst[: matched // gt.TOKENS_PER_BLOCK], 0, "")  # fmt: skip
+            pool.index_fill_(0, dst_idx, float("nan"))
+            sync()
+            worker.bind_connector_meta(ConnectorMetadata(loads=(load,)))
+            t1 = time.perf_counter()
+            worker.start_load_kv(torch.cuda.current_stream() if dev == "cuda" else None)
+            load_ms = (time.perf_counter() - t1) * 1e3
+            worker._clear_connector_meta()
+            scheduler.request_finished(request, [])
+            exact = matched == args.tokens and bool(
+                torch.equal(pool[dst_idx].view(torch.int16), fresh.view(torch.int16))
+            )
+            failures += 0 if exact and rid in done and not is_async else 1
+            print(json.dumps({
+                "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
+                "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
+                "start_load_kv_ms": round(load_ms, 2), "bit_exact": exact,
+            }), flush=True)  # fmt: skip
+        worker.shutdown()
+        scheduler._backend.close()
+    finally:
+        sidecar.terminate()
+        sidecar.wait(timeout=60)
+    print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
