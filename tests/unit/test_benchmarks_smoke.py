@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from benchmarks import run
-from benchmarks.common import interleaved, percentile, summarize
+from benchmarks.common import interleaved, percentile, scattered_block_ids, summarize
 from benchmarks.operator_bench import parse_request_totals, per_workload, write_deltas
 from benchmarks.report import GPU_PLACEHOLDER, parse_gpu_log, render_markdown, results_filename, write_results
 
@@ -148,6 +149,15 @@ def test_statistics() -> None:
     assert math.isnan(percentile([], 50))
     s = summarize([1.0, 2.0, 3.0, 4.0])
     assert s["n"] == 4 and s["p50"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0
+
+
+def test_scattered_block_ids_are_two_disjoint_shuffled_halves_fixed_by_the_seed() -> None:
+    src, dst = scattered_block_ids(64, seed=3)
+    assert len(src) == len(dst) == 64
+    assert sorted(src + dst) == list(range(128))
+    assert (src, dst) == scattered_block_ids(64, seed=3) != scattered_block_ids(64, seed=4)
+    neighbours = sum(b == a + 1 for a, b in itertools.pairwise(src))
+    assert neighbours < 8, "shuffled: almost every block is its own copy"
 
 
 def test_interleaved_discards_warmup_and_rotates() -> None:
