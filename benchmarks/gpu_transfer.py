@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -374,6 +375,65 @@ def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens:
     return row
 
 
+def measure_batched_loads(
+    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, count: int, reps: int
+) -> dict[str, Any]:
+    """``count`` loads of ``tokens`` each in one iteration: one ``retrieve`` after another (baseline)
+    against ``retrieve_all`` (the next load's PREPARE overlaps the previous load's DMA), same run,
+    alternating, every block checked."""
+    from kvoffload.connector.planning import TransferOp
+
+    nblocks = tokens // TOKENS_PER_BLOCK
+    assert 2 * count * nblocks <= pool.shape[0], "pool too small for the batch"
+    ids = list(range(2 * count * nblocks))
+    random.Random(tokens).shuffle(ids)
+    src = [tuple(ids[i * nblocks : (i + 1) * nblocks]) for i in range(count)]
+    dst = [tuple(ids[(count + i) * nblocks : (count + i + 1) * nblocks]) for i in range(count)]
+    prompts = []
+    for i in range(count):
+        gen = torch.Generator().manual_seed(777 + i)
+        prompts.append(tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen)))
+    pool.copy_(torch.randn(pool.shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
+    sync()
+    for i in range(count):
+        backend.store(TransferOp(i, f"batch-store-{i}", prompts[i], 0, tokens, src[i], 0, "batch"))
+    sync()
+    src_idx = torch.tensor([b for s in src for b in s], device=DEVICE)
+    dst_idx = torch.tensor([b for d in dst for b in d], device=DEVICE)
+    times: dict[str, list[float]] = {"one_by_one": [], "batched": []}
+    exact = True
+    for rep in range(reps + 1):
+        for name in ("one_by_one", "batched"):
+            ops = []
+            for i in range(count):
+                session = f"batch-{name}-{rep}-{i}"
+                hit = scheduler.lookup(session, prompts[i], tokens, "batch")
+                assert hit == tokens, f"lookup hit {hit} of {tokens}"
+                ops.append(TransferOp(i, session, prompts[i], 0, tokens, dst[i], 0, "batch"))
+            pool.index_fill_(0, dst_idx, float("nan"))
+            sync()
+            t0 = time.perf_counter()
+            if name == "batched":
+                results = backend.retrieve_all(ops)
+                assert all(r.error is None for r in results), results
+            else:
+                for op in ops:
+                    backend.retrieve(op)
+            elapsed = time.perf_counter() - t0
+            exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
+            for op in ops:
+                scheduler.end_session(op.session_id)
+            if rep:
+                times[name].append(elapsed)
+    nbytes = count * tokens * BYTES_PER_TOKEN
+    out: dict[str, Any] = {"tokens_per_load": tokens, "loads": count, "bytes": nbytes, "bit_exact": exact,
+                           "raw": raw_copy_baseline(nbytes)}  # fmt: skip
+    for name, samples in times.items():
+        gbps, ms = _median_gbps(nbytes, samples)
+        out[name] = {"gbps": gbps, "ms": ms}
+    return out
+
+
 def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Path, timings: TransferTimings
                       ) -> list[dict[str, Any]]:  # fmt: skip
     """The in-process backend: LMCache's engine started inside this process, same data path."""
@@ -414,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="block ids of each request: shuffled over the pool (worst case) or consecutive")  # fmt: skip
     parser.add_argument("--under-load-tokens", type=int, default=0,
                         help="also time this size while a stand-in engine keeps the GPU busy (0: skip)")  # fmt: skip
+    parser.add_argument("--batch-loads", type=int, nargs=2, default=None, metavar=("COUNT", "TOKENS"),
+                        help="also time COUNT loads of TOKENS each in one iteration: one by one vs batched")  # fmt: skip
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -440,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings_out.setLevel(logging.WARNING)
     connector_log.addHandler(warnings_out)  # backend_down, commit_refused, ... show in the log
     results: dict[str, Any] = {"env": env_info, "sizes": []}
-    max_tokens = max([*args.tokens, *args.inprocess_tokens])
+    batch_tokens = [args.batch_loads[0] * args.batch_loads[1]] if args.batch_loads else []
+    max_tokens = max([*args.tokens, *args.inprocess_tokens, *batch_tokens])
     pool = torch.empty(
         (2 * max_tokens // TOKENS_PER_BLOCK + 8, LAYERS, 2, KV_HEADS * TOKENS_PER_BLOCK * HEAD_DIM),
         dtype=torch.bfloat16,
@@ -462,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
                     row["phases_ms"] = timings.medians()
                     print(json.dumps(row), flush=True)
                     results["sizes"].append(row)
+            if args.batch_loads and index == 0:
+                row = measure_batched_loads(fast, scheduler, pool, args.batch_loads[1], args.batch_loads[0], args.reps)
+                print(json.dumps(row), flush=True)
+                results["batched_loads"] = row
             if args.under_load_tokens and index == 0 and DEVICE == "cuda":
                 row = measure_under_load(fast, scheduler, pool, args.under_load_tokens, args.reps)
                 print(json.dumps(row), flush=True)
@@ -509,6 +576,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"LMCache's own copies, {results['shipped']['tokens']} tokens: store {s['store_gbps']:.2f} GB/s, "
             f"retrieve {s['retrieve_gbps']:.2f} GB/s, bit-exact {s['bit_exact']}"
+        )
+    if "batched_loads" in results:
+        b = results["batched_loads"]
+        print(
+            f"\n{b['loads']} loads of {b['tokens_per_load']} tokens in one iteration (raw H2D {b['raw']['h2d_gbps']:.1f} GB/s): "
+            f"one by one {b['one_by_one']['ms']:.1f} ms ({b['one_by_one']['gbps']:.1f} GB/s), "
+            f"batched {b['batched']['ms']:.1f} ms ({b['batched']['gbps']:.1f} GB/s), bit-exact {b['bit_exact']}"
         )
     if "under_load" in results:
         u = results["under_load"]

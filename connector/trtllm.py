@@ -286,16 +286,14 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             return
         failed: list[int] = []
         m = self._metrics
-        for op in meta.loads:
-            t0 = time.perf_counter()
-            try:
-                nbytes = self._backend.retrieve(op)
-            except BackendError as exc:
-                _count_skip(m, exc)
-                logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, exc.reason)
+        # All of the iteration's loads at once: the backend overlaps one load's DMA with the next's PREPARE.
+        for op, result in zip(meta.loads, self._backend.retrieve_all(meta.loads), strict=True):
+            if result.error is not None:
+                _count_skip(m, result.error)
+                logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
                 failed.append(op.request_id)
                 continue
-            m.record_retrieve(time.perf_counter() - t0, op.num_tokens, nbytes)
+            m.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
         if failed:
             raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -76,6 +77,15 @@ def read_hf_config(model: str) -> dict[str, Any] | None:
     return None
 
 
+@dataclass(frozen=True)
+class LoadResult:
+    """One load of a batch: bytes moved, or the error that stopped it; seconds from its start to its end."""
+
+    nbytes: int
+    seconds: float
+    error: BackendError | None = None
+
+
 class KVBackend(Protocol):
     """What the scheduler and worker hooks need from a KV store."""
 
@@ -100,6 +110,9 @@ class KVBackend(Protocol):
 
     def retrieve(self, op: TransferOp) -> int:
         """Load ``op``'s chunks into its blocks; returns bytes moved; raises BackendError."""
+
+    def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
+        """Load every op of one iteration, in order; one ``LoadResult`` per op (errors are returned, not raised)."""
 
     def store(self, op: TransferOp) -> int:
         """Store ``op``'s blocks; returns bytes moved; raises BackendError."""

@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
+from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, instance_id
 from kvoffload.connector.backends.blockcopy import TransferStream, gather_chunks, scatter_chunks
 from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
@@ -55,6 +56,16 @@ _MIN_PING_TIMEOUT_S = 2.0
 
 def _reason(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
+
+
+@dataclass
+class _LoadInFlight:
+    """A pipelined load whose copies are issued: ``done()`` waits for them."""
+
+    op: TransferOp
+    key: IPCCacheServerKey
+    done: Callable[[], None]
+    started: float
 
 
 class PendingCommits:
@@ -358,6 +369,87 @@ class SidecarBackend:
             raise self._fail("retrieve", "timeout" if timed_out else "miss", f"session={op.session_id}")
         skipped_blocks = op.skip_tokens // self._settings.tokens_per_block
         return (len(op.block_ids) - skipped_blocks) * self._block_bytes
+
+    def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
+        """Load one iteration's ops in order. With the fast copies and several ops, pipelined: the
+        next op's PREPARE_RETRIEVE goes to the server while the previous op's DMA runs. The first
+        failure marks the backend down (as ``retrieve``); the ops after it fail as unavailable."""
+        if len(ops) < 2 or self._pool is None or not self._fast_copies():
+            return [self._load_one(op) for op in ops]
+        try:
+            transfer = self._acquire("retrieve", self._retrieve_timeout_s)
+        except BackendError as exc:
+            return [LoadResult(0, 0.0, exc) for _ in ops]
+        results: list[LoadResult] = []
+        in_flight: _LoadInFlight | None = None
+        try:
+            edc = transfer.engine_driven_context
+            edc.mq_timeout = self._retrieve_timeout_s
+            for op in ops:
+                started = time.perf_counter()
+                key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
+                error: BackendError | None = None
+                chunks = None
+                try:
+                    if not self._up.is_set():
+                        raise BackendError("retrieve", "unavailable")
+                    chunks = edc.prepare_retrieve(key, self._instance_id)  # overlaps the DMA in flight
+                except BackendError as exc:
+                    error = exc
+                except Exception as exc:
+                    error = self._fail("retrieve", _reason(exc), repr(exc))
+                if in_flight is not None:
+                    results.append(self._finish_load(in_flight))
+                    in_flight = None
+                if error is not None:
+                    results.append(LoadResult(0, time.perf_counter() - started, error))
+                    continue
+                if chunks is None or len(chunks) * self._blocks_per_chunk != len(op.block_ids):
+                    self._commit_later("retrieve", key)
+                    miss = self._fail("retrieve", "miss", f"session={op.session_id}")
+                    results.append(LoadResult(0, time.perf_counter() - started, miss))
+                    continue
+                try:
+                    with self._copies.after_caller():
+                        scatter_chunks(
+                            self._pool,
+                            op.block_ids,
+                            chunks,
+                            op.skip_tokens // self._settings.tokens_per_block,
+                            self._blocks_per_chunk,
+                        )
+                        done = self._copies.record()
+                except Exception as exc:  # e.g. a slot of another size: nothing of it is used
+                    self._copies.synchronize()
+                    self._commit_later("retrieve", key)
+                    results.append(
+                        LoadResult(0, time.perf_counter() - started, self._fail("retrieve", "server_error", repr(exc)))
+                    )
+                    continue
+                in_flight = _LoadInFlight(op, key, done, started)
+            if in_flight is not None:
+                results.append(self._finish_load(in_flight))
+                in_flight = None
+        finally:
+            if in_flight is not None:  # an unexpected error between issuing copies and finishing them
+                self._copies.synchronize()
+                self._commit_later("retrieve", in_flight.key)
+            self._lock.release()
+        return results
+
+    def _finish_load(self, load: _LoadInFlight) -> LoadResult:
+        """Wait for one pipelined load's copies, then hand its slots back (deferred COMMIT)."""
+        load.done()
+        self._commit_later("retrieve", load.key)
+        skipped = load.op.skip_tokens // self._settings.tokens_per_block
+        return LoadResult((len(load.op.block_ids) - skipped) * self._block_bytes, time.perf_counter() - load.started)
+
+    def _load_one(self, op: TransferOp) -> LoadResult:
+        started = time.perf_counter()
+        try:
+            return LoadResult(self.retrieve(op), time.perf_counter() - started)
+        except BackendError as exc:
+            return LoadResult(0, time.perf_counter() - started, exc)
 
     def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
         assert self._geometry is not None and self._instance_id is not None

@@ -301,3 +301,61 @@ def test_failed_retrieve_fails_the_request_never_wrong_output(
         assert ex.kv_mismatches == 0
     finally:
         server.stop()
+
+
+def test_several_hits_in_one_iteration_load_together_bit_exact(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Three requests whose prefixes are stored arrive together: their loads go to the backend as one
+    batch (pipelined: one load's copies overlap the next one's PREPARE) and every block is exact."""
+    ex = executor_factory("batched-loads-model", lmcache_server.url)
+    prompts = [make_prompt(40 + i, 200 + 30 * i) for i in range(3)]
+    first = ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
+    ex.evict_device_cache()
+    backend = ex.rank0.worker._backend
+    batches: list[int] = []
+    original = backend.retrieve_all
+
+    def recording(ops: Any) -> Any:
+        batches.append(len(ops))
+        return original(ops)
+
+    backend.retrieve_all = recording
+    again = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
+    assert batches == [3]
+    for before, after, prompt in zip(first, again, prompts, strict=True):
+        assert not after.failed and after.connector_matched_tokens == chunk_floor(len(prompt))
+        assert after.output_tokens == before.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+def test_server_gone_before_a_batch_of_loads_fails_each_of_them_never_wrong_output(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar dies after the iteration's lookups promised KV to three requests: all three fail."""
+    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
+    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
+    server.start()
+    try:
+        ex = executor_factory("failed-batch-model", server.url)
+        prompts = [make_prompt(60 + i, 200) for i in range(3)]
+        ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
+        ex.evict_device_cache()
+        original = ex.scheduler.get_num_new_matched_tokens
+        looked_up: list[int] = []
+
+        def crash_after_the_last_lookup(request: Any, computed: int) -> tuple[int, bool]:
+            result = original(request, computed)
+            looked_up.append(result[0])
+            if len(looked_up) == len(prompts):
+                server.kill()
+            return result
+
+        ex.scheduler.get_num_new_matched_tokens = crash_after_the_last_lookup
+        results = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
+        assert all(n > 0 for n in looked_up)
+        for r in results:
+            assert r.failed and "KV load failed" in r.error and r.output_tokens == []
+        assert ex.kv_mismatches == 0
+    finally:
+        server.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from kvoffload import contract
 from kvoffload.connector import planning
-from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.backends.base import BackendError, LoadResult
 
 pytestmark = pytest.mark.connector
 STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
@@ -44,6 +44,15 @@ class FakeBackend:
         if self.fail:
             raise BackendError("retrieve", self.fail)
         return 1
+
+    def retrieve_all(self, ops: Any) -> list[LoadResult]:
+        out = []
+        for op in ops:
+            try:
+                out.append(LoadResult(self.retrieve(op), 0.001))
+            except BackendError as exc:
+                out.append(LoadResult(0, 0.001, exc))
+        return out
 
     def store(self, op: planning.TransferOp) -> int:
         if self.fail:
