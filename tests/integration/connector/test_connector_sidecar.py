@@ -34,6 +34,18 @@ def chunk_floor(n: int) -> int:
 
 
 @pytest.fixture
+def doomed_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connector_env: dict[str, str]
+) -> Iterator[LMCacheServer]:
+    """A server of the test's own, which the test kills; loads time out after 1 s (over ``connector_env``)."""
+    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
+    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def executor_factory(connector_env: dict[str, str]) -> Iterator[Any]:
     """Build stand-in executors; all are closed at teardown."""
     made: list[StandinExecutor] = []
@@ -272,35 +284,29 @@ def test_decode_tokens_saved_when_enabled(
 
 
 def test_failed_retrieve_fails_the_request_never_wrong_output(
-    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    doomed_server: LMCacheServer, executor_factory: Any
 ) -> None:
     """The sidecar dies between the lookup (tokens promised) and the load: that request fails; later ones run."""
-    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
-    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
-    server.start()
-    try:
-        ex = executor_factory("failed-load-model", server.url)
-        p = make_prompt(12, 200)
-        (r0,) = ex.run([PromptRequest(1, p, 2)])
-        ex.evict_device_cache()
-        original = ex.scheduler.get_num_new_matched_tokens
+    ex = executor_factory("failed-load-model", doomed_server.url)
+    p = make_prompt(12, 200)
+    (r0,) = ex.run([PromptRequest(1, p, 2)])
+    ex.evict_device_cache()
+    original = ex.scheduler.get_num_new_matched_tokens
 
-        def lookup_then_crash(request: Any, computed: int) -> tuple[int, bool]:
-            result = original(request, computed)
-            server.kill()
-            return result
+    def lookup_then_crash(request: Any, computed: int) -> tuple[int, bool]:
+        result = original(request, computed)
+        doomed_server.kill()
+        return result
 
-        ex.scheduler.get_num_new_matched_tokens = lookup_then_crash
-        (r1,) = ex.run([PromptRequest(2, p, 2)])
-        assert r1.connector_matched_tokens > 0 and r1.failed and "KV load failed" in r1.error
-        assert r1.output_tokens == []  # nothing computed on top of unloaded KV
-        ex.scheduler.get_num_new_matched_tokens = original
-        ex.evict_device_cache()
-        (r2,) = ex.run([PromptRequest(3, p, 2)])
-        assert not r2.failed and r2.connector_matched_tokens == 0 and r2.output_tokens == r0.output_tokens
-        assert ex.kv_mismatches == 0
-    finally:
-        server.stop()
+    ex.scheduler.get_num_new_matched_tokens = lookup_then_crash
+    (r1,) = ex.run([PromptRequest(2, p, 2)])
+    assert r1.connector_matched_tokens > 0 and r1.failed and "KV load failed" in r1.error
+    assert r1.output_tokens == []  # nothing computed on top of unloaded KV
+    ex.scheduler.get_num_new_matched_tokens = original
+    ex.evict_device_cache()
+    (r2,) = ex.run([PromptRequest(3, p, 2)])
+    assert not r2.failed and r2.connector_matched_tokens == 0 and r2.output_tokens == r0.output_tokens
+    assert ex.kv_mismatches == 0
 
 
 def test_several_hits_in_one_iteration_load_together_bit_exact(
@@ -330,32 +336,26 @@ def test_several_hits_in_one_iteration_load_together_bit_exact(
 
 
 def test_server_gone_before_a_batch_of_loads_fails_each_of_them_never_wrong_output(
-    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    doomed_server: LMCacheServer, executor_factory: Any
 ) -> None:
     """The sidecar dies after the iteration's lookups promised KV to three requests: all three fail."""
-    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
-    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
-    server.start()
-    try:
-        ex = executor_factory("failed-batch-model", server.url)
-        prompts = [make_prompt(60 + i, 200) for i in range(3)]
-        ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
-        ex.evict_device_cache()
-        original = ex.scheduler.get_num_new_matched_tokens
-        looked_up: list[int] = []
+    ex = executor_factory("failed-batch-model", doomed_server.url)
+    prompts = [make_prompt(60 + i, 200) for i in range(3)]
+    ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
+    ex.evict_device_cache()
+    original = ex.scheduler.get_num_new_matched_tokens
+    looked_up: list[int] = []
 
-        def crash_after_the_last_lookup(request: Any, computed: int) -> tuple[int, bool]:
-            result = original(request, computed)
-            looked_up.append(result[0])
-            if len(looked_up) == len(prompts):
-                server.kill()
-            return result
+    def crash_after_the_last_lookup(request: Any, computed: int) -> tuple[int, bool]:
+        result = original(request, computed)
+        looked_up.append(result[0])
+        if len(looked_up) == len(prompts):
+            doomed_server.kill()
+        return result
 
-        ex.scheduler.get_num_new_matched_tokens = crash_after_the_last_lookup
-        results = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
-        assert all(n > 0 for n in looked_up)
-        for r in results:
-            assert r.failed and "KV load failed" in r.error and r.output_tokens == []
-        assert ex.kv_mismatches == 0
-    finally:
-        server.stop()
+    ex.scheduler.get_num_new_matched_tokens = crash_after_the_last_lookup
+    results = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
+    assert all(n > 0 for n in looked_up)
+    for r in results:
+        assert r.failed and "KV load failed" in r.error and r.output_tokens == []
+    assert ex.kv_mismatches == 0
