@@ -367,8 +367,26 @@ class SidecarBackend:
         if not ok:
             timed_out = time.monotonic() - start >= self._retrieve_timeout_s
             raise self._fail("retrieve", "timeout" if timed_out else "miss", f"session={op.session_id}")
-        skipped_blocks = op.skip_tokens // self._settings.tokens_per_block
-        return (len(op.block_ids) - skipped_blocks) * self._block_bytes
+        return self._loaded_bytes(op)
+
+    def _loaded_bytes(self, op: TransferOp) -> int:
+        """Bytes a finished load of ``op`` wrote into the pool (its blocks after the skipped ones)."""
+        return (len(op.block_ids) - op.skip_tokens // self._settings.tokens_per_block) * self._block_bytes
+
+    def _slots_cover(self, chunks: Any, op: TransferOp) -> bool:
+        """Whether PREPARE_RETRIEVE handed out a slot for every chunk of ``op`` (else: a miss)."""
+        return chunks is not None and len(chunks) * self._blocks_per_chunk == len(op.block_ids)
+
+    def _issue_load_copies(self, op: TransferOp, chunks: Any) -> None:
+        """Queue the slot -> block copies of ``op`` on the transfer stream, after the caller's work."""
+        with self._copies.after_caller():
+            scatter_chunks(
+                self._pool,
+                op.block_ids,
+                chunks,
+                op.skip_tokens // self._settings.tokens_per_block,
+                self._blocks_per_chunk,
+            )
 
     def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
         """Load one iteration's ops in order. With the fast copies and several ops, pipelined: the
@@ -404,21 +422,14 @@ class SidecarBackend:
                 if error is not None:
                     results.append(LoadResult(0, time.perf_counter() - started, error))
                     continue
-                if chunks is None or len(chunks) * self._blocks_per_chunk != len(op.block_ids):
+                if not self._slots_cover(chunks, op):
                     self._commit_later("retrieve", key)
                     miss = self._fail("retrieve", "miss", f"session={op.session_id}")
                     results.append(LoadResult(0, time.perf_counter() - started, miss))
                     continue
                 try:
-                    with self._copies.after_caller():
-                        scatter_chunks(
-                            self._pool,
-                            op.block_ids,
-                            chunks,
-                            op.skip_tokens // self._settings.tokens_per_block,
-                            self._blocks_per_chunk,
-                        )
-                        done = self._copies.record()
+                    self._issue_load_copies(op, chunks)
+                    done = self._copies.record()
                 except Exception as exc:  # e.g. a slot of another size: nothing of it is used
                     self._copies.synchronize()
                     self._commit_later("retrieve", key)
@@ -441,8 +452,7 @@ class SidecarBackend:
         """Wait for one pipelined load's copies, then hand its slots back (deferred COMMIT)."""
         load.done()
         self._commit_later("retrieve", load.key)
-        skipped = load.op.skip_tokens // self._settings.tokens_per_block
-        return LoadResult((len(load.op.block_ids) - skipped) * self._block_bytes, time.perf_counter() - load.started)
+        return LoadResult(self._loaded_bytes(load.op), time.perf_counter() - load.started)
 
     def _load_one(self, op: TransferOp) -> LoadResult:
         started = time.perf_counter()
@@ -452,18 +462,14 @@ class SidecarBackend:
             return LoadResult(0, time.perf_counter() - started, exc)
 
     def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
-        assert self._geometry is not None and self._instance_id is not None
-        g = self._geometry
-        bpc = self._blocks_per_chunk
+        assert self._instance_id is not None
         t0 = time.perf_counter()
         chunks = edc.prepare_retrieve(key, self._instance_id)
         t1 = time.perf_counter()
-        ok = chunks is not None and len(chunks) * bpc == len(op.block_ids)
+        ok = self._slots_cover(chunks, op)
         try:
             if ok:
-                skip = op.skip_tokens // g.tokens_per_block
-                with self._copies.after_caller():
-                    scatter_chunks(self._pool, op.block_ids, chunks, skip, bpc)
+                self._issue_load_copies(op, chunks)
                 self._copies.synchronize()  # the KV is in before the forward; the server may reuse the slots
         finally:
             t2 = time.perf_counter()
