@@ -12,7 +12,8 @@ ARG BUNDLE_BASE_IMAGE=busybox:1.37.0-musl
 ARG TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc26
 # lmcache 0.5.6's compiled CUDA extension (lmcache.cuda_ops) was built against
 # torch 2.13.0 (the build pin in its source distribution's pyproject.toml); with
-# another torch it fails to load and LMCache silently falls back to slow copies.
+# another torch it fails to load and LMCache silently falls back to slow copies,
+# so the sidecar stage imports it (a version compare is not enough).
 ARG TORCH_VERSION=2.13.0
 ARG LMCACHE_VERSION=0.5.6
 
@@ -56,7 +57,8 @@ COPY --from=wheel /wheels /wheels
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
     && /opt/venv/bin/pip install --no-cache-dir "lmcache==${LMCACHE_VERSION}" "$(find /wheels -name 'kvoffload-*.whl')[sidecar]" \
-    && /opt/venv/bin/python -c "import torch, lmcache; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
+    && /opt/venv/bin/python -c "import torch, lmcache; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__" \
+    && /opt/venv/bin/python -c "import torch, lmcache.cuda_ops"
 
 FROM ${PYTHON_IMAGE} AS sidecar
 LABEL org.opencontainers.image.title="kvoffload-sidecar" \
@@ -72,28 +74,28 @@ EXPOSE 9455
 ENTRYPOINT ["kvoffload-sidecar"]
 
 # --- connector bundle ------------------------------------------------------------
-# TensorRT-LLM's image already has torch, numpy, transformers and CUDA; the
-# bundle carries kvoffload's connector, lmcache itself (without its deps) and
-# the few pure-Python packages lmcache imports that TensorRT-LLM's image lacks.
-FROM ${PYTHON_IMAGE} AS bundle-build
+# TensorRT-LLM's image already has torch, numpy, pydantic, pyzmq and CUDA; the bundle carries
+# kvoffload's connector and lmcache (python/), and the packages lmcache imports that the image
+# lacks (deps/, appended to the END of sys.path by the connector). hack/build_bundle.py is the
+# one recipe: the tests build the bundle with it too, and load it in an image-shaped environment.
+FROM wheel AS bundle-build
 ARG LMCACHE_VERSION
-COPY --from=wheel /wheels /wheels
-COPY hack/bundle-requirements.txt /tmp/bundle-requirements.txt
-# hadolint ignore=DL3013
-RUN pip install --no-cache-dir --no-deps --target /kvoffload-bundle/python \
-        "$(find /wheels -name 'kvoffload-*.whl')" "lmcache==${LMCACHE_VERSION}" \
-    && pip install --no-cache-dir --no-deps --only-binary=:all: --target /kvoffload-bundle/deps -r /tmp/bundle-requirements.txt \
-    && find /kvoffload-bundle -name '__pycache__' -prune -exec rm -rf {} +
+COPY hack/build_bundle.py hack/bundle-requirements.txt hack/
+ENV PIP_NO_CACHE_DIR=1
+RUN python hack/build_bundle.py --out /kvoffload-bundle \
+        --kvoffload "$(find /wheels -name 'kvoffload-*.whl')" --lmcache-version "${LMCACHE_VERSION}"
 
 FROM ${BUNDLE_BASE_IMAGE} AS connector-bundle
 LABEL org.opencontainers.image.title="kvoffload-connector-bundle" \
       org.opencontainers.image.description="kvoffload's TensorRT-LLM KV connector for Python 3.12, copied into TensorRT-LLM pods by an init container"
 COPY --from=bundle-build /kvoffload-bundle /kvoffload-bundle
 USER 65532:65532
-ENTRYPOINT ["/bin/cp", "-a", "/kvoffload-bundle/.", "/opt/kvoffload/"]
+# The same copy as the operator's init container command (kvoffload.contract.BUNDLE_COPY_COMMAND).
+ENTRYPOINT ["cp", "-R", "/kvoffload-bundle/.", "/opt/kvoffload/"]
 
 # --- optional: TensorRT-LLM with the connector baked in ------------------------
 FROM ${TRTLLM_IMAGE} AS trtllm
 COPY --from=bundle-build /kvoffload-bundle /opt/kvoffload
-ENV PYTHONPATH=/opt/kvoffload/python \
+# Prepended to the base image's own PYTHONPATH, never replacing it.
+ENV PYTHONPATH=/opt/kvoffload/python${PYTHONPATH:+:${PYTHONPATH}} \
     PYTHONHASHSEED=0

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from kvoffload import contract
-from kvoffload.connector import planning
+from kvoffload.connector import bundle, planning
 from kvoffload.connector.backends.base import BackendError, KVBackend, kv_geometry, read_hf_config
 from kvoffload.connector.keys import salt_of
 from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
@@ -61,6 +61,7 @@ def _rank() -> int:
 
 
 def _make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
+    bundle.prepare()  # the bundle's deps on sys.path, lmcache loadable here, or one clear error
     from kvoffload.connector.backends.sidecar import SidecarBackend
 
     if settings.backend == contract.BACKEND_INPROCESS:

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -28,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from hack import trtllm_image
 from hack.localcluster import LocalCluster, free_port
 from kvoffload import contract
 
@@ -202,6 +202,8 @@ class Journey:
     prometheus: subprocess.Popen[bytes] | None = None
     prometheus_port: int = 0
     sidecar_port: int = 0
+    bundle: Path | None = None
+    """The connector bundle (hack/build_bundle.py); built on first use unless given."""
     local_pod: LocalPod | None = None
     original_template: dict[str, Any] = field(default_factory=dict)
     installed: bool = False
@@ -341,17 +343,13 @@ class Journey:
         prompts_file = local.workdir / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         report_file = local.workdir / "engine-report.json"
-        # The stand-in's own code is found right AFTER the injected PYTHONPATH entries,
-        # so the connector really loads from the bundle volume.
-        launcher = (
-            "import os, sys; injected = [p for p in os.environ.get('PYTHONPATH', '').split(':') if p]; "
-            "at = max((sys.path.index(p) for p in injected if p in sys.path), default=0) + 1; "
-            f"sys.path.insert(at, {str(REPO_ROOT)!r}); "
-            "from tests.support.trtllm_executor import main; sys.exit(main(sys.argv[1:]))"
-        )
+        # The engine runs in the TensorRT-LLM-image environment with the bundle the operator's init
+        # container copied in: nothing of the development venv is visible to it.
         proc = local.start(
-            [sys.executable, "-c", launcher, "--options", local.local_path(engine, options),
-             "--prompts", str(prompts_file), "--out", str(report_file), "--num-blocks", str(self.engine_blocks)],
+            trtllm_image.engine_argv(
+                "--options", local.local_path(engine, options), "--prompts", str(prompts_file),
+                "--out", str(report_file), "--num-blocks", str(self.engine_blocks),
+            ),
             engine_env, "engine",
         )  # fmt: skip
         code = proc.wait(timeout=600)
@@ -372,16 +370,10 @@ class Journey:
         raise JourneyError(f"the TensorRT-LLM container's args name no options file: {args}")
 
     def build_bundle(self) -> Path:
-        """What the connector-bundle image holds: this checkout's package, installed with --target."""
-        bundle = self.workdir / "bundle"
-        python_dir = bundle / Path(contract.BUNDLE_PYTHONPATH).relative_to(contract.BUNDLE_MOUNT_PATH)
-        if not python_dir.exists():
-            subprocess.run(
-                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                 "--target", str(python_dir), str(REPO_ROOT)],
-                check=True, capture_output=True,
-            )  # fmt: skip
-        return bundle
+        """What the connector-bundle image holds, built by the Dockerfile's recipe (once per journey)."""
+        if self.bundle is None:
+            self.bundle = trtllm_image.build_bundle(self.workdir / "bundle")
+        return self.bundle
 
     # --- 5/6. Prometheus ---------------------------------------------------------
     def start_prometheus(self) -> None:

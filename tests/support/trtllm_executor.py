@@ -584,6 +584,26 @@ def llm_args_from_options(options_path: str, model: str, tp: int) -> Any:
     return TorchLlmArgs.from_options(model, options, tensor_parallel_size=tp)
 
 
+REPORTED_MODULES = (
+    "kvoffload", "lmcache", "torch", "numpy", "zmq", "pydantic", "fastapi", "prometheus_client", "cachetools", "numba",
+)  # fmt: skip
+
+
+def module_origins() -> dict[str, str]:
+    """Where each of ``REPORTED_MODULES`` was loaded from, or would be on this ``sys.path`` (TensorRT-LLM
+    itself imports pydantic and fastapi; the stand-in does not)."""
+    import importlib.util
+
+    origins = {}
+    for name in REPORTED_MODULES:
+        module = sys.modules.get(name)
+        spec = module.__spec__ if module is not None else importlib.util.find_spec(name)
+        origins[name] = str(
+            spec.origin if spec and spec.origin else list(spec.submodule_search_locations or []) if spec else None
+        )
+    return origins
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--options", required=True, help="trtllm-serve extra-llm-api-options YAML")
@@ -610,6 +630,12 @@ def main(argv: list[str] | None = None) -> int:
             results = executor.run([PromptRequest(**p) for p in phase])
             report["phases"].append({"results": [asdict(r) for r in results]})
         report["kv_mismatches"] = executor.kv_mismatches
+        report["modules"] = module_origins()
+        report["extension_files"] = {
+            name: str(m.__file__)
+            for name, m in list(sys.modules.items())
+            if str(getattr(m, "__file__", "")).endswith(".so")
+        }
     finally:
         executor.close()
     text = json.dumps(report)

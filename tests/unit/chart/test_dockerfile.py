@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -71,10 +72,30 @@ def test_final_stages_run_as_non_root() -> None:
         assert re.search(r"^USER 65532:65532$", finals[name], flags=re.M), name
 
 
-def test_bundle_layout_matches_the_contract() -> None:
-    assert contract.BUNDLE_IMAGE_PATH in DOCKERFILE
-    assert contract.BUNDLE_PYTHONPATH.replace(contract.BUNDLE_MOUNT_PATH, contract.BUNDLE_IMAGE_PATH) in DOCKERFILE
-    assert contract.BUNDLE_DEPS_PATH.replace(contract.BUNDLE_MOUNT_PATH, contract.BUNDLE_IMAGE_PATH) in DOCKERFILE
+def _stage(name: str) -> str:
+    stages = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[1:]
+    return next(s for s in stages if s.split("\n")[0].split()[-1] == name)
+
+
+def test_bundle_stage_runs_the_shared_bundle_recipe_and_nothing_else() -> None:
+    stage = _stage("bundle-build")
+    assert "hack/build_bundle.py --out " + contract.BUNDLE_IMAGE_PATH in re.sub(r"\\\n\s*", "", stage)
+    assert "pip install" not in stage, "the bundle is built only by hack/build_bundle.py (the tests run the same)"
+
+
+def test_bundle_image_entrypoint_is_the_operators_init_copy() -> None:
+    entrypoint = re.search(r"^ENTRYPOINT (\[.*\])$", _stage("connector-bundle"), flags=re.M)
+    assert entrypoint
+    assert tuple(json.loads(entrypoint.group(1))) == contract.BUNDLE_COPY_COMMAND
+
+
+def test_trtllm_stage_prepends_the_bundle_to_the_base_images_pythonpath() -> None:
+    env = re.sub(r"\\\n\s*", " ", _stage("trtllm"))
+    assert f"PYTHONPATH={contract.BUNDLE_PYTHONPATH}${{PYTHONPATH:+:${{PYTHONPATH}}}}" in env
+
+
+def test_sidecar_stage_imports_lmcache_cuda_ops_against_its_torch() -> None:
+    assert "import torch, lmcache.cuda_ops" in _stage("sidecar-venv")
 
 
 def test_sidecar_image_pins_lmcache_to_the_package_pin() -> None:

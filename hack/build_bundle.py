@@ -1,0 +1,87 @@
+"""Build the connector bundle: the one recipe the Dockerfile's bundle-build stage and the tests both run.
+
+Run it with the Python of the TensorRT-LLM images the bundle is for (3.12): pip picks the
+wheels of the interpreter it runs on, and lmcache's compiled parts are per Python ABI.
+
+    python3.12 hack/build_bundle.py --out /kvoffload-bundle --kvoffload /wheels/kvoffload-0.1.0-py3-none-any.whl
+
+Layout (``kvoffload.contract``): ``python/`` holds kvoffload and lmcache (no dependencies) and is
+put on PYTHONPATH by the operator; ``deps/`` holds the third-party packages lmcache imports that a
+TensorRT-LLM image lacks, which the connector appends to the END of ``sys.path`` so the image's
+own packages (torch, numpy, pydantic, fastapi, pyzmq...) always win. ``bundle.json`` records what
+the bundle was built with; the connector compares it with the engine's Python at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HACK = Path(__file__).resolve().parent
+sys.path.insert(0, str(HACK.parent))
+
+from kvoffload import contract  # noqa: E402
+
+REQUIREMENTS = HACK / "bundle-requirements.txt"
+DEFAULT_LMCACHE = "0.5.6"
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *args], check=True)
+
+
+SOURCES = ("pyproject.toml", "README.md", "kvoffload", "operator", "sidecar", "connector")
+
+
+def _source_copy(kvoffload: str, scratch: Path) -> str:
+    """A wheel as given; a source folder is copied first, so pip's in-tree build leaves the checkout clean."""
+    source = Path(kvoffload)
+    if not source.is_dir():
+        return kvoffload
+    for name in SOURCES:
+        if (source / name).is_dir():
+            shutil.copytree(source / name, scratch / name, symlinks=True)
+        else:
+            shutil.copy(source / name, scratch / name)
+    return str(scratch)
+
+
+def build(out: Path, kvoffload: str, lmcache_version: str, requirements: Path = REQUIREMENTS) -> Path:
+    """Install kvoffload and lmcache into ``out/python``, lmcache's missing deps into ``out/deps``."""
+    python_dir = out / contract.BUNDLE_PYTHON_DIR
+    deps_dir = out / contract.BUNDLE_DEPS_DIR
+    for folder in (python_dir, deps_dir):
+        if folder.exists():
+            shutil.rmtree(folder)
+    with tempfile.TemporaryDirectory() as scratch:
+        _pip("--target", str(python_dir), _source_copy(kvoffload, Path(scratch)), f"lmcache=={lmcache_version}")
+    _pip("--only-binary=:all:", "--target", str(deps_dir), "-r", str(requirements))
+    for cache in list(out.rglob("__pycache__")):
+        shutil.rmtree(cache, ignore_errors=True)
+    manifest = {
+        "python": sys.implementation.cache_tag,
+        "lmcache": lmcache_version,
+        "python_dir": contract.BUNDLE_PYTHON_DIR,
+        "deps_dir": contract.BUNDLE_DEPS_DIR,
+    }
+    (out / contract.BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="bundle folder to (re)create")
+    parser.add_argument("--kvoffload", default=str(HACK.parent), help="kvoffload wheel or source folder")
+    parser.add_argument("--lmcache-version", default=DEFAULT_LMCACHE)
+    args = parser.parse_args(argv)
+    build(args.out, args.kvoffload, args.lmcache_version)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
