@@ -83,6 +83,12 @@ def decide_load(
     )
 
 
+def decline(decision: LoadDecision) -> LoadDecision:
+    """The same hit, promised to nobody (its load could not be secured). The retrieve range's
+    lookup locks were taken over by PREPARE_RETRIEVE and go back with its COMMIT; the rest are freed."""
+    return LoadDecision(0, 0, 0, 0, decision.free_ranges)
+
+
 def tokens_with_kv_after_step(tokens_with_kv_before: int, num_scheduled_tokens: int, num_known_tokens: int) -> int:
     """Tokens whose KV is valid after this forward pass (draft tokens never count)."""
     return min(tokens_with_kv_before + num_scheduled_tokens, num_known_tokens)
@@ -117,6 +123,30 @@ def block_slice(block_ids: list[int] | tuple[int, ...], start: int, end: int, to
 
 
 @dataclass(frozen=True)
+class SlotRef:
+    """One chunk slot in the server's L1 shared-memory segment, as PREPARE_RETRIEVE describes it."""
+
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SecuredLoad:
+    """The chunks of one load, handed out and read-locked by the server at lookup time, per rank.
+
+    The bytes stay in the segment (which every worker maps) until the load's COMMIT, whatever
+    the server does meanwhile, so the load itself is a local copy that cannot fail.
+    """
+
+    segment: tuple[str, int]
+    """(name, inode) of the L1 segment the slots are in."""
+    slots: tuple[tuple[SlotRef, ...], ...]
+    """``slots[rank]``: that rank's chunks, in order."""
+
+
+@dataclass(frozen=True)
 class TransferOp:
     """One store or retrieve for the worker; picklable (broadcast to every rank)."""
 
@@ -130,6 +160,8 @@ class TransferOp:
     """Blocks holding tokens ``[start, end)``."""
     skip_tokens: int
     salt: str
+    secured: SecuredLoad | None = None
+    """For a load: its chunks, secured at lookup."""
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +174,31 @@ class ConnectorMetadata:
 
     loads: tuple[TransferOp, ...] = ()
     saves: tuple[TransferOp, ...] = ()
+    fresh_blocks: frozenset[int] = frozenset()
+    """Blocks TensorRT-LLM allocated this iteration that its forward may write: a queued save
+    still naming one of them belongs to a request that ended without ``request_finished``."""
+
+
+def fresh_blocks(
+    new_block_ids: list[int], computed_position: int, tokens_per_block: int, first_report: bool
+) -> list[int]:
+    """The blocks of one ``RequestData`` report that were free before this iteration.
+
+    A request's first report lists its device-reused prefix blocks too (shared, read-only; they
+    end at ``computed_position``); every other block it reports was taken from the free pool.
+    """
+    if not first_report:
+        return list(new_block_ids)
+    return list(new_block_ids[computed_position // tokens_per_block :])
+
+
+def vanished_holders(fresh: list[int], holders: dict[int, set[int]], owner: int) -> set[int]:
+    """Requests other than ``owner`` that still list a block TensorRT-LLM just handed out again:
+    they ended (cancel, error, abort) without ``request_finished``."""
+    out: set[int] = set()
+    for block in fresh:
+        out.update(rid for rid in holders.get(block, ()) if rid != owner)
+    return out
 
 
 @dataclass
@@ -157,4 +214,6 @@ class RequestState:
     tokens_with_kv: int = 0
     stored_upto: int = 0
     load: LoadDecision = NO_LOAD
+    secured: SecuredLoad | None = None
+    """The promised load's chunks until ``build_connector_meta`` hands them to the workers."""
     saves_issued: int = 0

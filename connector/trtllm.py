@@ -109,6 +109,9 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         # and TensorRT-LLM request ids repeat after a restart.
         self._session_prefix = uuid.uuid4().hex[:12]
         self._requests: dict[int, planning.RequestState] = {}
+        # block id -> live requests listing it: a block handed out again names requests that ended
+        # without request_finished (cancelled, errored, aborted), whose state is then reaped.
+        self._holders: dict[int, set[int]] = {}
         logger.info(
             "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
             self._settings.backend,
@@ -155,6 +158,18 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             return 0, False
         m.record_lookup(time.perf_counter() - t0, end, hit)
         decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
+        if decision.loads:
+            # Promise only what is secured: once the server handed out and locked the chunks, the
+            # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
+            state.secured = self._backend.secure(
+                state.session_id,
+                token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
+                decision.retrieve_start,
+                decision.retrieve_end,
+                state.salt,
+            )
+            if state.secured is None:
+                decision = planning.decline(decision)
         if decision.free_ranges:
             self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
         state.load = decision
@@ -175,38 +190,78 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         state = self._requests.get(int(request.request_id))
         if state is not None:
             state.block_ids = list(block_ids)
+            self._hold(state.request_id, block_ids)
+
+    def _hold(self, request_id: int, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._holders.setdefault(block, set()).add(request_id)
+
+    def _forget(self, request_id: int) -> planning.RequestState | None:
+        """Drop a request's state and its claim on blocks; end its LMCache session."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for block in state.block_ids:
+            holders = self._holders.get(block)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self._holders[block]
+        if state.secured is not None:  # promised, never loaded (the request ended first)
+            load = state.load
+            token_ids = tuple(state.tokens[: load.retrieve_end])
+            self._backend.release_secured(
+                state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt
+            )
+        self._backend.end_session(state.session_id)
+        return state
+
+    def _reap_vanished(self, fresh: list[int], owner: int) -> None:
+        for rid in planning.vanished_holders(fresh, self._holders, owner):
+            self._forget(rid)
+            logger.debug("event=request_vanished request=%d", rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
         """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
         loads: list[planning.TransferOp] = []
         saves: list[planning.TransferOp] = []
+        fresh: set[int] = set()
         for req in scheduler_output.new_requests:
-            state = self._requests.get(int(req.request_id))
+            rid = int(req.request_id)
+            new_fresh = planning.fresh_blocks(req.new_block_ids, req.computed_position, self._block, True)
+            self._reap_vanished(new_fresh, rid)
+            fresh.update(new_fresh)
+            state = self._requests.get(rid)
             if state is None:  # never looked up (e.g. dummy request): still save it
                 state = self._state_for(req, len(req.new_tokens))
             state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
             if not state.block_ids:
                 state.block_ids = list(req.new_block_ids)
+                self._hold(rid, state.block_ids)
             before = req.computed_position + state.load.matched_tokens
             if state.load.loads:
-                loads.append(
-                    self._op(state, state.load.retrieve_start, state.load.retrieve_end, state.load.skip_tokens)
-                )
+                load = state.load
+                loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
+                state.secured = None  # the workers copy it; rank 0 releases it after the iteration
             state.tokens_with_kv = planning.tokens_with_kv_after_step(
                 before, req.num_scheduled_tokens, len(state.tokens)
             )
             self._plan_save(state, saves)
         for req in scheduler_output.cached_requests:
-            state = self._requests.get(int(req.request_id))
+            rid = int(req.request_id)
+            self._reap_vanished(list(req.new_block_ids), rid)
+            fresh.update(req.new_block_ids)
+            state = self._requests.get(rid)
             if state is None:
                 continue
             state.tokens.extend(req.new_tokens)
             state.block_ids.extend(req.new_block_ids)
+            self._hold(rid, list(req.new_block_ids))
             state.tokens_with_kv = planning.tokens_with_kv_after_step(
                 state.tokens_with_kv, req.num_scheduled_tokens, len(state.tokens)
             )
             self._plan_save(state, saves)
-        return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves))
+        return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves), fresh_blocks=frozenset(fresh))
 
     def _plan_save(self, state: planning.RequestState, saves: list[planning.TransferOp]) -> None:
         span = planning.plan_save(
@@ -223,7 +278,14 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         state.stored_upto = span[1]
         state.saves_issued += 1
 
-    def _op(self, state: planning.RequestState, start: int, end: int, skip: int) -> planning.TransferOp:
+    def _op(
+        self,
+        state: planning.RequestState,
+        start: int,
+        end: int,
+        skip: int,
+        secured: planning.SecuredLoad | None = None,
+    ) -> planning.TransferOp:
         return planning.TransferOp(
             request_id=state.request_id,
             session_id=state.session_id,
@@ -233,14 +295,14 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             block_ids=planning.block_slice(state.block_ids, start, end, self._block),
             skip_tokens=skip,
             salt=state.salt,
+            secured=secured,
         )
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Step 5: forget the request; True (hold its blocks) only when async saves may still be running."""
-        state = self._requests.pop(int(request.request_id), None)
+        state = self._forget(int(request.request_id))
         if state is None:
             return False
-        self._backend.end_session(state.session_id)
         return self._settings.async_save and state.saves_issued > 0
 
 
@@ -258,6 +320,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._save_queue: deque[tuple[planning.TransferOp, Any]] = deque()
         self._save_cv = threading.Condition()
         self._saving: dict[int, int] = {}
+        self._storing: planning.TransferOp | None = None  # the op the saver is working on
+        self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
         self._finished_waiting: set[int] = set()
         self._save_thread: threading.Thread | None = None
         self._kv_device: Any = None
@@ -277,29 +341,64 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._backend.register(kv_cache_tensor, geometry)
 
     def start_load_kv(self, stream: Any) -> None:
-        """Step 3: load every promised range now, before the forward pass reads it.
+        """Step 3: fence queued saves off blocks handed out again, then copy every promised load in.
 
-        A load that fails raises ``KvoffloadLoadError``: TensorRT-LLM already counts
-        those tokens as computed, so running on would produce wrong output.
+        Never raises (TensorRT-LLM runs this outside any try: an exception stops the engine).
+        Each load's chunks were secured at lookup, so the copies are local and cannot fail.
         """
         meta = self._metadata
-        if not isinstance(meta, planning.ConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, planning.ConnectorMetadata):
             return
-        failed: list[int] = []
+        if meta.fresh_blocks and self._save_thread is not None:
+            self._fence_saves(meta.fresh_blocks)
+        if not meta.loads:
+            return
         m = self._metrics
-        # All of the iteration's loads at once: the backend overlaps one load's DMA with the next's PREPARE.
-        for op, result in zip(meta.loads, self._backend.retrieve_all(meta.loads), strict=True):
+        for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
             if result.error is not None:
-                _count_skip(m, result.error)
                 logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
-                failed.append(op.request_id)
+                self._unloaded.append(op.request_id)
                 continue
             m.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
-        if failed:
-            raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
+
+    def _fence_saves(self, fresh: frozenset[int]) -> None:
+        """Before a forward that may write ``fresh`` blocks: no queued save may read them afterwards.
+
+        Such a save belongs to a request that ended without ``request_finished`` (its blocks went
+        back to the pool): a queued one is dropped (its KV may already be another request's), one
+        being copied right now is waited for (it read the blocks before this forward runs).
+        """
+        with self._save_cv:
+            keep: deque[tuple[planning.TransferOp, Any]] = deque()
+            for op, event in self._save_queue:
+                if fresh.isdisjoint(op.block_ids):
+                    keep.append((op, event))
+                    continue
+                self._metrics.error("store", "blocks_reused")
+                self._save_done(op.request_id)
+                logger.debug("event=save_dropped request=%d reason=blocks_reused", op.request_id)
+            self._save_queue = keep
+            self._save_cv.wait_for(lambda: self._storing is None or fresh.isdisjoint(self._storing.block_ids))
+
+    def _save_done(self, request_id: int) -> None:
+        """One save of ``request_id`` ran or was dropped (called with ``_save_cv`` held)."""
+        left = self._saving.get(request_id, 1) - 1
+        if left <= 0:
+            self._saving.pop(request_id, None)
+        else:
+            self._saving[request_id] = left
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``)."""
+        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``).
+
+        Loads are secured at lookup, so a load cannot fail for the server's sake; if one still did
+        (a bug, or its segment unmapped), the forward must not run on the missing KV: raising here
+        makes TensorRT-LLM fail the active requests (``_forward_step``), where raising in
+        ``start_load_kv`` would stop the executor.
+        """
+        if self._unloaded:
+            failed, self._unloaded = self._unloaded, []
+            raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Per layer, after it ran: nothing (a block spans all layers; saves run in ``wait_for_save``)."""
@@ -316,7 +415,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                 for op in meta.saves:
                     self._saving[op.request_id] = self._saving.get(op.request_id, 0) + 1
                     self._save_queue.append((op, event))
-                self._save_cv.notify()
+                self._save_cv.notify_all()
             return
         for op in meta.saves:
             self._store(op)
@@ -338,6 +437,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                 while not self._save_queue:
                     self._save_cv.wait()
                 op, event = self._save_queue.popleft()
+                self._storing = op
             try:
                 if not on_private_stream:
                     _use_private_stream(self._kv_device)
@@ -349,16 +449,15 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                 logger.exception("event=save_error request=%d", op.request_id)
             finally:
                 with self._save_cv:
-                    left = self._saving.get(op.request_id, 1) - 1
-                    if left <= 0:
-                        self._saving.pop(op.request_id, None)
-                    else:
-                        self._saving[op.request_id] = left
+                    self._storing = None
+                    self._save_done(op.request_id)
+                    self._save_cv.notify_all()
 
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         """Step 6: requests whose async saves are done (loads are synchronous, never reported)."""
+        self._backend.release_loaded()
         if self._save_thread is None:
             return [], []
         with self._save_cv:

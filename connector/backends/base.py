@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.planning import SecuredLoad, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -113,6 +113,20 @@ class KVBackend(Protocol):
 
     def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
         """Load every op of one iteration, in order; one ``LoadResult`` per op (errors are returned, not raised)."""
+
+    def secure(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+    ) -> SecuredLoad | None:
+        """Scheduler: have the server hand out and lock a load's chunks for every rank, or None."""
+
+    def release_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+        """Scheduler: give back a secured load that will not be copied."""
+
+    def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
+        """Worker: copy each op's secured chunks into its blocks (local copies); one result per op."""
+
+    def release_loaded(self) -> None:
+        """Worker, after an iteration: release the chunks of the loads copied in it (rank 0)."""
 
     def store(self, op: TransferOp) -> int:
         """Store ``op``'s blocks; returns bytes moved; raises BackendError."""

@@ -43,7 +43,7 @@ from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResu
 from kvoffload.connector.backends.blockcopy import TransferStream, gather_chunks, scatter_chunks
 from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 from kvoffload.connector.settings import ConnectorSettings
 
 logger = logging.getLogger("kvoffload.connector")
@@ -52,6 +52,17 @@ _KV_NAME = "trtllm_kv_pool"
 _STARTUP_WAIT_S = 30.0
 _SHM_DIR = "/dev/shm"
 _MIN_PING_TIMEOUT_S = 2.0
+_RETIRED_GRACE_S = 10.0
+"""A replaced transfer context (server restarted) stays mapped this long: loads secured in its
+segment just before the restart still copy from it. A secured load is used within an iteration."""
+
+_LOCAL_WORKERS: dict[str, SidecarBackend] = {}
+"""Rank 0's worker backend per server URL: the scheduler in the same process secures loads through
+its transfer context (PREPARE_RETRIEVE must come from a registered worker instance)."""
+
+
+class _Unsecured(Exception):
+    """PREPARE_RETRIEVE handed out fewer chunks than the load needs (a miss, not a failure)."""
 
 
 def _reason(exc: BaseException) -> str:
@@ -141,6 +152,8 @@ class SidecarBackend:
         self._block_bytes = 0
         self._transfer: Any = None
         self._shm_identity: tuple[str, int] | None = None
+        self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
+        self._loaded: list[TransferOp] = []
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
         self._stop = threading.Event()
@@ -205,12 +218,19 @@ class SidecarBackend:
 
     # --- keys -------------------------------------------------------------------
     def _key(
-        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, worker: bool
+        self,
+        session_id: str,
+        token_ids: tuple[int, ...],
+        start: int,
+        end: int,
+        salt: str,
+        worker: bool,
+        rank: int | None = None,
     ) -> IPCCacheServerKey:
         return IPCCacheServerKey(
             model_name=cache_model_name(self._settings.model_name),
             world_size=self._settings.world_size,
-            worker_id=self._rank if worker else None,
+            worker_id=(self._rank if rank is None else rank) if worker else None,
             token_ids=token_ids,
             start=start,
             end=end,
@@ -259,9 +279,25 @@ class SidecarBackend:
         if self._up.is_set():
             self._client.end_session(session_id)
 
+    def secure(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+    ) -> SecuredLoad | None:
+        """Secure a load before it is promised: rank 0's worker in this process has the server hand
+        out and read-lock the chunks of ``[start, end)`` for every rank. None: promise nothing."""
+        local = _LOCAL_WORKERS.get(self._settings.server_url)
+        return local.prepare_secured(session_id, token_ids, start, end, salt) if local is not None else None
+
+    def release_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+        """Give back a secured load that will never be copied (its request ended first)."""
+        local = _LOCAL_WORKERS.get(self._settings.server_url)
+        if local is not None:
+            local.commit_secured(session_id, token_ids, start, end, salt)
+
     # --- worker side ----------------------------------------------------------------
     def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
         """Register the pool now; on failure the heartbeat keeps trying."""
+        if self._rank == 0:
+            _LOCAL_WORKERS[self._settings.server_url] = self
         self._pool = kv_pool
         self._copies = TransferStream(kv_pool.device)
         self._geometry = geometry
@@ -289,10 +325,10 @@ class SidecarBackend:
                 engine_type=EngineType.TRTLLM,
             )
             old, self._transfer = self._transfer, transfer
-            self._shm_identity = self._shm_of(transfer)
+            old_identity, self._shm_identity = self._shm_identity, self._shm_of(transfer)
             self._needs_register = False
         if old is not None:
-            old.close()
+            self._retire(old, old_identity)
         mode = "shm" if self._shm_identity else "pickle"
         log = logger.info if self._shm_identity else logger.warning
         log(
@@ -336,6 +372,135 @@ class SidecarBackend:
             self._lock.release()
             raise BackendError(operation, "unavailable", "KV pool not registered")
         return transfer
+
+    # --- secured loads ------------------------------------------------------------------
+    def prepare_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+    ) -> SecuredLoad | None:
+        """PREPARE_RETRIEVE ``[start, end)`` for every rank under this worker's instance (rank 0).
+
+        The server hands out the chunks' L1 slots and keeps them read-locked until COMMIT_RETRIEVE;
+        the slots live in the shared-memory segment every worker maps, so from here on the load is
+        a local copy even if the server dies. None, with nothing left held, unless every chunk of
+        every rank was handed out within the lookup timeout.
+        """
+        if not self._up.is_set() or self._shm_identity is None or self._instance_id is None:
+            return None
+        deadline = time.monotonic() + self._lookup_timeout_s
+        if not self._lock.acquire(timeout=self._lookup_timeout_s):
+            return None
+        asked: list[IPCCacheServerKey] = []
+        try:
+            transfer, segment = self._transfer, self._shm_identity
+            if transfer is None or segment is None:
+                return None
+            client = transfer.engine_driven_context.req_client
+            chunks = (end - start) // self.chunk_size
+            per_rank = []
+            # Every rank is asked even after a miss: each PREPARE takes over that rank's lookup locks
+            # (released by the server on a miss, by our COMMIT otherwise), so none is left behind.
+            for rank in range(self._settings.world_size):
+                key = self._key(session_id, token_ids, start, end, salt, worker=True, rank=rank)
+                asked.append(key)
+                response = client.prepare_retrieve(key, self._instance_id).result(
+                    timeout=max(0.0, deadline - time.monotonic()) + 0.05
+                )
+                slots = response.context.get("slots") if response.success else None
+                if slots and len(slots) == chunks:
+                    per_rank.append(
+                        tuple(
+                            SlotRef(int(d["offset"]), int(d["length"]), tuple(d["shape"]), str(d["dtype"]))
+                            for d in slots
+                        )
+                    )
+            if len(per_rank) != self._settings.world_size:
+                raise _Unsecured
+            return SecuredLoad(segment, tuple(per_rank))
+        except _Unsecured:
+            self._metrics.error("retrieve", "miss")
+        except Exception as exc:
+            self._fail("retrieve", _reason(exc), repr(exc))
+        finally:
+            self._lock.release()
+        for key in asked:  # whatever was handed out goes back
+            self._commit_later("retrieve", key)
+        return None
+
+    def commit_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+        """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks."""
+        for rank in range(self._settings.world_size):
+            self._commit_later("retrieve", self._key(session_id, token_ids, start, end, salt, worker=True, rank=rank))
+
+    def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
+        """Copy each op's secured chunks (this rank's) into its blocks: local copies, one wait for all.
+
+        Rank 0 keeps the loads, to release their chunks after the iteration (``release_loaded``):
+        by then every rank has copied, since the forward pass's collectives wait for all of them.
+        """
+        assert self._pool is not None
+        started = time.perf_counter()
+        results: list[LoadResult] = []
+        with self._copies.after_caller():
+            for op in ops:
+                try:
+                    views = self._secured_views(op)
+                    scatter_chunks(
+                        self._pool,
+                        op.block_ids,
+                        views,
+                        op.skip_tokens // self._settings.tokens_per_block,
+                        self._blocks_per_chunk,
+                    )
+                except (BackendError, ValueError, RuntimeError) as exc:
+                    error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
+                    self._metrics.error("retrieve", error.reason)
+                    results.append(LoadResult(0, 0.0, error))
+                    continue
+                results.append(LoadResult(self._loaded_bytes(op), 0.0))
+        self._copies.synchronize()
+        seconds = time.perf_counter() - started
+        if self._rank == 0:
+            self._loaded.extend(ops)
+        return [LoadResult(r.nbytes, seconds, r.error) for r in results]
+
+    def release_loaded(self) -> None:
+        """Rank 0, after an iteration: release the chunks of the loads copied in it."""
+        loaded, self._loaded = self._loaded, []
+        for op in loaded:
+            self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
+
+    def _secured_views(self, op: TransferOp) -> list[Any]:
+        secured = op.secured
+        if secured is None:
+            raise BackendError("retrieve", "error", "load was not secured at lookup")
+        transfer = self._transfer if secured.segment == self._shm_identity else None
+        if transfer is None:
+            transfer = next((t for t, ident, _ in self._retired if ident == secured.segment), None)
+        if transfer is None:
+            raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
+        edc = transfer.engine_driven_context
+        return [
+            edc._make_tensor_view(offset=slot.offset, length=slot.length, shape=list(slot.shape), dtype_str=slot.dtype)
+            for slot in secured.slots[self._rank]
+        ]
+
+    def _retire(self, transfer: Any, identity: tuple[str, int] | None) -> None:
+        """Keep a replaced transfer context mapped for a while (secured loads may still read it)."""
+        self._retired.append((transfer, identity, time.monotonic()))
+
+    def _close_retired(self, older_than_s: float) -> None:
+        now = time.monotonic()
+        keep = []
+        for transfer, identity, since in self._retired:
+            if now - since < older_than_s:
+                keep.append((transfer, identity, since))
+                continue
+            try:
+                transfer.close()
+            except Exception:  # a view still exported: try again next time
+                logger.debug("event=retired_close_failed segment=%s", identity, exc_info=True)
+                keep.append((transfer, identity, since))
+        self._retired = keep
 
     def _fast_copies(self) -> bool:
         """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
@@ -538,7 +703,8 @@ class SidecarBackend:
 
     # --- deferred COMMIT ----------------------------------------------------------------
     def _commit_later(self, operation: str, key: IPCCacheServerKey) -> None:
-        """Queue the COMMIT of a finished copy (called with the transfer lock held)."""
+        """Queue the COMMIT of a finished copy (for the current transfer context; one queued for a
+        context replaced before it is sent is dropped: that server is gone)."""
         PENDING_COMMITS.add()
         self._commits.put(_Commit(operation, self._transfer, key))
 
@@ -583,6 +749,7 @@ class SidecarBackend:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_s):
             try:
+                self._close_retired(_RETIRED_GRACE_S)
                 self.heartbeat_once()
             except Exception:  # the thread must survive anything
                 logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
@@ -616,9 +783,9 @@ class SidecarBackend:
             if self._pool is not None:
                 self._needs_register = True
             transfer, self._transfer = self._transfer, None
-            self._shm_identity = None
+            identity, self._shm_identity = self._shm_identity, None
         if transfer is not None:
-            transfer.close()
+            self._retire(transfer, identity)
         old.close()
 
     def close(self) -> None:
@@ -627,6 +794,9 @@ class SidecarBackend:
         self._committer.join(timeout=max(5.0, self._store_timeout_s))
         self._stop.set()
         self._heartbeat.join(timeout=5)
+        if _LOCAL_WORKERS.get(self._settings.server_url) is self:
+            del _LOCAL_WORKERS[self._settings.server_url]
+        self._close_retired(0.0)
         with self._lock:
             transfer, self._transfer = self._transfer, None
         if transfer is not None:

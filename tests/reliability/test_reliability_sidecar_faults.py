@@ -157,12 +157,11 @@ def _assert_no_kv_or_prompt(exposition: str, prompt: list[int]) -> None:
 
 
 def _check(stream: Stream, kills: int = 0) -> None:
+    """No wrong output, no wrong KV, no failed request (the engine died if ``executor.run`` raised):
+    a load promised before a kill was secured at lookup, so it still arrives."""
     assert stream.wrong_outputs == 0
     assert stream.executor.kv_mismatches == 0
-    # The only failure TensorRT-LLM's connector API allows is a load whose server died between the
-    # lookup (tokens promised) and the load: the request fails instead of computing on missing KV.
-    assert all("KV load failed" in e for e in stream.errors), stream.errors
-    assert len(stream.errors) <= kills, "more failed requests than kills: one kill can break one in-flight load"
+    assert stream.errors == [], f"{len(stream.errors)} failed requests over {kills} kills: {stream.errors[:3]}"
 
 
 def test_lmcache_server_killed_repeatedly_during_a_request_stream(

@@ -88,6 +88,8 @@ class PromptRequest:
     prompt: list[int]
     max_new_tokens: int = 2
     cache_salt: str | None = None
+    cancel_after: int | None = None
+    """Cancel (or client-abort) the request after this many iterations since admission."""
 
 
 @dataclass
@@ -101,6 +103,7 @@ class RequestResult:
     connector_matched_tokens: int = 0
     failed: bool = False
     error: str = ""
+    cancelled: bool = False
 
 
 class StandinLlmRequest:
@@ -121,6 +124,8 @@ class StandinLlmRequest:
         self.generated: list[int] = []
         self.result = RequestResult(req.request_id)
         self.reused_blocks: list[int] = []
+        self.cancel_after = req.cancel_after
+        self.iterations = 0
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
@@ -197,6 +202,26 @@ class BlockManager:
         return out
 
 
+class EngineDied(RuntimeError):
+    """An exception left TensorRT-LLM's executor loop: the engine stops serving (every request fails)."""
+
+
+@dataclass(frozen=True)
+class ExecutorBehaviour:
+    """Where supported TensorRT-LLM versions differ on the connector's paths (docs/connector.md table)."""
+
+    request_finished_on_termination: bool
+    """``_do_terminate_request`` calls ``request_finished`` for every ending (cancel, error included);
+    otherwise only ``_send_kv_async`` does, for requests that finished normally."""
+
+
+TRTLLM_VERSIONS = {
+    "1.1": ExecutorBehaviour(request_finished_on_termination=True),
+    "1.2": ExecutorBehaviour(request_finished_on_termination=False),
+    "main": ExecutorBehaviour(request_finished_on_termination=False),
+}
+
+
 def load_connector_classes(llm_args: Any) -> tuple[type, type]:
     """Import the connector the way TensorRT-LLM does: ``kv_connector_config`` module + class names."""
     cfg = llm_args.kv_connector_config
@@ -229,26 +254,31 @@ class RankState:
     def _block_view(self, block: int, layer: int) -> torch.Tensor:
         return self.pool[block, layer].view(2, self.heads, self.block, self.head_dim)
 
-    def scribble(self, blocks: list[int]) -> None:
-        """Overwrite evicted blocks so stale KV can never pass a check by accident."""
-        for block in blocks:
-            self.pool[block].fill_(-1.0)
-
-    def step(self, meta: Any, work: list[tuple[int, list[int], list[int], int, int]]) -> dict[str, Any]:
-        """bind metadata, start_load_kv, per-layer forward of ``work`` (hashes, blocks, [start, end)), wait_for_save."""
+    def step(
+        self, meta: Any, work: list[tuple[int, list[int], list[int], int, int]], overwritten: list[int]
+    ) -> dict[str, Any]:
+        """bind metadata, start_load_kv, per-layer forward of ``work`` (hashes, blocks, [start, end)) and of
+        other traffic that overwrites ``overwritten`` (so stale KV never passes a check), wait_for_save."""
         self.worker.bind_connector_meta(meta)
+        # _kv_connector_start_batch runs outside any try in both executor loops (py_executor.py):
+        # an exception leaves the loop, _event_loop_wrapper re-raises, the engine stops.
         try:
             self.worker.start_load_kv(None)
-        except Exception as exc:  # TensorRT-LLM's executor fails the iteration's requests
-            self.worker._clear_connector_meta()
+        except Exception as exc:
+            raise EngineDied(f"start_load_kv raised {type(exc).__name__}: {exc}") from exc
+        try:  # _forward_step: hooks and wait_for_save inside its try; _handle_errors fails every active request
+            for layer in range(self.layers):
+                self.worker.wait_for_layer_load(layer, None)
+                for _rid, hashes, blocks, start, end in work:
+                    self._forward_layer(layer, hashes, blocks, start, end)
+                for block in overwritten:
+                    self.pool[block, layer].fill_(-1.0)
+                self.worker.save_kv_layer(layer, None)
+            self.worker.wait_for_save(None)
+        except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
-        for layer in range(self.layers):
-            self.worker.wait_for_layer_load(layer, None)
-            for _rid, hashes, blocks, start, end in work:
-                self._forward_layer(layer, hashes, blocks, start, end)
-            self.worker.save_kv_layer(layer, None)
-        self.worker.wait_for_save(None)
-        self.worker._clear_connector_meta()
+        finally:
+            self.worker._clear_connector_meta()
         partial = {}
         for rid, hashes, blocks, _start, end in work:
             self.mismatches += self._check(hashes, blocks, end)
@@ -302,16 +332,15 @@ def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int]
         while True:
             msg = conn.recv()
             if msg[0] == "step":
-                conn.send(state.step(msg[1], msg[2]))
+                conn.send(state.step(msg[1], msg[2], msg[3]))
             elif msg[0] == "finish":
                 conn.send(state.finish(msg[1]))
-            elif msg[0] == "scribble":
-                state.scribble(msg[1])
-                conn.send(None)
             elif msg[0] == "stop":
                 state.close()
                 conn.send(None)
                 return
+    except EngineDied as exc:
+        conn.send({"engine_died": str(exc)})
     except Exception:
         conn.send({"fatal": traceback.format_exc()})
 
@@ -329,9 +358,12 @@ class StandinExecutor:
         head_dim: int = 8,
         context_chunk_size: int | None = None,
         env: dict[str, str] | None = None,
+        version: str = "main",
     ) -> None:
         _ensure_paths()
         self.llm_args = llm_args
+        self.version = version
+        self.behaviour = TRTLLM_VERSIONS[version]
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.chunk = context_chunk_size
         self.tp = llm_args.tensor_parallel_size
@@ -367,6 +399,8 @@ class StandinExecutor:
         self._mismatches = 0
         self._announced: set[int] = set()
         self._done_votes: dict[int, int] = {}
+        self._other_traffic: list[int] = []
+        self._other_ids = 0
 
     @property
     def kv_mismatches(self) -> int:
@@ -374,13 +408,32 @@ class StandinExecutor:
         return self._mismatches
 
     def evict_device_cache(self) -> int:
-        """Evict every reusable-but-unused block on all ranks (request 1's KV leaves the GPU)."""
+        """Evict every reusable-but-unused block on all ranks (request 1's KV leaves the GPU).
+
+        As in TensorRT-LLM, evicted blocks are rewritten only when another request gets them: the
+        next iteration hands them to "other traffic" (a request the connector sees in
+        ``new_requests`` with those blocks, which then finishes), whose forward overwrites them.
+        """
         evicted = self.blocks.evict_all()
-        self.rank0.scribble(evicted)
-        for parent, _ in self.followers:
-            parent.send(("scribble", evicted))
-            parent.recv()
+        self._other_traffic.extend(evicted)
         return len(evicted)
+
+    def _other_traffic_request(self, output: Any) -> StandinLlmRequest | None:
+        """Give this iteration's still-free evicted blocks to a request of other traffic."""
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData
+
+        taken = [b for b in self._other_traffic if b in self.blocks.free]
+        self._other_traffic = []
+        if not taken:
+            return None
+        for block in taken:
+            self.blocks.free.remove(block)
+            self.blocks.refs[block] = 1
+        self._other_ids -= 1
+        req = StandinLlmRequest(PromptRequest(self._other_ids, []))
+        req.block_ids = taken
+        output.new_requests.append(RequestData(req.request_id, [], list(taken), 0, 0))
+        return req
 
     def run(self, prompts: list[PromptRequest], timeout_s: float = 300.0) -> list[RequestResult]:
         """Admit all ``prompts`` now and iterate until every one finished (or failed) and no save is in flight."""
@@ -461,12 +514,16 @@ class StandinExecutor:
                 scheduled.append((req, pos, pos + 1))
         for req, start, end in scheduled:
             work.append((req.request_id, req.hashes, list(req.block_ids), start, end))
+        other = self._other_traffic_request(output)
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        replies = self._step_all_ranks(meta, work)
+        replies = self._step_all_ranks(meta, work, other.block_ids if other else [])
+        if other is not None:  # other traffic's request ends: its blocks go back to the pool
+            self.scheduler.request_finished(other, list(other.block_ids))
+            self.blocks.release(other.block_ids, {})
         errors = [r["error"] for r in replies if "error" in r]
-        if errors:
-            for req, _s, _e in scheduled:
+        if errors:  # _handle_errors(error_msg): every active request, not only this batch
+            for req in list(active):
                 self._fail(req, active, errors[0])
             return
         self._mismatches = max(r["mismatches"] for r in replies)
@@ -493,6 +550,16 @@ class StandinExecutor:
                 self.saving[req.request_id] = req
             else:
                 self.blocks.release(req.block_ids, self._commit_keys(req))
+        # _handle_canceled_requests, after _send_kv_async: a cancelled (or client-aborted) request is
+        # marked finished and _handle_responses frees its blocks; the next prepare_resources may
+        # hand them to another request.
+        for req in list(active):
+            req.iterations += 1
+            if req.cancel_after is not None and req.iterations >= req.cancel_after:
+                req.result.cancelled = True
+                self.results[req.request_id] = req.result
+                active.remove(req)
+                self._terminate(req, self._commit_keys(req))
         # Step 6: get_finished with the ids that started saving now; act on ids every rank returned.
         newly_saving = [rid for rid in self.saving if rid not in self._announced]
         self._announced.update(newly_saving)
@@ -512,12 +579,14 @@ class StandinExecutor:
         remaining = req.prompt_len - req.context_pos
         return remaining if self.chunk is None else min(remaining, self.chunk)
 
-    def _step_all_ranks(self, meta: Any, work: list[Any]) -> list[dict[str, Any]]:
+    def _step_all_ranks(self, meta: Any, work: list[Any], overwritten: list[int]) -> list[dict[str, Any]]:
         for parent, _ in self.followers:
-            parent.send(("step", meta, work))
-        replies = [self.rank0.step(meta, work)]
+            parent.send(("step", meta, work, overwritten))
+        replies = [self.rank0.step(meta, work, overwritten)]
         for parent, _ in self.followers:
             reply = parent.recv()
+            if "engine_died" in reply:
+                raise EngineDied(reply["engine_died"])
             if "fatal" in reply:
                 raise RuntimeError(f"rank process died:\n{reply['fatal']}")
             replies.append(reply)
@@ -529,8 +598,15 @@ class StandinExecutor:
         self.results[req.request_id] = req.result
         if req in active:
             active.remove(req)
-        self.scheduler.request_finished(req, list(req.block_ids))
-        self.blocks.release(req.block_ids, {})
+        self._terminate(req, {})
+
+    def _terminate(self, req: StandinLlmRequest, commit: dict[int, tuple[str, int]]) -> None:
+        """A request ended other than by finishing: ``request_finished`` only where this version's
+        ``_do_terminate_request`` calls it; otherwise its blocks are simply freed."""
+        if self.behaviour.request_finished_on_termination and self.scheduler.request_finished(req, list(req.block_ids)):
+            self.saving[req.request_id] = req
+            return
+        self.blocks.release(req.block_ids, commit)
 
     def close(self) -> None:
         """Stop rank processes and the connectors' threads."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvoffload import contract
 from tests.support.connector_env import set_connector_env
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import CHUNK, STANDIN_PATH
+from tests.support.trtllm_executor import CHUNK, STANDIN_PATH, StandinExecutor, connector_llm_args
 
 if STANDIN_PATH not in sys.path:
     sys.path.insert(0, STANDIN_PATH)
@@ -30,3 +33,30 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Connector env as the operator injects it (timeouts short so failure tests stay quick)."""
     return set_connector_env(monkeypatch, lookup_ms=2000, retrieve_ms=5000, store_ms=5000)
+
+
+@pytest.fixture
+def doomed_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connector_env: dict[str, str]
+) -> Iterator[LMCacheServer]:
+    """A server of the test's own, which the test kills; loads time out after 1 s (over ``connector_env``)."""
+    monkeypatch.setenv(contract.ENV_RETRIEVE_TIMEOUT_MS, "1000")
+    server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def executor_factory(connector_env: dict[str, str]) -> Iterator[Any]:
+    """Build stand-in executors; all are closed at teardown."""
+    made: list[StandinExecutor] = []
+
+    def make(model: str, url: str | None, **kwargs: Any) -> StandinExecutor:
+        ex = StandinExecutor(connector_llm_args(model, url), num_blocks=kwargs.pop("num_blocks", 64), **kwargs)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        ex.close()

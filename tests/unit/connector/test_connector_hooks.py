@@ -28,6 +28,8 @@ class FakeBackend:
         self.freed: list[tuple[tuple[int, int], ...]] = []
         self.stored: list[planning.TransferOp] = []
         self.sessions_ended: list[str] = []
+        self.secured: list[tuple[int, int]] = []
+        self.released: list[tuple[int, int]] = []
 
     def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
         if self.fail:
@@ -45,7 +47,16 @@ class FakeBackend:
             raise BackendError("retrieve", self.fail)
         return 1
 
-    def retrieve_all(self, ops: Any) -> list[LoadResult]:
+    def secure(self, session_id: str, token_ids: Any, start: int, end: int, salt: str) -> Any:
+        if self.fail:
+            return None
+        self.secured.append((start, end))
+        return planning.SecuredLoad(("seg", 1), ((),))
+
+    def release_secured(self, session_id: str, token_ids: Any, start: int, end: int, salt: str) -> None:
+        self.released.append((start, end))
+
+    def load_secured(self, ops: Any) -> list[LoadResult]:
         out = []
         for op in ops:
             try:
@@ -53,6 +64,9 @@ class FakeBackend:
             except BackendError as exc:
                 out.append(LoadResult(0, 0.001, exc))
         return out
+
+    def release_loaded(self) -> None:
+        pass
 
     def store(self, op: planning.TransferOp) -> int:
         if self.fail:
@@ -140,13 +154,17 @@ def test_salts_reach_every_op(fake: FakeBackend, trtllm: Any) -> None:
     assert meta.saves and all(op.salt and op.salt != "tenant" for op in meta.saves)
 
 
-def test_worker_failed_load_raises_and_failed_store_does_not(fake: FakeBackend, trtllm: Any) -> None:
+def test_a_failed_load_never_raises_from_start_load_kv_but_stops_the_forward(fake: FakeBackend, trtllm: Any) -> None:
+    """start_load_kv runs outside any try in TensorRT-LLM (an exception stops the engine); the first
+    layer hook, inside ``_forward_step``'s try, refuses to run the forward on the missing KV."""
     worker = trtllm.KvoffloadConnectorWorker(_args())
     op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
     fake.fail = "timeout"
     worker.bind_connector_meta(planning.ConnectorMetadata(loads=(op,)))
+    worker.start_load_kv(None)
     with pytest.raises(trtllm.KvoffloadLoadError, match=r"\[1\]"):
-        worker.start_load_kv(None)
+        worker.wait_for_layer_load(0, None)
+    worker.wait_for_layer_load(1, None)  # raised once
     worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
     worker.wait_for_save(None)  # logged and counted, never raised
     assert worker.get_finished([1], []) == ([], [])

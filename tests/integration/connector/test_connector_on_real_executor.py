@@ -1,0 +1,150 @@
+"""The connector on the executor paths TensorRT-LLM really takes (tests/support/trtllm_executor.py follows
+``py_executor.py`` per version): cancellations that free blocks without ``request_finished``, loads
+whose server dies after the promise, partial reuse. Real ``lmcache server`` on CPU."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvoffload import contract
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import CHUNK, TRTLLM_VERSIONS, PromptRequest, make_prompt
+
+pytestmark = pytest.mark.connector
+
+PREFIXES = 6
+CANCEL_ROUNDS = 70
+"""Prompt families: later requests share the prefixes of cancelled ones."""
+
+
+def cancellation_stream(seed: int, rounds: int, per_round: int, cancel_share: float = 0.9) -> list[list[PromptRequest]]:
+    """Rounds of requests, most cancelled mid chunked prefill, each round's prompts drawn from
+    ``PREFIXES`` families (a family's prefix plus a short own suffix)."""
+    rng = random.Random(seed)
+    prefixes = [make_prompt(500 + i, 4 * CHUNK) for i in range(PREFIXES)]
+    rid = 1000
+    out = []
+    for _ in range(rounds):
+        batch = []
+        for _ in range(per_round):
+            rid += 1
+            prompt = prefixes[rng.randrange(PREFIXES)] + make_prompt(rid, rng.randrange(1, CHUNK))
+            cancel = rng.choice([1, 2, 3]) if rng.random() < cancel_share else None
+            batch.append(PromptRequest(rid, prompt, 4, cancel_after=cancel))
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("version", sorted(TRTLLM_VERSIONS))
+def test_cancelled_requests_never_leak_kv_into_later_requests(
+    lmcache_server: LMCacheServer, executor_factory: Any, version: str
+) -> None:
+    """Requests cancelled (or aborted by the client) mid chunked prefill with async save on and a busy
+    server (every store 30 ms late, so saves queue up): their blocks go back to the pool, in 1.2 and
+    main without ``request_finished``, and the next requests write them. Later requests with those
+    prefixes load only KV that was really theirs; the connector keeps no state and no LMCache session
+    of the cancelled requests."""
+    ex = executor_factory(f"cancel-{version}-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK,
+                          version=version)  # fmt: skip
+    backend = ex.rank0.worker._backend
+    store = backend.store
+
+    def busy_server_store(op: Any) -> int:
+        time.sleep(0.03)
+        return int(store(op))
+
+    backend.store = busy_server_store
+    ended: set[str] = set()
+    end_session = ex.scheduler._backend.end_session
+    ex.scheduler._backend.end_session = lambda sid: (ended.add(sid), end_session(sid))[1]
+
+    stream = cancellation_stream(seed=11, rounds=CANCEL_ROUNDS, per_round=4)
+    cancelled = 0
+    for batch in stream:
+        results = ex.run(batch)
+        cancelled += sum(r.cancelled for r in results)
+        assert not any(r.failed for r in results)
+        ex.evict_device_cache()  # the next round prefills from LMCache or from scratch, never the device
+    # Every family once more, uncancelled, from LMCache: bit-exact or a plain recompute.
+    again = [PromptRequest(9000 + i, make_prompt(500 + i, 4 * CHUNK) + [7, 8, 9], 2) for i in range(PREFIXES)]
+    results = [r for half in (again[:3], again[3:]) for r in ex.run(half)]
+    assert not any(r.failed for r in results)
+    assert sum(r.connector_matched_tokens for r in results) > 0
+    assert ex.kv_mismatches == 0
+    assert cancelled >= 200, cancelled
+    assert ex.scheduler._requests == {}
+    prefix = ex.scheduler._session_prefix
+    assert {f"{prefix}-{p.request_id}" for batch in stream for p in batch} <= ended
+
+
+SERVER_KILLS = 50
+
+
+def test_engine_survives_server_kills_at_any_moment_with_correct_outputs(
+    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SERVER_KILLS`` SIGKILLs of the LMCache server, every other one right after a lookup that
+    promised KV (before its load), the others at a random moment of a round, under a stream with
+    cancellations; the server comes back each time (as its container would). The engine never dies
+    (an exception out of ``start_load_kv`` would end ``executor.run``), no request fails, every
+    output equals the first output of the same prompt, and no KV is wrong."""
+    monkeypatch.setenv(contract.ENV_LOOKUP_TIMEOUT_MS, "500")
+    monkeypatch.setenv(contract.ENV_STORE_TIMEOUT_MS, "1000")
+    rng = random.Random(5)
+    ex = executor_factory("kills-model", doomed_server.url, num_blocks=88, context_chunk_size=CHUNK)
+    kills = {"after_lookup": 0, "random": 0}
+    restarts: list[threading.Thread] = []
+    armed = threading.Event()
+    lookup = ex.scheduler.get_num_new_matched_tokens
+
+    restart_errors: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            doomed_server.start()
+        except BaseException as exc:  # surfaced by the test, never swallowed
+            restart_errors.append(exc)
+
+    def kill_now(kind: str) -> None:
+        assert doomed_server.healthy(), "a kill must hit a running server"
+        kills[kind] += 1
+        doomed_server.kill()
+        restarts.append(threading.Thread(target=restart, daemon=True))
+        restarts[-1].start()
+
+    def lookup_then_maybe_kill(request: Any, computed: int) -> tuple[int, bool]:
+        result = lookup(request, computed)
+        if result[0] > 0 and armed.is_set():
+            armed.clear()
+            kill_now("after_lookup")
+        return result
+
+    ex.scheduler.get_num_new_matched_tokens = lookup_then_maybe_kill
+    expected: dict[tuple[int, ...], list[int]] = {}
+    requests = failed = 0
+    for batch in cancellation_stream(seed=23, rounds=2000, per_round=4, cancel_share=0.3):
+        server_up = (not restarts or not restarts[-1].is_alive()) and doomed_server.healthy()
+        total = sum(kills.values())
+        if server_up and total >= SERVER_KILLS and requests > 0 and all(not t.is_alive() for t in restarts):
+            break
+        if server_up and total < SERVER_KILLS and not armed.is_set():
+            if kills["random"] < kills["after_lookup"]:
+                threading.Timer(rng.uniform(0.0, 0.05), kill_now, args=("random",)).start()
+            else:
+                armed.set()
+        for r, p in zip(ex.run(batch), batch, strict=True):
+            requests += 1
+            failed += r.failed
+            if not r.cancelled and not r.failed:
+                assert expected.setdefault(tuple(p.prompt), r.output_tokens) == r.output_tokens
+        ex.evict_device_cache()
+    assert restart_errors == []
+    assert kills == {"after_lookup": SERVER_KILLS // 2, "random": SERVER_KILLS // 2}, kills
+    assert len(doomed_server.log_text().split("Starting")) >= 1
+    assert failed == 0, f"{failed} of {requests} requests failed"
+    assert ex.kv_mismatches == 0
