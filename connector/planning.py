@@ -4,7 +4,8 @@ Vocabulary (all counts in tokens):
 - ``B`` = TensorRT-LLM ``tokens_per_block``; block ``i`` of a request holds tokens ``[i*B, (i+1)*B)``.
 - ``C`` = LMCache ``chunk_size`` (a multiple of ``B``); LMCache stores and finds whole chunks only,
   and every key range it accepts starts and ends on a chunk boundary.
-- ``computed`` = tokens TensorRT-LLM already has on the device (prefix reuse), block-aligned.
+- ``computed`` = tokens TensorRT-LLM already has on the device (prefix reuse); block-aligned unless
+  ``enable_partial_reuse`` (TensorRT-LLM's default) matched part of a block.
 - ``hit`` = chunk-aligned prefix LMCache holds (its lookup result).
 
 No I/O here: the hooks in ``trtllm.py`` gather inputs, call these and perform the effects.
@@ -65,20 +66,24 @@ def decide_load(
     """
     hit = chunk_floor(min(hit_tokens, num_prompt_tokens), chunk_size)
     everything = ((0, hit),) if hit > 0 else ()
-    if num_computed_tokens % tokens_per_block != 0 or num_prompt_tokens <= 0:
+    if num_prompt_tokens <= 0:
         return LoadDecision(0, 0, 0, 0, everything)
     cap = ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block
     load_end = min(hit, cap)
     if load_end <= num_computed_tokens:
         return LoadDecision(0, 0, 0, 0, everything)
-    retrieve_start = chunk_floor(num_computed_tokens, chunk_size)
+    # With partial reuse the device's prefix may end inside a block: that block is the request's
+    # own (TensorRT-LLM copies a partially matched block, or takes it when nobody else uses it),
+    # so the load starts at its first token and rewrites its matched tokens with the same KV.
+    first_written = (num_computed_tokens // tokens_per_block) * tokens_per_block
+    retrieve_start = chunk_floor(first_written, chunk_size)
     retrieve_end = chunk_ceil(load_end, chunk_size)
     free = tuple((a, b) for a, b in ((0, retrieve_start), (retrieve_end, hit)) if b > a)
     return LoadDecision(
         matched_tokens=load_end - num_computed_tokens,
         retrieve_start=retrieve_start,
         retrieve_end=retrieve_end,
-        skip_tokens=num_computed_tokens - retrieve_start,
+        skip_tokens=first_written - retrieve_start,
         free_ranges=free,
     )
 

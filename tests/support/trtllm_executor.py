@@ -145,6 +145,9 @@ class BlockManager:
         self.block_key: dict[int, tuple[str, int]] = {}
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # reusable, unreferenced, LRU first
         self.evicted: list[int] = []
+        # Partial reuse: (salt, chain hash before the block) -> reusable blocks, with their tokens.
+        self.children: dict[tuple[str, int], set[int]] = {}
+        self.block_tokens: dict[int, tuple[tuple[str, int], tuple[int, ...]]] = {}
 
     def match(self, salt: str, hashes: list[int], tokens_per_block: int, max_tokens: int) -> list[int]:
         blocks = []
@@ -157,6 +160,22 @@ class BlockManager:
             self.refs[block] = self.refs.get(block, 0) + 1
             self.cached_free.pop(block, None)
         return blocks
+
+    def match_partial(self, salt: str, parent: int, tokens: list[int]) -> tuple[int | None, int]:
+        """The reusable block after chain hash ``parent`` sharing the longest token prefix with ``tokens``
+        (``findMatchingBlock`` with partial reuse): ``(block, matched tokens)``, referenced until released."""
+        best, best_k = None, 0
+        for block in self.children.get((salt, parent), ()):
+            theirs = self.block_tokens[block][1]
+            k = 0
+            while k < min(len(theirs), len(tokens)) and theirs[k] == tokens[k]:
+                k += 1
+            if k > best_k:
+                best, best_k = block, k
+        if best is not None:
+            self.refs[best] = self.refs.get(best, 0) + 1
+            self.cached_free.pop(best, None)
+        return best, best_k
 
     def allocate(self, n: int) -> list[int]:
         out = []
@@ -176,14 +195,21 @@ class BlockManager:
         key = self.block_key.pop(block, None)
         if key is not None and self.reuse.get(key) == block:
             del self.reuse[key]
+        parent = self.block_tokens.pop(block, None)
+        if parent is not None:
+            self.children.get(parent[0], set()).discard(block)
         self.evicted.append(block)
 
-    def release(self, blocks: list[int], commit: dict[int, tuple[str, int]]) -> None:
-        """Drop one reference per block; ``commit`` names full blocks that become reusable."""
+    def release(self, blocks: list[int], commit: dict[int, tuple[str, int, int, tuple[int, ...]]]) -> None:
+        """Drop one reference per block; ``commit`` names full blocks that become reusable:
+        ``(salt, chain hash, chain hash before it, its tokens)``."""
         for block in blocks:
-            if block in commit and commit[block] not in self.reuse:
-                self.reuse[commit[block]] = block
-                self.block_key[block] = commit[block]
+            if block in commit and commit[block][:2] not in self.reuse:
+                salt, chain, parent, tokens = commit[block]
+                self.reuse[(salt, chain)] = block
+                self.block_key[block] = (salt, chain)
+                self.children.setdefault((salt, parent), set()).add(block)
+                self.block_tokens[block] = ((salt, parent), tokens)
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 del self.refs[block]
@@ -255,10 +281,17 @@ class RankState:
         return self.pool[block, layer].view(2, self.heads, self.block, self.head_dim)
 
     def step(
-        self, meta: Any, work: list[tuple[int, list[int], list[int], int, int]], overwritten: list[int]
+        self,
+        meta: Any,
+        work: list[tuple[int, list[int], list[int], int, int]],
+        overwritten: list[int],
+        block_copies: list[tuple[int, int]],
     ) -> dict[str, Any]:
-        """bind metadata, start_load_kv, per-layer forward of ``work`` (hashes, blocks, [start, end)) and of
-        other traffic that overwrites ``overwritten`` (so stale KV never passes a check), wait_for_save."""
+        """``block_copies`` (partial reuse, from prepare_resources), bind metadata, start_load_kv,
+        per-layer forward of ``work`` (hashes, blocks, [start, end)) and of other traffic that
+        overwrites ``overwritten`` (so stale KV never passes a check), wait_for_save."""
+        for src, dst in block_copies:
+            self.pool[dst].copy_(self.pool[src])
         self.worker.bind_connector_meta(meta)
         # _kv_connector_start_batch runs outside any try in both executor loops (py_executor.py):
         # an exception leaves the loop, _event_loop_wrapper re-raises, the engine stops.
@@ -332,7 +365,7 @@ def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int]
         while True:
             msg = conn.recv()
             if msg[0] == "step":
-                conn.send(state.step(msg[1], msg[2], msg[3]))
+                conn.send(state.step(msg[1], msg[2], msg[3], msg[4]))
             elif msg[0] == "finish":
                 conn.send(state.finish(msg[1]))
             elif msg[0] == "stop":
@@ -359,11 +392,13 @@ class StandinExecutor:
         context_chunk_size: int | None = None,
         env: dict[str, str] | None = None,
         version: str = "main",
+        enable_partial_reuse: bool = False,
     ) -> None:
         _ensure_paths()
         self.llm_args = llm_args
         self.version = version
         self.behaviour = TRTLLM_VERSIONS[version]
+        self.partial_reuse = enable_partial_reuse
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.chunk = context_chunk_size
         self.tp = llm_args.tensor_parallel_size
@@ -449,10 +484,14 @@ class StandinExecutor:
             pending = []
         return [self.results[p.request_id] for p in prompts]
 
-    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int]]:
-        salt = req.cache_salt or ""
-        full = min(req.context_pos, len(req.tokens)) // self.block
-        return {req.block_ids[i]: (salt, req.hashes[(i + 1) * self.block - 1]) for i in range(full)}
+    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...]]]:
+        salt, b = req.cache_salt or "", self.block
+        full = min(req.context_pos, len(req.tokens)) // b
+        return {
+            req.block_ids[i]: (salt, req.hashes[(i + 1) * b - 1], req.hashes[i * b - 1] if i else 0,
+                               tuple(req.tokens[i * b : (i + 1) * b]))
+            for i in range(full)
+        }  # fmt: skip
 
     def _iteration(self, new: list[StandinLlmRequest], active: list[StandinLlmRequest]) -> None:
         from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
@@ -461,12 +500,15 @@ class StandinExecutor:
         output = SchedulerOutput()
         work: list[tuple[int, list[int], list[int], int, int]] = []
         scheduled: list[tuple[StandinLlmRequest, int, int]] = []
+        block_copies: list[tuple[int, int]] = []
         # Step 2: first context chunk of new requests: device reuse -> connector -> allocate.
         for req in new:
             salt = req.cache_salt or ""
             max_reuse = ((req.prompt_len - 1) // self.block) * self.block
             reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
             num_reused = len(reused) * self.block
+            partial_src, partial = self._match_partial(req, salt, len(reused))
+            num_reused += partial
             matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
             if is_async and matched == 0:
                 raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
@@ -474,6 +516,8 @@ class StandinExecutor:
             need = -(-req.prompt_len // self.block) - len(reused)
             req.block_ids = reused + self.blocks.allocate(need)
             req.reused_blocks = reused
+            if partial_src is not None:  # copy-on-partial-reuse, in prepare_resources (before start_load_kv)
+                block_copies.append((partial_src, req.block_ids[len(reused)]))
             self.scheduler.update_state_after_alloc(req, list(req.block_ids))
             req.context_pos = num_reused + matched
             req.result.device_reused_tokens = num_reused
@@ -517,7 +561,8 @@ class StandinExecutor:
         other = self._other_traffic_request(output)
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        replies = self._step_all_ranks(meta, work, other.block_ids if other else [])
+        replies = self._step_all_ranks(meta, work, other.block_ids if other else [], block_copies)
+        self.blocks.release([src for src, _dst in block_copies], {})
         if other is not None:  # other traffic's request ends: its blocks go back to the pool
             self.scheduler.request_finished(other, list(other.block_ids))
             self.blocks.release(other.block_ids, {})
@@ -575,14 +620,32 @@ class StandinExecutor:
             self._announced.discard(rid)
             self.blocks.release(req.block_ids, self._commit_keys(req))
 
+    def _match_partial(self, req: StandinLlmRequest, salt: str, full_blocks: int) -> tuple[int | None, int]:
+        """With ``enable_partial_reuse``: a reusable block matching the start of the next block
+        (up to the prompt's last token, which is never reused)."""
+        if not self.partial_reuse:
+            return None, 0
+        start = full_blocks * self.block
+        limit = min(start + self.block, req.prompt_len - 1)
+        if start >= limit:
+            return None, 0
+        parent = req.hashes[start - 1] if full_blocks else 0
+        src, k = self.blocks.match_partial(salt, parent, req.tokens[start:limit])
+        if src is not None and k == 0:
+            self.blocks.release([src], {})
+            return None, 0
+        return src, k
+
     def _chunk_len(self, req: StandinLlmRequest) -> int:
         remaining = req.prompt_len - req.context_pos
         return remaining if self.chunk is None else min(remaining, self.chunk)
 
-    def _step_all_ranks(self, meta: Any, work: list[Any], overwritten: list[int]) -> list[dict[str, Any]]:
+    def _step_all_ranks(
+        self, meta: Any, work: list[Any], overwritten: list[int], block_copies: list[tuple[int, int]]
+    ) -> list[dict[str, Any]]:
         for parent, _ in self.followers:
-            parent.send(("step", meta, work, overwritten))
-        replies = [self.rank0.step(meta, work, overwritten)]
+            parent.send(("step", meta, work, overwritten, block_copies))
+        replies = [self.rank0.step(meta, work, overwritten, block_copies)]
         for parent, _ in self.followers:
             reply = parent.recv()
             if "engine_died" in reply:

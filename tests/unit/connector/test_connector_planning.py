@@ -32,8 +32,11 @@ def geometry(draw: st.DrawFn) -> tuple[int, int]:
         (600, 288, 512, planning.LoadDecision(224, 256, 512, 32, ((0, 256),))),
         # Hit not beyond the device: nothing to load, all locks released.
         (600, 256, 256, planning.LoadDecision(0, 0, 0, 0, ((0, 256),))),
-        # Device prefix not block aligned: never load.
-        (600, 17, 512, planning.LoadDecision(0, 0, 0, 0, ((0, 512),))),
+        # Partial reuse: the device prefix ends inside block 0 (17 tokens, block 32); the load
+        # rewrites that block (the request's own copy) from its first token, promising up to 512.
+        (600, 17, 512, planning.LoadDecision(495, 0, 512, 0, ())),
+        # ... inside block 9 (300 = 9*32 + 12): retrieve from the chunk holding block 9, skip 8 blocks.
+        (600, 300, 512, planning.LoadDecision(212, 256, 512, 32, ((0, 256),))),
         (600, 0, 0, planning.NO_LOAD),
     ],
 )
@@ -45,11 +48,14 @@ def test_decide_load_table(prompt: int, computed: int, hit: int, expected: plann
     geo=geometry(),
     prompt=st.integers(1, 5000),
     computed_blocks=st.integers(0, 200),
+    partial=st.integers(0, 63),
     hit_chunks=st.integers(0, 100),
 )
-def test_decide_load_properties(geo: tuple[int, int], prompt: int, computed_blocks: int, hit_chunks: int) -> None:
+def test_decide_load_properties(
+    geo: tuple[int, int], prompt: int, computed_blocks: int, partial: int, hit_chunks: int
+) -> None:
     block, chunk = geo
-    computed = min(computed_blocks * block, ((prompt - 1) // block) * block)
+    computed = min(computed_blocks * block + partial % block, prompt - 1)
     hit = min(hit_chunks * chunk, chunk_floor(prompt, chunk))
     d = planning.decide_load(prompt, computed, hit, block, chunk)
     assert d.matched_tokens >= 0
@@ -60,7 +66,8 @@ def test_decide_load_properties(geo: tuple[int, int], prompt: int, computed_bloc
         assert end <= hit  # never promise what the store lacks
         assert d.retrieve_start % chunk == 0 and d.retrieve_end % chunk == 0
         assert d.retrieve_start <= computed < d.retrieve_end <= hit
-        assert d.retrieve_start + d.skip_tokens == computed  # shared device blocks are never written
+        # Full device blocks (shared) are never written; only the block holding a partial match is.
+        assert d.retrieve_start + d.skip_tokens == computed // block * block
         assert d.retrieve_end >= end
         assert d.skip_tokens % block == 0 and d.skip_tokens < chunk
     # Every locked chunk is either retrieved or released, exactly once.
