@@ -8,13 +8,17 @@ private stream, the backend's transfer stream) only runs here, on the lent GPU m
    source blocks on that same stream, so the KV lands tens of ms after ``wait_for_save`` returns;
 3. ``wait_for_save(stream)`` (async save: the saver waits on the stream's event) and
    ``get_finished`` until the request's save is reported;
-4. the scheduler's ``get_num_new_matched_tokens`` for the same prompt, then ``start_load_kv`` into
-   other (scattered) blocks, checked bit-exact against the source blocks.
+4. the scheduler's ``get_num_new_matched_tokens`` for the same prompt (which secures the load: the
+   server hands out and locks its chunks in the shared L1 segment), then ``start_load_kv`` into
+   other (scattered) blocks, checked bit-exact against the source blocks; ``get_finished`` then
+   releases the chunks.
 
+With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
+between the last round's lookup and its load: the secured load must still arrive bit-exact.
 A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
 check. Prints one JSON line per round and exits 1 on any mismatch or miss.
 
-    python -m benchmarks.gpu_hooks_check --tokens 4096 --rounds 3
+    python -m benchmarks.gpu_hooks_check --tokens 4096 --rounds 3 [--kill-before-last-load]
 """
 
 from __future__ import annotations
@@ -34,12 +38,25 @@ from benchmarks import gpu_transfer as gt
 from benchmarks.common import scattered_block_ids
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and its children (the sidecar and its LMCache server)."""
+    import signal
+
+    import psutil
+
+    parent = psutil.Process(pid)
+    for proc in [*parent.children(recursive=True), parent]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1", default="16Gi")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    parser.add_argument("--kill-before-last-load", action="store_true")
     args = parser.parse_args(argv)
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
@@ -96,17 +113,24 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.001)
             saved_ms = (time.perf_counter() - t0) * 1e3
             request = StandinLlmRequest(PromptRequest(rid + 1000, prompt))
-            matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
-            session = scheduler._requests[rid + 1000].session_id
-            load = TransferOp(rid + 1000, session, tuple(prompt[:matched]), 0, matched,
-                              dst[: matched // gt.TOKENS_PER_BLOCK], 0, "")  # fmt: skip
+            t_lookup = time.perf_counter()
+            matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)  # lookup + secure
+            lookup_ms = (time.perf_counter() - t_lookup) * 1e3
+            state = scheduler._requests[rid + 1000]
+            load = TransferOp(rid + 1000, state.session_id, tuple(prompt[:matched]), 0, matched,
+                              dst[: matched // gt.TOKENS_PER_BLOCK], 0, "", secured=state.secured)  # fmt: skip
+            state.secured = None  # handed to the worker, as build_connector_meta does
             pool.index_fill_(0, dst_idx, float("nan"))
             sync()
+            killed = args.kill_before_last_load and rnd == args.rounds - 1
+            if killed:
+                _kill_tree(sidecar.pid)
             worker.bind_connector_meta(ConnectorMetadata(loads=(load,)))
             t1 = time.perf_counter()
             worker.start_load_kv(torch.cuda.current_stream() if dev == "cuda" else None)
             load_ms = (time.perf_counter() - t1) * 1e3
             worker._clear_connector_meta()
+            worker.get_finished([], [])  # rank 0 releases the loaded chunks after the iteration
             scheduler.request_finished(request, [])
             exact = matched == args.tokens and bool(
                 torch.equal(pool[dst_idx].view(torch.int16), fresh.view(torch.int16))
@@ -115,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({
                 "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
-                "start_load_kv_ms": round(load_ms, 2), "bit_exact": exact,
+                "lookup_ms": round(lookup_ms, 2), "start_load_kv_ms": round(load_ms, 2), "bit_exact": exact,
+                "server_killed_before_load": killed,
             }), flush=True)  # fmt: skip
         worker.shutdown()
         scheduler._backend.close()
     finally:
-        sidecar.terminate()
+        if sidecar.poll() is None:
+            sidecar.terminate()
         sidecar.wait(timeout=60)
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="bundle folder to (re)create")
     parser.add_argument("--kvoffload", default=str(HACK.parent), help="kvoffload wheel or source folder")
     parser.add_argument("--lmcache-version", default=DEFAULT_LMCACHE)
+    parser.add_argument(
+        "--requirements", type=Path, default=REQUIREMENTS, help="deps/ list (for an image known to have some of them)"
+    )
     args = parser.parse_args(argv)
-    build(args.out, args.kvoffload, args.lmcache_version)
+    build(args.out, args.kvoffload, args.lmcache_version, args.requirements)
     return 0
 
 
