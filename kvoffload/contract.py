@@ -97,6 +97,15 @@ TRTLLM_OPTIONS_FILE: Final = "extra-llm-api-options.yaml"
 POLICY_MOUNT_PATH: Final = "/etc/kvoffload/policy"
 POLICY_FILE: Final = "policy.json"
 
+# --- Rules every side applies -------------------------------------------------
+REDIS_URL_PATTERN: Final = (
+    r"^redis://(?:[^\s/@:?#\[\]]+@)?(?:\[[0-9A-Fa-f:.]+\]|[^\s/@:?#\[\]]+)"
+    r"(?::(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))?(?:/0?)?$"
+)
+"""Redis L2 URLs: ``redis://[user@]host[:port][/0]``. LMCache's Redis adapter speaks plain Redis to
+database 0; the password goes in a Secret. The CRD's CEL rule (RE2), the operator and the sidecar
+accept exactly these, so a policy the apiserver admits never crash-loops its sidecar."""
+
 # --- Environment variables ----------------------------------------------------
 # Read by the connector (set on the TensorRT-LLM container).
 ENV_SERVER_URL: Final = "KVOFFLOAD_SERVER_URL"

@@ -257,6 +257,8 @@ def _engine_env(settings: InjectionSettings, server_url: str, serve_metrics: boo
         # inprocess) and sends usage telemetry unless told not to: nothing leaves the pod by default.
         _env(c.ENV_LMCACHE_TRACK_USAGE, "false"),
     ]
+    if settings.backend == c.BACKEND_INPROCESS:  # the engine hosts the cache: the policy's L1 is its
+        env.append(_env(c.ENV_L1_SIZE, format_bytes(settings.l1_bytes)))
     if serve_metrics:
         env.append(_env(c.ENV_METRICS_PORT, str(c.ENGINE_METRICS_PORT)))
     if settings.connector_source == "init-container":
@@ -318,13 +320,14 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def shm_size_limit(settings: InjectionSettings) -> int:
-    """Bytes for the shared /dev/shm: the engine's own share plus, with a sidecar, LMCache's L1.
+    """Bytes for the pod's /dev/shm: the engine's own share plus LMCache's L1.
 
-    The sidecar keeps L1 in a POSIX shared-memory segment that the engine maps to copy
-    KV blocks in and out (LMCache's engine-driven transfer); LMCache only uses shared
-    memory when /dev/shm can hold all of L1, and falls back to a pickle path ~100x slower.
+    LMCache's server (the sidecar, or with backend inprocess the one inside the engine) keeps L1
+    in a POSIX shared-memory segment that the connector maps to copy KV blocks in and out
+    (LMCache's engine-driven transfer); LMCache only uses shared memory when /dev/shm can hold all
+    of L1, and otherwise falls back to a pickle path ~100x slower, where no load can be secured.
     """
-    return settings.shm_bytes + (settings.l1_bytes if settings.backend == c.BACKEND_SIDECAR else 0)
+    return settings.shm_bytes + settings.l1_bytes
 
 
 def _sidecar_container(settings: InjectionSettings, shm_volume: str, native: bool) -> dict[str, Any]:

@@ -29,7 +29,7 @@ MAX_CHUNK_SIZE = 65536
 MAX_WORKERS = 64
 MAX_TIMEOUT_MS = 600_000
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_REDIS_URL = re.compile(r"^rediss?://[^\s]+$")
+_REDIS_URL = re.compile(c.REDIS_URL_PATTERN)
 _IMAGE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,1024}$")
 """An image reference: one token, no whitespace or control characters (else every pod fails to pull)."""
 _QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
@@ -355,7 +355,9 @@ def _parse_redis(raw: object, prefix: str) -> RedisTier | SettingsError:
         return redis
     url = redis.get("url")
     if not isinstance(url, str) or not _REDIS_URL.fullmatch(url):
-        return SettingsError(f"{prefix}.url", url, "a redis:// or rediss:// URL")
+        return SettingsError(
+            f"{prefix}.url", url, "redis://[user@]host[:port][/0] (LMCache's Redis adapter: plain Redis, database 0)"
+        )
     ref = redis.get("passwordSecretRef")
     if ref is None:
         return RedisTier(url=url)

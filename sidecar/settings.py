@@ -228,6 +228,8 @@ def _redis_tier(src: _Source) -> RedisTier | None:
         raise _fail(setting, _redact(raw), f"keep the password out of the URL: {allowed}")
     if url.path not in ("", "/", "/0"):
         raise _fail(setting, raw, f"LMCache's Redis adapter uses database 0 only: {allowed}")
+    if not re.fullmatch(contract.REDIS_URL_PATTERN, raw.strip()):  # the CRD's rule, exactly
+        raise _fail(setting, raw, allowed)
     return RedisTier(
         host=url.hostname,
         port=port or DEFAULT_REDIS_PORT,

@@ -19,6 +19,7 @@ from kvoffload.operator.fragment import (
 )
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
 from kvoffload.operator.trtllm_options import OPTIONS_PATH
+from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 
 pytestmark = pytest.mark.operator
@@ -244,6 +245,16 @@ def test_inprocess_backend_has_no_sidecar_and_the_connector_serves_the_pod_metri
     assert [p["name"] for p in engine["ports"]] == [c.ENGINE_METRICS_PORT_NAME]
     annotations = applied_body["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(c.ENGINE_METRICS_PORT)
+
+
+def test_inprocess_backend_sizes_the_engines_l1_and_shm_from_the_policy() -> None:
+    """With backend inprocess the engine hosts LMCache's server: its L1 is the policy's (not the
+    connector's 1Gi default) and lives in the pod's /dev/shm, which must hold it."""
+    s = settings_for(**{c.ANN_BACKEND: "inprocess", c.ANN_CPU_CACHE_SIZE: "6Gi"})
+    spec = pod(render(deployment(), **{c.ANN_BACKEND: "inprocess", c.ANN_CPU_CACHE_SIZE: "6Gi"}).workload_apply)
+    assert env_of(named(spec["containers"], "trtllm"))[c.ENV_L1_SIZE] == "6Gi"
+    shm = named(spec["volumes"], c.VOLUME_SHM)["emptyDir"]["sizeLimit"]
+    assert parse_bytes(shm, "shm") == s.shm_bytes + 6 * 2**30
 
 
 def test_with_a_sidecar_the_connector_serves_no_metrics_port() -> None:
