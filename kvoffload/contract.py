@@ -106,6 +106,10 @@ REDIS_URL_PATTERN: Final = (
 database 0; the password goes in a Secret. The CRD's CEL rule (RE2), the operator and the sidecar
 accept exactly these, so a policy the apiserver admits never crash-loops its sidecar."""
 
+MIN_L1_SIZE: Final = "64Mi"
+"""The smallest L1 any side accepts (two 256-token chunks of Llama-3-8B in bf16, 32 MiB each): below
+it LMCache cannot hold a useful prefix, so a smaller value is a typo (``1Ki``), not a choice."""
+
 # --- Environment variables ----------------------------------------------------
 # Read by the connector (set on the TensorRT-LLM container).
 ENV_SERVER_URL: Final = "KVOFFLOAD_SERVER_URL"

@@ -165,10 +165,9 @@ def enabled_state(annotations: Mapping[str, str] | None) -> bool | SettingsError
     raw = (annotations or {}).get(c.ANN_ENABLED)
     if raw is None:
         return False
-    value = raw.strip().lower() if isinstance(raw, str) else raw
-    if value not in ENABLED_VALUES:
+    if raw not in ENABLED_VALUES:  # exactly: "TRUE" or " true " would be a silent reading of a typo
         return SettingsError(c.ANN_ENABLED, raw, 'allowed: "true" or "false"')
-    return value == "true"
+    return raw == "true"
 
 
 # --- small typed readers: each returns the value or a SettingsError -----------
@@ -187,6 +186,13 @@ def _quantity(value: object, field_name: str) -> int | SettingsError:
         return parse_bytes(value, field_name)
     except QuantityError as exc:
         return SettingsError(field_name, value, str(exc).split("; ", 1)[-1])
+
+
+def _l1_size(value: object, field_name: str) -> int | SettingsError:
+    size = _quantity(value, field_name)
+    if isinstance(size, int) and size < parse_bytes(c.MIN_L1_SIZE, field_name):
+        return SettingsError(field_name, value, f"at least {c.MIN_L1_SIZE} (LMCache's L1 must hold whole chunks)")
+    return size
 
 
 def _int(value: object, field_name: str, lo: int, hi: int, multiple: int = 1) -> int | SettingsError:
@@ -257,7 +263,7 @@ def _apply_policy(base: InjectionSettings, spec: Mapping[str, Any], prefix: str)
     if isinstance(cache, SettingsError):
         return cache
     if "l1Size" in cache:
-        checks.append(take(_quantity(cache["l1Size"], f"{prefix}.cache.l1Size"), "l1_bytes"))
+        checks.append(take(_l1_size(cache["l1Size"], f"{prefix}.cache.l1Size"), "l1_bytes"))
     if "evictionPolicy" in cache:
         checks.append(
             take(
@@ -375,7 +381,7 @@ def _parse_redis(raw: object, prefix: str) -> RedisTier | SettingsError:
 def _apply_annotations(base: InjectionSettings, annotations: Mapping[str, str]) -> InjectionSettings | SettingsError:
     updates: dict[str, Any] = {}
     if c.ANN_CPU_CACHE_SIZE in annotations:
-        size = _quantity(annotations[c.ANN_CPU_CACHE_SIZE], c.ANN_CPU_CACHE_SIZE)
+        size = _l1_size(annotations[c.ANN_CPU_CACHE_SIZE], c.ANN_CPU_CACHE_SIZE)
         if isinstance(size, SettingsError):
             return size
         updates["l1_bytes"] = size

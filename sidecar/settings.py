@@ -300,6 +300,8 @@ def load_settings(
 
     l1_found = src.get(contract.ENV_L1_SIZE, ("cache", "l1Size"))
     l1_size = _quantity(*l1_found) if l1_found else parse_bytes(DEFAULT_L1_SIZE, contract.ENV_L1_SIZE)
+    if l1_found and l1_size < parse_bytes(contract.MIN_L1_SIZE, l1_found[0]):
+        raise _fail(*l1_found, f"use at least {contract.MIN_L1_SIZE} (LMCache's L1 must hold whole chunks)")
 
     chunk_found = src.get(contract.ENV_CHUNK_SIZE, ("cache", "chunkSize"))
     chunk_size = (

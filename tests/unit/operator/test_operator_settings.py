@@ -40,7 +40,6 @@ def err(annotations: dict[str, str], policy: dict[str, Any] | None = None) -> Se
     [
         ({}, False),
         ({c.ANN_ENABLED: "true"}, True),
-        ({c.ANN_ENABLED: "True "}, True),
         ({c.ANN_ENABLED: "false"}, False),
         ({"other": "true"}, False),
     ],
@@ -49,7 +48,7 @@ def test_enabled_state(annotations: dict[str, str], expected: bool) -> None:
     assert enabled_state(annotations) is expected
 
 
-@pytest.mark.parametrize("value", ["yes", "1", "", "on"])
+@pytest.mark.parametrize("value", ["yes", "1", "", "on", "TRUE", "True", " true ", "false\n"])
 def test_enabled_state_rejects_other_values_naming_what_is_allowed(value: str) -> None:
     result = enabled_state({c.ANN_ENABLED: value})
     assert isinstance(result, SettingsError)

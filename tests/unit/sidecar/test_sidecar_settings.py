@@ -281,4 +281,8 @@ def test_valid_quantities_parse_to_their_bytes(number: int, suffix: str) -> None
     scale = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}[suffix]
     if number * scale > 2**50:
         return
+    if number * scale < 64 * 2**20:  # contract.MIN_L1_SIZE: refused, naming the minimum
+        with pytest.raises(SettingsError, match=f"at least {contract.MIN_L1_SIZE}"):
+            load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None)
+        return
     assert load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None).l1_size_bytes == number * scale

@@ -1,4 +1,5 @@
-"""One Redis L2 URL rule (contract.REDIS_URL_PATTERN) for the CRD, the operator and the sidecar."""
+"""Rules the CRD, the operator and the sidecar share (contract.REDIS_URL_PATTERN, contract.MIN_L1_SIZE):
+whatever the apiserver admits, the operator and the sidecar accept."""
 
 from __future__ import annotations
 
@@ -19,11 +20,29 @@ pytestmark = pytest.mark.operator
 CRD = Path(__file__).resolve().parents[3] / "charts" / "kvoffload" / "crds" / "kvcachepolicies.yaml"
 
 
-def crd_url_rules() -> list[str]:
+def crd_spec() -> dict[str, Any]:
     doc = yaml.safe_load(CRD.read_text())
-    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    url = spec["properties"]["l2"]["properties"]["redis"]["properties"]["url"]
+    return doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]  # type: ignore[no-any-return]
+
+
+def crd_url_rules() -> list[str]:
+    url = crd_spec()["properties"]["l2"]["properties"]["redis"]["properties"]["url"]
     return [v["rule"] for v in url["x-kubernetes-validations"]]
+
+
+def test_the_crd_l1_minimum_is_the_contracts_and_every_side_refuses_below_it() -> None:
+    l1 = crd_spec()["properties"]["cache"]["properties"]["l1Size"]
+    assert any(f"quantity('{c.MIN_L1_SIZE}')) >= 0" in v["rule"] for v in l1["x-kubernetes-validations"])
+    for size, accepted in (("63Mi", False), (c.MIN_L1_SIZE, True)):
+        policy = {"metadata": {"name": "p"}, "spec": {"cache": {"l1Size": size}}}
+        s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
+        assert (not isinstance(s, SettingsError)) is accepted
+        try:
+            sidecar_settings.load_settings({}, {"cache": {"l1Size": size}})
+            sidecar_ok = True
+        except sidecar_settings.SettingsError:
+            sidecar_ok = False
+        assert sidecar_ok is accepted
 
 
 def operator_accepts(url: str) -> bool:
