@@ -340,6 +340,22 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._kv_device = kv_cache_tensor.device
         self._backend.register(kv_cache_tensor, geometry)
 
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one layer group is one pool and goes to
+        ``register_kv_caches`` (TensorRT-LLM's default); several are refused here, at start, by name."""
+        groups = tuple(getattr(layout, "groups", ()))
+        if len(groups) > 1:
+            windows = sorted({str(getattr(g, "window_size", None) or "full") for g in groups})
+            raise RuntimeError(
+                f"kvoffload: this model's KV cache has {len(groups)} layer groups (attention windows: "
+                f"{', '.join(windows)}), as variable sliding-window or hybrid attention models do; the "
+                "connector moves one pool of uniform blocks: use it with models of one attention window"
+            )
+        default = getattr(super(), "register_kv_cache_layout", None)
+        if default is None:
+            raise RuntimeError("kvoffload: register_kv_cache_layout called by a TensorRT-LLM without layouts")
+        default(layout)
+
     def start_load_kv(self, stream: Any) -> None:
         """Step 3: fence queued saves off blocks handed out again, then copy every promised load in.
 

@@ -168,3 +168,13 @@ def test_a_failed_load_never_raises_from_start_load_kv_but_stops_the_forward(fak
     worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
     worker.wait_for_save(None)  # logged and counted, never raised
     assert worker.get_finished([1], []) == ([], [])
+
+
+def test_a_model_with_several_kv_layer_groups_is_refused_at_start_by_name(fake: FakeBackend, trtllm: Any) -> None:
+    """KVCacheManagerV2 hands a layout; variable sliding-window models have one group per window."""
+    from types import SimpleNamespace
+
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    layout = SimpleNamespace(groups=(SimpleNamespace(window_size=4096), SimpleNamespace(window_size=None)))
+    with pytest.raises(RuntimeError, match=r"2 layer groups \(attention windows: 4096, full\)"):
+        worker.register_kv_cache_layout(layout)
