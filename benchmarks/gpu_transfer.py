@@ -400,26 +400,40 @@ def measure_batched_loads(
     sync()
     src_idx = torch.tensor([b for s in src for b in s], device=DEVICE)
     dst_idx = torch.tensor([b for d in dst for b in d], device=DEVICE)
-    times: dict[str, list[float]] = {"one_by_one": [], "batched": []}
+    times: dict[str, list[float]] = {"one_by_one": [], "batched": [], "secured": [], "secure_at_lookup": []}
     exact = True
     for rep in range(reps + 1):
-        for name in ("one_by_one", "batched"):
+        for name in ("one_by_one", "batched", "secured"):
             ops = []
+            secure_s = 0.0
             for i in range(count):
                 session = f"batch-{name}-{rep}-{i}"
                 hit = scheduler.lookup(session, prompts[i], tokens, "batch")
                 assert hit == tokens, f"lookup hit {hit} of {tokens}"
-                ops.append(TransferOp(i, session, prompts[i], 0, tokens, dst[i], 0, "batch"))
+                secured = None
+                if name == "secured":  # the shipped path: PREPARE at lookup, the load a local copy
+                    ts = time.perf_counter()
+                    secured = backend.prepare_secured(session, prompts[i], 0, tokens, "batch")
+                    secure_s += time.perf_counter() - ts
+                    assert secured is not None, "load not secured"
+                ops.append(TransferOp(i, session, prompts[i], 0, tokens, dst[i], 0, "batch", secured=secured))
             pool.index_fill_(0, dst_idx, float("nan"))
             sync()
             t0 = time.perf_counter()
-            if name == "batched":
+            if name == "secured":
+                results = backend.load_secured(ops)
+                assert all(r.error is None for r in results), results
+            elif name == "batched":
                 results = backend.retrieve_all(ops)
                 assert all(r.error is None for r in results), results
             else:
                 for op in ops:
                     backend.retrieve(op)
             elapsed = time.perf_counter() - t0
+            if name == "secured":
+                backend.release_loaded()
+                if rep:
+                    times["secure_at_lookup"].append(secure_s)
             exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
             for op in ops:
                 scheduler.end_session(op.session_id)
@@ -430,7 +444,7 @@ def measure_batched_loads(
                            "raw": raw_copy_baseline(nbytes)}  # fmt: skip
     for name, samples in times.items():
         gbps, ms = _median_gbps(nbytes, samples)
-        out[name] = {"gbps": gbps, "ms": ms}
+        out[name] = {"gbps": gbps, "ms": ms} if name != "secure_at_lookup" else {"ms": ms}
     return out
 
 
