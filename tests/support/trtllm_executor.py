@@ -27,6 +27,7 @@ CLI (what the end-to-end test starts with the env the operator injects)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import multiprocessing as mp
@@ -113,7 +114,14 @@ class StandinLlmRequest:
         self.request_id = req.request_id
         self.py_request_id = req.request_id
         self.prompt_len = len(req.prompt)
-        self.cache_salt = req.cache_salt
+        self.salt = req.cache_salt  # the stand-in's own (device reuse, RequestData)
+        # The C++ base LlmRequest the connector sees at lookup carries only the salt's id (a uint64
+        # the LLM API derives from the string), never the string itself.
+        self.cache_salt_id = (
+            int.from_bytes(hashlib.blake2b(req.cache_salt.encode(), digest_size=8).digest(), "little")
+            if req.cache_salt
+            else None
+        )
         self.tokens = list(req.prompt)
         self.max_new_tokens = req.max_new_tokens
         self.hashes = prefix_hashes(self.tokens)
@@ -485,7 +493,7 @@ class StandinExecutor:
         return [self.results[p.request_id] for p in prompts]
 
     def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...]]]:
-        salt, b = req.cache_salt or "", self.block
+        salt, b = req.salt or "", self.block
         full = min(req.context_pos, len(req.tokens)) // b
         return {
             req.block_ids[i]: (salt, req.hashes[(i + 1) * b - 1], req.hashes[i * b - 1] if i else 0,
@@ -503,7 +511,7 @@ class StandinExecutor:
         block_copies: list[tuple[int, int]] = []
         # Step 2: first context chunk of new requests: device reuse -> connector -> allocate.
         for req in new:
-            salt = req.cache_salt or ""
+            salt = req.salt or ""
             max_reuse = ((req.prompt_len - 1) // self.block) * self.block
             reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
             num_reused = len(reused) * self.block
@@ -530,7 +538,7 @@ class StandinExecutor:
                     new_block_ids=list(req.block_ids),
                     computed_position=req.context_pos - matched,
                     num_scheduled_tokens=n,
-                    cache_salt=req.cache_salt,
+                    cache_salt=req.salt,
                 )
             )
             req.reported_blocks = len(req.block_ids)
@@ -543,7 +551,7 @@ class StandinExecutor:
             if req.context_pos < req.prompt_len:  # later context chunk
                 n = self._chunk_len(req)
                 output.cached_requests.append(
-                    RequestData(req.request_id, [], [], req.context_pos, n, cache_salt=req.cache_salt)
+                    RequestData(req.request_id, [], [], req.context_pos, n, cache_salt=req.salt)
                 )
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             else:  # generation: KV of the last sampled token
@@ -553,7 +561,7 @@ class StandinExecutor:
                     new_blocks = self.blocks.allocate(1)
                     req.block_ids.extend(new_blocks)
                 output.cached_requests.append(
-                    RequestData(req.request_id, [req.tokens[-1]], new_blocks, pos, 1, cache_salt=req.cache_salt)
+                    RequestData(req.request_id, [req.tokens[-1]], new_blocks, pos, 1, cache_salt=req.salt)
                 )
                 scheduled.append((req, pos, pos + 1))
         for req, start, end in scheduled:
