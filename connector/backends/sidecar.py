@@ -53,8 +53,9 @@ _STARTUP_WAIT_S = 30.0
 _SHM_DIR = "/dev/shm"
 _MIN_PING_TIMEOUT_S = 2.0
 _RETIRED_GRACE_S = 10.0
-"""A replaced transfer context (server restarted) stays mapped this long: loads secured in its
-segment just before the restart still copy from it. A secured load is used within an iteration."""
+"""A replaced transfer context (server restarted) stays mapped until the end of the engine's
+iteration (``release_loaded``), or this long when the engine is idle: loads secured in its segment
+just before the restart still copy from it."""
 
 _LOCAL_WORKERS: dict[str, SidecarBackend] = {}
 """Rank 0's worker backend per server URL: the scheduler in the same process secures loads through
@@ -153,6 +154,7 @@ class SidecarBackend:
         self._transfer: Any = None
         self._shm_identity: tuple[str, int] | None = None
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
+        self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
         self._loaded: list[TransferOp] = []
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
@@ -464,10 +466,14 @@ class SidecarBackend:
         return [LoadResult(r.nbytes, seconds, r.error) for r in results]
 
     def release_loaded(self) -> None:
-        """Rank 0, after an iteration: release the chunks of the loads copied in it."""
+        """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank
+        unmaps replaced segments (a load is secured and copied in the same iteration, so none is
+        still needed: the restarted server's L1 and the old one share the pod's /dev/shm)."""
         loaded, self._loaded = self._loaded, []
         for op in loaded:
             self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
+        if self._retired:
+            self._close_retired(0.0)
 
     def _secured_views(self, op: TransferOp) -> list[Any]:
         secured = op.secured
@@ -486,9 +492,14 @@ class SidecarBackend:
 
     def _retire(self, transfer: Any, identity: tuple[str, int] | None) -> None:
         """Keep a replaced transfer context mapped for a while (secured loads may still read it)."""
-        self._retired.append((transfer, identity, time.monotonic()))
+        with self._retired_lock:
+            self._retired.append((transfer, identity, time.monotonic()))
 
     def _close_retired(self, older_than_s: float) -> None:
+        with self._retired_lock:
+            self._close_retired_locked(older_than_s)
+
+    def _close_retired_locked(self, older_than_s: float) -> None:
         now = time.monotonic()
         keep = []
         for transfer, identity, since in self._retired:

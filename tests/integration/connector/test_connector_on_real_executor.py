@@ -168,3 +168,37 @@ def test_a_device_prefix_ending_inside_a_block_still_loads_the_rest(
     assert again.device_reused_tokens + again.connector_matched_tokens == 384
     assert again.output_tokens == first.output_tokens and not again.failed
     assert ex.kv_mismatches == 0
+
+
+def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_then_unmapped(
+    doomed_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """The server restarts between the lookup and the load, and the worker has already registered
+    with the new server (a new L1 segment) when the load runs: the load still copies from the old
+    segment, kept mapped until the end of the iteration and unmapped then."""
+    ex = executor_factory("restart-model", doomed_server.url)
+    prompt = make_prompt(90, 200)
+    (first,) = ex.run([PromptRequest(1, prompt, 2)])
+    ex.evict_device_cache()
+    worker = ex.rank0.worker._backend
+    lookup = ex.scheduler.get_num_new_matched_tokens
+    segments: list[Any] = []
+
+    def lookup_then_restart(request: Any, computed: int) -> tuple[int, bool]:
+        result = lookup(request, computed)
+        segments.append(worker._shm_identity)
+        doomed_server.kill()
+        doomed_server.start()
+        deadline = time.monotonic() + 60
+        while worker._shm_identity in (segments[0], None) and time.monotonic() < deadline:
+            worker.heartbeat_once()
+            time.sleep(0.05)
+        segments.append(worker._shm_identity)
+        return result
+
+    ex.scheduler.get_num_new_matched_tokens = lookup_then_restart
+    (again,) = ex.run([PromptRequest(2, prompt, 2)])
+    assert segments[0] is not None and segments[1] not in (None, segments[0]), segments
+    assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK) and not again.failed
+    assert again.output_tokens == first.output_tokens and ex.kv_mismatches == 0
+    assert worker._retired == []
