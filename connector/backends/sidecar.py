@@ -384,12 +384,13 @@ class SidecarBackend:
         The server hands out the chunks' L1 slots and keeps them read-locked until COMMIT_RETRIEVE;
         the slots live in the shared-memory segment every worker maps, so from here on the load is
         a local copy even if the server dies. None, with nothing left held, unless every chunk of
-        every rank was handed out within the lookup timeout.
+        every rank was handed out within the retrieve timeout: the time a load may take, spent here
+        instead of in ``start_load_kv`` (also waiting for a store that holds the transfer context).
         """
         if not self._up.is_set() or self._shm_identity is None or self._instance_id is None:
             return None
-        deadline = time.monotonic() + self._lookup_timeout_s
-        if not self._lock.acquire(timeout=self._lookup_timeout_s):
+        deadline = time.monotonic() + self._retrieve_timeout_s
+        if not self._lock.acquire(timeout=self._retrieve_timeout_s):
             return None
         asked: list[IPCCacheServerKey] = []
         try:
