@@ -39,6 +39,7 @@ from .trtllm_options import (
     ManualStep,
     MergeFromConfigMap,
     OptionsPlan,
+    chunk_size_problem,
     desired_args,
     merged_options_yaml,
     plan_options,
@@ -484,6 +485,11 @@ def render_injection_fragment(
         return SettingsError(
             f"ConfigMap {plan.configmap} key {plan.key}", "<file>", options_error, reason="invalid_options"
         )
+    # Where the engine's options are known (ours, or merged from the user's ConfigMap), a chunk size
+    # its blocks do not divide is refused here, not by the connector when the engine starts.
+    chunk_problem = None if isinstance(plan, ManualStep) else chunk_size_problem(options_text, settings.chunk_size)
+    if chunk_problem:
+        return SettingsError("cache.chunkSize", settings.chunk_size, chunk_problem)
 
     # Engine container: env, mounts, args.
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)

@@ -185,6 +185,27 @@ def strip_injected_args(args: Sequence[str], original_path: str | None) -> list[
     return argv
 
 
+TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
+"""``kv_cache_config.tokens_per_block`` when an options file sets none (TensorRT-LLM's ``KvCacheConfig``)."""
+
+
+def chunk_size_problem(options_yaml: str, chunk_size: int) -> str | None:
+    """Why LMCache chunks of ``chunk_size`` tokens cannot hold whole KV blocks of the engine these
+    options configure (the connector would refuse them at engine start), or None."""
+    loaded = yaml.safe_load(options_yaml) or {}
+    cache_config = loaded.get("kv_cache_config") if isinstance(loaded, dict) else None
+    block = (cache_config or {}).get("tokens_per_block", TRTLLM_DEFAULT_TOKENS_PER_BLOCK)
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        return None  # TensorRT-LLM refuses such a file itself
+    if chunk_size % block == 0:
+        return None
+    source = "its options file" if "tokens_per_block" in (cache_config or {}) else "TensorRT-LLM's default"
+    return (
+        f"a multiple of the engine's kv_cache_config.tokens_per_block, {block} ({source}): "
+        "LMCache chunks hold whole KV blocks"
+    )
+
+
 def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
     """Our options merged over the user's; (YAML text, error message or None)."""
     base: dict[str, Any] = {}

@@ -68,6 +68,7 @@ OPERATOR_POLICIES: list[tuple[str, dict[str, Any], str]] = [
     ("policy-fs-size-millibytes", {"l2": {"fs": {"path": "/l2", "size": "1500m"}}}, "l2.fs.size"),
     ("policy-resources-garbage", {"sidecar": {"resources": {"limits": {"memory": "lots"}}}}, "sidecar.resources"),
     ("policy-resources-not-resources", {"sidecar": {"resources": {"privileged": True}}}, "sidecar.resources"),
+    ("policy-chunk-not-whole-blocks", {"cache": {"chunkSize": 48}}, "tokens_per_block, 32"),
 ]  # fmt: skip
 
 # (case, spec, text of the apiserver's refusal)

@@ -309,6 +309,33 @@ def test_rerendering_after_a_policy_change_replaces_our_values_only() -> None:
     assert engine["args"].count("--extra_llm_api_options") == 1
 
 
+@pytest.mark.parametrize(
+    ("user_options", "chunk", "refused"),
+    [
+        (None, "48", "tokens_per_block, 32 (TensorRT-LLM's default)"),  # no options file: ours, default blocks
+        ("kv_cache_config:\n  tokens_per_block: 16\n", "48", None),
+        ("kv_cache_config:\n  tokens_per_block: 64\n", "96", "tokens_per_block, 64 (its options file)"),
+        (None, "256", None),
+    ],
+)
+def test_a_chunk_size_the_engines_blocks_do_not_divide_is_refused_before_the_engine_starts(
+    user_options: str | None, chunk: str, refused: str | None
+) -> None:
+    policy = {"metadata": {"name": "p"}, "spec": {"cache": {"chunkSize": int(chunk)}}}
+    settings = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
+    assert isinstance(settings, InjectionSettings), settings
+    obj = deployment()
+    if user_options is not None:
+        engine = container(options_file="/config/extra.yaml")
+        engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+        obj = deployment(containers=[engine], volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}])
+    r = render_injection_fragment(obj, settings, NATIVE, user_options)
+    if refused is None:
+        assert isinstance(r, RenderedInjection), r
+    else:
+        assert isinstance(r, SettingsError) and r.field == "cache.chunkSize" and refused in r.message, r
+
+
 def test_options_from_a_configmap_are_merged_and_the_arg_rewritten() -> None:
     engine = container(options_file="/config/extra.yaml")
     engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
