@@ -155,9 +155,6 @@ BACKEND_SIDECAR: Final = "sidecar"
 BACKEND_INPROCESS: Final = "inprocess"
 
 # --- Metric names (as exposed; counters carry prometheus_client's _total) ----
-CONNECTOR_METRIC_PREFIX: Final = "kvoffload_connector"
-SIDECAR_METRIC_PREFIX: Final = "kvoffload_sidecar"
-OPERATOR_METRIC_PREFIX: Final = "kvoffload_operator"
 
 # Connector (labels: model, backend; errors also operation, reason).
 M_LOOKUP_REQUESTS: Final = "kvoffload_connector_lookup_requests"

@@ -34,7 +34,6 @@ from .managed_fields import (
 )
 from .settings import InjectionSettings, SettingsError
 from .trtllm_options import (
-    OPTIONS_PATH,
     AlreadyOurs,
     ManualStep,
     MergeFromConfigMap,
@@ -686,7 +685,3 @@ def render_removal(workload: Mapping[str, Any]) -> RemovalPlan:
         )
     )
 
-
-def injected_options_path() -> str:
-    """Where the engine container finds the generated options file."""
-    return OPTIONS_PATH

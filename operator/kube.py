@@ -75,10 +75,6 @@ class Kube:
             kwargs["key_file"] = cfg.key_file
         self._pool = urllib3.PoolManager(**kwargs)
 
-    @classmethod
-    def from_environment(cls, kubeconfig: str | None = None) -> Kube:
-        return cls(load_configuration(kubeconfig))
-
     def _headers(self, content_type: str | None) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "kvoffload-operator"}
         if content_type:

@@ -16,7 +16,6 @@ from kvoffload import contract as c
 from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
 
 MODES = ("sidecar", "node")
-SUPPORTED_MODES = ("sidecar", "node")
 EVICTION_POLICIES = ("LRU", "ARC")
 BACKENDS = (c.BACKEND_SIDECAR, c.BACKEND_INPROCESS)
 CONNECTOR_SOURCES = ("init-container", "image")
@@ -485,11 +484,6 @@ def resolve_settings(
     if isinstance(annotated, SettingsError):
         return annotated
     source = c.ANN_MODE if c.ANN_MODE in annotations else f"KVCachePolicy {name}.spec.mode"
-    if annotated.mode not in SUPPORTED_MODES:
-        return SettingsError(
-            source, annotated.mode, "this operator version implements modes " + ", ".join(SUPPORTED_MODES),
-            reason="unsupported",
-        )  # fmt: skip
     if annotated.mode == "node":
         # The shared cache pods are owned by (and configured from) one KVCachePolicy.
         if name is None:
