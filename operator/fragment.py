@@ -684,4 +684,3 @@ def render_removal(workload: Mapping[str, Any]) -> RemovalPlan:
             ApplyStep(c.FIELD_MANAGER, empty),
         )
     )
-
