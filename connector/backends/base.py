@@ -111,9 +111,6 @@ class KVBackend(Protocol):
     def retrieve(self, op: TransferOp) -> int:
         """Load ``op``'s chunks into its blocks; returns bytes moved; raises BackendError."""
 
-    def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
-        """Load every op of one iteration, in order; one ``LoadResult`` per op (errors are returned, not raised)."""
-
     def secure(
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
     ) -> SecuredLoad | None:

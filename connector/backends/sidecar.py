@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,16 +68,6 @@ class _Unsecured(Exception):
 
 def _reason(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
-
-
-@dataclass
-class _LoadInFlight:
-    """A pipelined load whose copies are issued: ``done()`` waits for them."""
-
-    op: TransferOp
-    key: IPCCacheServerKey
-    done: Callable[[], None]
-    started: float
 
 
 class PendingCommits:
@@ -402,8 +392,7 @@ class SidecarBackend:
             per_rank = []
             # Every rank is asked even after a miss: each PREPARE takes over that rank's lookup locks
             # (released by the server on a miss, by our COMMIT otherwise), so none is left behind.
-            for rank in range(self._settings.world_size):
-                key = self._key(session_id, token_ids, start, end, salt, worker=True, rank=rank)
+            for key in self._keys_of_every_rank(session_id, token_ids, start, end, salt):
                 asked.append(key)
                 response = client.prepare_retrieve(key, self._instance_id).result(
                     timeout=max(0.0, deadline - time.monotonic()) + 0.05
@@ -431,8 +420,17 @@ class SidecarBackend:
 
     def commit_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
         """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks."""
-        for rank in range(self._settings.world_size):
-            self._commit_later("retrieve", self._key(session_id, token_ids, start, end, salt, worker=True, rank=rank))
+        for key in self._keys_of_every_rank(session_id, token_ids, start, end, salt):
+            self._commit_later("retrieve", key)
+
+    def _keys_of_every_rank(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+    ) -> list[IPCCacheServerKey]:
+        """Rank by rank, the worker keys of one load: what PREPARE secures and COMMIT releases."""
+        return [
+            self._key(session_id, token_ids, start, end, salt, worker=True, rank=rank)
+            for rank in range(self._settings.world_size)
+        ]
 
     def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
         """Copy each op's secured chunks (this rank's) into its blocks: local copies, one wait for all.
@@ -564,79 +562,6 @@ class SidecarBackend:
                 op.skip_tokens // self._settings.tokens_per_block,
                 self._blocks_per_chunk,
             )
-
-    def retrieve_all(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
-        """Load one iteration's ops in order. With the fast copies and several ops, pipelined: the
-        next op's PREPARE_RETRIEVE goes to the server while the previous op's DMA runs. The first
-        failure marks the backend down (as ``retrieve``); the ops after it fail as unavailable."""
-        if len(ops) < 2 or self._pool is None or not self._fast_copies():
-            return [self._load_one(op) for op in ops]
-        try:
-            transfer = self._acquire("retrieve", self._retrieve_timeout_s)
-        except BackendError as exc:
-            return [LoadResult(0, 0.0, exc) for _ in ops]
-        results: list[LoadResult] = []
-        in_flight: _LoadInFlight | None = None
-        try:
-            edc = transfer.engine_driven_context
-            edc.mq_timeout = self._retrieve_timeout_s
-            for op in ops:
-                started = time.perf_counter()
-                key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
-                error: BackendError | None = None
-                chunks = None
-                try:
-                    if not self._up.is_set():
-                        raise BackendError("retrieve", "unavailable")
-                    chunks = edc.prepare_retrieve(key, self._instance_id)  # overlaps the DMA in flight
-                except BackendError as exc:
-                    error = exc
-                except Exception as exc:
-                    error = self._fail("retrieve", _reason(exc), repr(exc))
-                if in_flight is not None:
-                    results.append(self._finish_load(in_flight))
-                    in_flight = None
-                if error is not None:
-                    results.append(LoadResult(0, time.perf_counter() - started, error))
-                    continue
-                if not self._slots_cover(chunks, op):
-                    self._commit_later("retrieve", key)
-                    miss = self._fail("retrieve", "miss", f"session={op.session_id}")
-                    results.append(LoadResult(0, time.perf_counter() - started, miss))
-                    continue
-                try:
-                    self._issue_load_copies(op, chunks)
-                    done = self._copies.record()
-                except Exception as exc:  # e.g. a slot of another size: nothing of it is used
-                    self._copies.synchronize()
-                    self._commit_later("retrieve", key)
-                    results.append(
-                        LoadResult(0, time.perf_counter() - started, self._fail("retrieve", "server_error", repr(exc)))
-                    )
-                    continue
-                in_flight = _LoadInFlight(op, key, done, started)
-            if in_flight is not None:
-                results.append(self._finish_load(in_flight))
-                in_flight = None
-        finally:
-            if in_flight is not None:  # an unexpected error between issuing copies and finishing them
-                self._copies.synchronize()
-                self._commit_later("retrieve", in_flight.key)
-            self._lock.release()
-        return results
-
-    def _finish_load(self, load: _LoadInFlight) -> LoadResult:
-        """Wait for one pipelined load's copies, then hand its slots back (deferred COMMIT)."""
-        load.done()
-        self._commit_later("retrieve", load.key)
-        return LoadResult(self._loaded_bytes(load.op), time.perf_counter() - load.started)
-
-    def _load_one(self, op: TransferOp) -> LoadResult:
-        started = time.perf_counter()
-        try:
-            return LoadResult(self.retrieve(op), time.perf_counter() - started)
-        except BackendError as exc:
-            return LoadResult(0, time.perf_counter() - started, exc)
 
     def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
         assert self._instance_id is not None
