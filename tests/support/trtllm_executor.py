@@ -671,7 +671,7 @@ class StandinExecutor:
             active.remove(req)
         self._terminate(req, {})
 
-    def _terminate(self, req: StandinLlmRequest, commit: dict[int, tuple[str, int]]) -> None:
+    def _terminate(self, req: StandinLlmRequest, commit: dict[int, tuple[str, int, int, tuple[int, ...]]]) -> None:
         """A request ended other than by finishing: ``request_finished`` only where this version's
         ``_do_terminate_request`` calls it; otherwise its blocks are simply freed."""
         if self.behaviour.request_finished_on_termination and self.scheduler.request_finished(req, list(req.block_ids)):
