@@ -22,9 +22,6 @@ FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvoffload/ kvoffload/
-COPY operator/ operator/
-COPY sidecar/ sidecar/
-COPY connector/ connector/
 # hadolint ignore=DL3013
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

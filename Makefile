@@ -24,6 +24,7 @@ test: setup lint typecheck pytest
 lint:
 	@$(PY) -m ruff check .
 	@$(PY) -m ruff format --check .
+	@$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command(['--no-cache'])"
 
 typecheck:
 	@$(PY) -m mypy kvoffload

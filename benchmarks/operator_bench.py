@@ -177,7 +177,7 @@ class Tracker:
 
     def on_deployment(self, _type: str, obj: dict[str, Any], now: float) -> None:
         from kvoffload import contract as c
-        from tests.integration.operator.operator_support import is_injected
+        from tests.support.operator_support import is_injected
 
         name = obj["metadata"]["name"]
         with self.cond:
@@ -242,7 +242,7 @@ def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any,
     import yaml
 
     from hack.localcluster import LocalCluster
-    from tests.integration.operator.operator_support import (
+    from tests.support.operator_support import (
         CRD_FILE,
         OPERATOR_NAMESPACE,
         OPERATOR_SA,
@@ -320,8 +320,8 @@ def _namespace(api: Api, name: str) -> str:
 
 
 def _create(api: Api, ns: str, name: str, replicas: int, annotated: bool) -> None:
+    from hack.workloads import trtllm_deployment
     from kvoffload import contract as c
-    from tests.support.workloads import trtllm_deployment
 
     body = trtllm_deployment(name, ns, replicas=replicas, annotations={c.ANN_ENABLED: "true"} if annotated else None)
     api.request("POST", f"/apis/apps/v1/namespaces/{ns}/deployments", body)

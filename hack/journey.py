@@ -271,7 +271,7 @@ class Journey:
 
     # --- 2. a TensorRT-LLM Deployment -------------------------------------------
     def create_workload(self, options_from_configmap: bool) -> None:
-        from tests.support.workloads import trtllm_container, trtllm_deployment
+        from hack.workloads import trtllm_container, trtllm_deployment
 
         self.kubectl("create", "namespace", self.namespace, check=False)
         self.kubectl("label", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=baseline", "--overwrite")

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.operator_support import OperatorProcess, events_for, template
-from tests.support.workloads import apply, get, trtllm_deployment, wait_for
+from tests.support.operator_support import OperatorProcess, events_for, template
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane]
 

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from hack.localcluster import LocalCluster
+from hack.workloads import get
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.operator.settings import SettingsError, resolve_settings
-from tests.support.workloads import get
-from tests.unit.reliability import test_reliability_fuzz as fuzz
+from tests.support import fuzz_strategies as fuzz
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane]
 SAMPLE = 20
@@ -45,7 +45,7 @@ def test_sample_of_rendered_fragments_passes_server_side_dry_run(
     cluster: LocalCluster, namespace: str, workload: dict[str, Any], spec: dict[str, Any], annotations: dict[str, str]
 ) -> None:
     annotations = {**annotations, c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
-    resolved = resolve_settings(annotations, fuzz._policy(spec), fuzz.DEFAULTS, namespace)
+    resolved = resolve_settings(annotations, fuzz.policy_object(spec), fuzz.DEFAULTS, namespace)
     assume(not isinstance(resolved, SettingsError))
     assert not isinstance(resolved, SettingsError)
     workload["metadata"] = {"name": f"dry-{next(_names)}", "namespace": namespace}  # no kvoffload annotations:

@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.operator_support import (
+from tests.support.operator_support import (
     OperatorProcess,
     annotate,
+    assert_no_duplicates,
     is_clean,
     is_injected,
 )
-from tests.integration.operator.test_operator_scale import _assert_no_duplicates
-from tests.reliability.scale import count
-from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
+from tests.support.scale import count
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane, pytest.mark.timeout(count(ci=900, soak=2400))]
 CHANGES = count(ci=12, soak=50)
@@ -118,7 +118,7 @@ def test_operator_sigkilled_at_random_points_converges_with_one_rollout_per_chan
     for name, want in desired.items():
         obj = get(cluster, "deployment", name, namespace)
         if want.enabled:
-            _assert_no_duplicates(obj)
+            assert_no_duplicates(obj)
         generation = obj["metadata"]["generation"]
         limit = 1 + want.user_edits + want.intended_changes
         report.append(f"{name}: generation {generation} <= {limit} (user edits {want.user_edits}, "

@@ -18,15 +18,15 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.operator_support import (
+from tests.support.operator_support import (
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     OperatorProcess,
     events_for,
     wait_injected,
 )
-from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane]
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvoffload"

@@ -25,10 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import contract
-from tests.integration.sidecar.sidecar_harness import Sidecar, sidecar_env
-from tests.integration.sidecar.test_sidecar_process import sample_sum
-from tests.reliability.scale import count
 from tests.support.connector_env import set_connector_env
+from tests.support.scale import count
+from tests.support.sidecar_harness import Sidecar, sample_sum, sidecar_env
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
 
 # The soak's 20 kills meet the supervisor's 30 s backoff cap: allow more than pytest's default 900 s.

@@ -16,14 +16,14 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
-from tests.integration.operator.operator_support import (
+from hack.workloads import apply
+from tests.support.operator_support import (
     CRD_FILE,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     RULES_FILE,
     OperatorProcess,
 )
-from tests.support.workloads import apply
 
 
 def bind_rules(cluster: LocalCluster, name: str, rules_file: Path) -> None:

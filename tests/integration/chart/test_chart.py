@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, trtllm_deployment
 from kvoffload import contract
-from tests.integration.operator.operator_support import OperatorProcess, is_injected, wait_injected
-from tests.support.workloads import apply, get, trtllm_deployment
+from tests.support.operator_support import OperatorProcess, is_injected, wait_injected
 
 pytestmark = [pytest.mark.chart]
 
@@ -183,7 +183,7 @@ def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) 
         out = cluster.kubectl("get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=operator", "-o", "json")
         return json.loads(out.stdout)["items"]  # type: ignore[no-any-return]
 
-    from tests.support.workloads import wait_for
+    from hack.workloads import wait_for
 
     wait_for(operator_pods, timeout=60, what="operator pods admitted under PodSecurity restricted")
 

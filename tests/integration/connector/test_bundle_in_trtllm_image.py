@@ -21,12 +21,12 @@ import pytest
 
 from hack import trtllm_image
 from hack.journey import shared_prefix_prompts
+from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.connector.bundle import LMCACHE_COMPILED
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.workloads import trtllm_deployment
 
 pytestmark = [pytest.mark.connector, pytest.mark.chart]
 

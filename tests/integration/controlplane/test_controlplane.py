@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from hack.localcluster import GPU_RESOURCE, LocalCluster
-from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.controlplane]
 

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 from hack.localcluster import LocalCluster
-from tests.integration.operator.operator_support import (
+from hack.workloads import wait_for
+from tests.support.operator_fixtures import assert_no_internal_errors, bind_rules
+from tests.support.operator_support import (
     NODE_MODE_RULES_FILE,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     OperatorProcess,
 )
-from tests.support.operator_fixtures import assert_no_internal_errors, bind_rules
-from tests.support.workloads import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,12 @@ import pytest
 
 from hack.journey import JourneyError
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.kube import Kube, load_configuration
 from kvoffload.operator.node_caches import NodeCaches, services_path
 from kvoffload.operator.node_mode import cache_server_url, cache_service_name, node_shm_host_path
-from tests.integration.operator.operator_support import (
+from tests.support.operator_support import (
     OperatorProcess,
     all_containers,
     annotate,
@@ -27,7 +28,6 @@ from tests.integration.operator.operator_support import (
     operator_defaults,
     wait_injected,
 )
-from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 

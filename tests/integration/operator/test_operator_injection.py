@@ -11,8 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, list_objects, trtllm_container, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.operator_support import (
+from tests.support.operator_support import (
     SIDECAR_IMAGE,
     OperatorProcess,
     all_containers,
@@ -25,7 +26,6 @@ from tests.integration.operator.operator_support import (
     wait_clean,
     wait_injected,
 )
-from tests.support.workloads import apply, get, list_objects, trtllm_container, trtllm_deployment, wait_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 

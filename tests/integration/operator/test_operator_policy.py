@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.operator_support import OperatorProcess, events_for, wait_injected
-from tests.support.workloads import apply, get, list_objects, trtllm_deployment, wait_for
+from tests.support.operator_support import OperatorProcess, events_for, wait_injected
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 

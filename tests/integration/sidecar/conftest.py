@@ -1,5 +1,5 @@
 """Fixtures of the sidecar integration tests (defined in ``sidecar_harness``)."""
 
-from .sidecar_harness import make_sidecar, redis_server
+from tests.support.sidecar_harness import make_sidecar, redis_server
 
 __all__ = ["make_sidecar", "redis_server"]

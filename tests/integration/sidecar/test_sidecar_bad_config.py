@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import contract
-
-from .sidecar_harness import sidecar_env
+from tests.support.sidecar_harness import sidecar_env
 
 pytestmark = pytest.mark.sidecar
 

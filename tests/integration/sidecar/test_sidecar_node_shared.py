@@ -21,9 +21,8 @@ import pytest
 import yaml
 
 from kvoffload import contract
+from tests.support.sidecar_harness import Sidecar
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
-
-from .sidecar_harness import Sidecar
 
 pytestmark = [pytest.mark.sidecar, pytest.mark.connector]
 REPO = Path(__file__).resolve().parents[3]

@@ -10,11 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import contract
-
-from .sidecar_harness import RedisServer, Sidecar, http_get, lmcache_client, metric_value, wait_for
+from tests.support.sidecar_harness import (
+    RedisServer,
+    Sidecar,
+    http_get,
+    lmcache_client,
+    metric_value,
+    sample_sum,
+    wait_for,
+)
 
 pytestmark = pytest.mark.sidecar
 
@@ -31,12 +37,6 @@ up.labels("m", "sidecar").set(1)
 print("ready", flush=True)
 sys.stdin.read()
 """
-
-
-def sample_sum(body: str, name: str) -> float | None:
-    """Sum over all label sets of sample ``name``; ``None`` if there is none."""
-    values = [s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
-    return sum(values) if values else None
 
 
 def listening_addresses(port: int) -> set[str]:

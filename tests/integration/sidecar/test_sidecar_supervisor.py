@@ -15,8 +15,7 @@ from kvoffload.sidecar.command import ServerCommand
 from kvoffload.sidecar.lifecycle import HealthLimits
 from kvoffload.sidecar.settings import load_settings
 from kvoffload.sidecar.supervisor import Supervisor
-
-from .sidecar_harness import free_port, wait_for
+from tests.support.sidecar_harness import free_port, wait_for
 
 pytestmark = pytest.mark.sidecar
 FAKE = Path(__file__).with_name("fake_lmcache.py")

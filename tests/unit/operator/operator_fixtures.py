@@ -11,8 +11,8 @@ import copy
 import json
 from typing import Any
 
+from hack.workloads import trtllm_container, trtllm_deployment
 from kvoffload import contract as c
-from tests.support.workloads import trtllm_container, trtllm_deployment
 
 LIST_KEYS = {
     "containers": ("name",),
@@ -100,7 +100,7 @@ def applied(obj: dict[str, Any], body: dict[str, Any], manager: str = c.FIELD_MA
 
 
 def deployment(**kwargs: Any) -> dict[str, Any]:
-    """A live TensorRT-LLM Deployment (see ``tests.support.workloads.trtllm_deployment``)."""
+    """A live TensorRT-LLM Deployment (see ``hack.workloads.trtllm_deployment``)."""
     return live(trtllm_deployment(kwargs.pop("name", "llama"), kwargs.pop("namespace", "ns"), **kwargs))
 
 

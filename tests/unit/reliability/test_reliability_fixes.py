@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
-from tests.support.workloads import trtllm_deployment
 
 pytestmark = pytest.mark.reliability
 DEFAULTS = OperatorDefaults()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import contract
 
@@ -258,3 +259,9 @@ def lmcache_client(sidecar: Sidecar, op: str, sequence: int | str) -> dict[str, 
     assert out.returncode == 0 and lines, f"client {op} failed ({out.returncode}):\n{out.stderr.decode()[-3000:]}"
     result: dict[str, object] = json.loads(lines[-1])
     return result
+
+
+def sample_sum(body: str, name: str) -> float | None:
+    """Sum over all label sets of sample ``name``; ``None`` if there is none."""
+    values = [s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name]
+    return sum(values) if values else None

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,10 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localcluster import LocalCluster, free_port
+from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.settings import OperatorDefaults
 from tests.conftest import REPO_ROOT
-from tests.support.workloads import get, list_objects, wait_for
 
 CHART = REPO_ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
@@ -212,3 +213,17 @@ def server_side_apply(cluster: LocalCluster, manager: str, obj: dict[str, Any], 
     if force:
         args.append("--force-conflicts")
     cluster.kubectl(*args, input=json.dumps(obj))
+
+
+def assert_no_duplicates(dep: dict[str, Any]) -> None:
+    """Each injected container, volume, env var and the options flag appear exactly once."""
+    spec = dep["spec"]["template"]["spec"]
+    names = Counter(x["name"] for x in all_containers(dep))
+    assert names[c.SIDECAR_CONTAINER] == 1 and names[c.BUNDLE_INIT_CONTAINER] == 1, names
+    assert all(n == 1 for n in names.values()), names
+    volumes = Counter(v["name"] for v in spec["volumes"])
+    assert all(n == 1 for n in volumes.values()), volumes
+    engine = next(x for x in spec["containers"] if x["name"] == "trtllm")
+    env = Counter(e["name"] for e in engine["env"])
+    assert all(n == 1 for n in env.values()), env
+    assert engine["args"].count("--extra_llm_api_options") == 1

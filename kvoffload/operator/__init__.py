@@ -1,0 +1,1 @@
+"""The kopf operator: opt-in by annotation, policy from KVCachePolicy, pure decisions, thin effects."""

@@ -1,0 +1,1 @@
+"""The cache-server container: validated configuration, the supervised LMCache MP server, health and metrics."""
