@@ -17,6 +17,7 @@ import yaml
 
 from kvoffload import __version__
 from kvoffload import contract as c
+from kvoffload.policy import EVICTION_POLICIES, GPU_ACCESS_MODES, PolicyError
 from kvoffload.quantity import QuantityError, parse_bytes
 
 from .fragment import ClusterInfo
@@ -24,7 +25,7 @@ from .kube import Kube, load_configuration
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .reconcile import EventRecorder, Reconciler
-from .settings import EVICTION_POLICIES, GPU_ACCESS_MODES, OperatorDefaults, SettingsError, base_settings
+from .settings import OperatorDefaults, base_settings
 
 PROG = "kvoffload-operator"
 NATIVE_SIDECAR_MIN = (1, 29)
@@ -110,7 +111,7 @@ def defaults_from(args: argparse.Namespace) -> OperatorDefaults:
     except (QuantityError, ValueError) as exc:
         raise SystemExit(f"{PROG}: {exc}") from None
     checked = base_settings(defaults)
-    if isinstance(checked, SettingsError):
+    if isinstance(checked, PolicyError):
         raise SystemExit(f"{PROG}: {checked.message}")
     return defaults
 

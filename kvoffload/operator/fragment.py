@@ -21,6 +21,7 @@ from typing import Any
 
 from kvoffload import __version__
 from kvoffload import contract as c
+from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes
 
 from .managed_fields import (
@@ -32,7 +33,7 @@ from .managed_fields import (
     owned_by,
     owned_by_others,
 )
-from .settings import InjectionSettings, SettingsError
+from .settings import InjectionSettings
 from .trtllm_options import (
     AlreadyOurs,
     ManualStep,
@@ -152,33 +153,33 @@ def _empty_body(workload: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def select_engine_container(workload: Mapping[str, Any], settings: InjectionSettings) -> str | SettingsError:
+def select_engine_container(workload: Mapping[str, Any], settings: InjectionSettings) -> str | PolicyError:
     """The TensorRT-LLM container: the annotated one, else the GPU one, else the only one."""
     containers = [x for x in _pod_spec(workload).get("containers") or [] if x.get("name") not in OUR_CONTAINERS]
     names = [str(x.get("name")) for x in containers]
     if settings.container is not None:
         if settings.container in names:
             return settings.container
-        return SettingsError(c.ANN_CONTAINER, settings.container, "one of the pod's containers: " + ", ".join(names))
+        return PolicyError(c.ANN_CONTAINER, settings.container, "one of the pod's containers: " + ", ".join(names))
     gpu = [str(x.get("name")) for x in containers if _requests_gpu(x)]
     if len(gpu) == 1:
         return gpu[0]
     if len(containers) == 1:
         return names[0]
     why = f"{len(gpu)} containers request {GPU_RESOURCE}" if gpu else f"no container requests {GPU_RESOURCE}"
-    return SettingsError(
+    return PolicyError(
         c.ANN_CONTAINER, None,
         f"{why}; set {c.ANN_CONTAINER} to the TensorRT-LLM container, one of: " + ", ".join(names),
         reason="ambiguous_container",
     )  # fmt: skip
 
 
-def _check_shape(workload: Mapping[str, Any]) -> SettingsError | None:
+def _check_shape(workload: Mapping[str, Any]) -> PolicyError | None:
     kind = workload.get("kind")
     if kind not in SUPPORTED_KINDS:
-        return SettingsError("kind", kind, "Deployment or StatefulSet (apps/v1)", reason="unsupported")
+        return PolicyError("kind", kind, "Deployment or StatefulSet (apps/v1)", reason="unsupported")
     if not _pod_spec(workload).get("containers"):
-        return SettingsError("spec.template.spec.containers", None, "at least one container", reason="unsupported")
+        return PolicyError("spec.template.spec.containers", None, "at least one container", reason="unsupported")
     return None
 
 
@@ -227,7 +228,7 @@ def options_source(workload: Mapping[str, Any], settings: InjectionSettings) -> 
     if _check_shape(workload):
         return None
     name = select_engine_container(workload, settings)
-    if isinstance(name, SettingsError):
+    if isinstance(name, PolicyError):
         return None
     view = _engine_view(workload, name)
     plan = plan_options(view.container, _user_volumes(workload), view.original_options_path)
@@ -267,7 +268,7 @@ def _engine_env(settings: InjectionSettings, server_url: str, serve_metrics: boo
 
 
 def _merge_engine_env(ours: list[dict[str, Any]], user_env: Sequence[Mapping[str, Any]], container: str
-                      ) -> tuple[list[dict[str, Any]], SettingsError | None]:  # fmt: skip
+                      ) -> tuple[list[dict[str, Any]], PolicyError | None]:  # fmt: skip
     """Our env entries next to the user's: equal values are shared, a user override wins for
     tunables, and a different value of a required variable is an error."""
     users = {str(e.get("name")): e for e in user_env}
@@ -285,14 +286,14 @@ def _merge_engine_env(ours: list[dict[str, Any]], user_env: Sequence[Mapping[str
             if user_value.split(":")[0] == c.BUNDLE_PYTHONPATH:
                 result.append({"name": name, "value": user_value})
                 continue
-            return result, SettingsError(
+            return result, PolicyError(
                 f"container {container} env {name}", user_value,
                 f"kvoffload needs {c.BUNDLE_PYTHONPATH} first on it: set {name}={c.BUNDLE_PYTHONPATH}:{user_value} "
                 f"yourself, or put the connector in your image and set {c.ANN_CONNECTOR_SOURCE}: image",
                 reason="conflict",
             )  # fmt: skip
         if name in REQUIRED_ENGINE_ENV:
-            return result, SettingsError(
+            return result, PolicyError(
                 f"container {container} env {name}", user_value if "valueFrom" not in users[name] else "valueFrom",
                 f"kvoffload needs {name}={entry['value']}; remove your setting", reason="conflict",
             )  # fmt: skip
@@ -392,7 +393,7 @@ def _bundle_container(settings: InjectionSettings) -> dict[str, Any]:
     }
 
 
-def _check_collisions(workload: Mapping[str, Any], engine: str, view: _EngineView) -> SettingsError | None:
+def _check_collisions(workload: Mapping[str, Any], engine: str, view: _EngineView) -> PolicyError | None:
     """Names and paths we inject that the user already uses for something else."""
     spec = _pod_spec(workload)
     for list_name in ("containers", "initContainers"):
@@ -400,20 +401,20 @@ def _check_collisions(workload: Mapping[str, Any], engine: str, view: _EngineVie
             if x.get("name") in OUR_CONTAINERS and owned_by_others(
                 workload, container_path(list_name, str(x.get("name"))), c.FIELD_MANAGER
             ):
-                return SettingsError(
+                return PolicyError(
                     f"spec.template.spec.{list_name}[{x.get('name')}]", x.get("name"),
                     "kvoffload reserves this container name; rename your container", reason="conflict",
                 )  # fmt: skip
     for v in _user_volumes(workload):
         if v.get("name") in OUR_VOLUMES:
-            return SettingsError(
+            return PolicyError(
                 "spec.template.spec.volumes", v.get("name"),
                 "kvoffload reserves this volume name; rename your volume", reason="conflict",
             )  # fmt: skip
     ours = (c.RUN_MOUNT_PATH, c.BUNDLE_MOUNT_PATH, c.TRTLLM_OPTIONS_MOUNT_PATH)
     for m in view.container.get("volumeMounts") or []:
         if str(m.get("mountPath", "")).rstrip("/") in ours:
-            return SettingsError(
+            return PolicyError(
                 f"container {engine} volumeMounts", m.get("mountPath"),
                 "kvoffload mounts its own volume there; move your mount", reason="conflict",
             )  # fmt: skip
@@ -447,7 +448,7 @@ def render_injection_fragment(
     cluster: ClusterInfo,
     user_options_yaml: str | None = None,
     node_cache: NodeCacheWiring | None = None,
-) -> RenderedInjection | SettingsError:
+) -> RenderedInjection | PolicyError:
     """The SSA bodies (workload fragment and generated ConfigMap) for an opted-in workload.
 
     ``user_options_yaml`` is the user's TensorRT-LLM options file when :func:`options_source`
@@ -458,7 +459,7 @@ def render_injection_fragment(
     if shape:
         return shape
     engine = select_engine_container(workload, settings)
-    if isinstance(engine, SettingsError):
+    if isinstance(engine, PolicyError):
         return engine
     view = _engine_view(workload, engine)
     collision = _check_collisions(workload, engine, view)
@@ -481,14 +482,14 @@ def render_injection_fragment(
     )
     if options_error:
         assert isinstance(plan, MergeFromConfigMap)
-        return SettingsError(
+        return PolicyError(
             f"ConfigMap {plan.configmap} key {plan.key}", "<file>", options_error, reason="invalid_options"
         )
     # Where the engine's options are known (ours, or merged from the user's ConfigMap), a chunk size
     # its blocks do not divide is refused here, not by the connector when the engine starts.
     chunk_problem = None if isinstance(plan, ManualStep) else chunk_size_problem(options_text, settings.chunk_size)
     if chunk_problem:
-        return SettingsError("cache.chunkSize", settings.chunk_size, chunk_problem)
+        return PolicyError("cache.chunkSize", settings.chunk_size, chunk_problem)
 
     # Engine container: env, mounts, args.
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
@@ -507,7 +508,7 @@ def render_injection_fragment(
         None,
     )
     if user_shm is not None and node_cache is not None:
-        return SettingsError(
+        return PolicyError(
             f"container {engine} volumeMounts", c.SHM_MOUNT_PATH,
             "mode node mounts the node's shared /dev/shm there (the cache pod's L1 lives in it); remove your mount",
             reason="conflict",
@@ -577,7 +578,7 @@ def render_injection_fragment(
         # per pod guarantees that (two namespaces could both hand out the same PID).
         share = spec.get("shareProcessNamespace")
         if share is False and owned_by_others(workload, (*TEMPLATE_SPEC, "f:shareProcessNamespace"), c.FIELD_MANAGER):
-            return SettingsError(
+            return PolicyError(
                 "spec.template.spec.shareProcessNamespace", False,
                 "kvoffload needs true (CUDA IPC needs distinct PIDs for engine and cache server); remove the field",
                 reason="conflict",

@@ -15,7 +15,7 @@ ERROR_REASONS = (
     "invalid_settings", "policy_missing", "ambiguous_container", "unsupported", "conflict",
     "options_missing", "invalid_options", "api_error", "internal",
 )  # fmt: skip
-"""``reason`` label of the error counter (SettingsError.reason, plus API and internal failures)."""
+"""``reason`` label of the error counter (PolicyError.reason, plus API and internal failures)."""
 
 
 class OperatorMetrics:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.policy import PolicyError
 
 from .drift import object_carries
 from .kube import Kube, KubeApiError, namespaced_path, policy_path
@@ -27,7 +28,7 @@ from .node_mode import (
     render_cache_network_policy,
     render_cache_service,
 )
-from .settings import OperatorDefaults, SettingsError
+from .settings import OperatorDefaults
 
 log = logging.getLogger("kvoffload.operator")
 
@@ -81,7 +82,7 @@ class NodeCaches:
             desired: dict[str, dict[str, Any]] = {}
             if policy is not None:
                 settings = cache_settings(policy, self.defaults)
-                if isinstance(settings, SettingsError):
+                if isinstance(settings, PolicyError):
                     log.warning("node caches %s/%s: %s (cache pods left as they are)", namespace, policy_name,
                                 settings.message)  # fmt: skip
                     return False

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvoffload import __version__
 from kvoffload import contract as c
+from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes
 
 from .fragment import (
@@ -33,7 +34,7 @@ from .fragment import (
     _sidecar_container,
     render_injection_fragment,
 )
-from .settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+from .settings import InjectionSettings, OperatorDefaults, resolve_settings
 
 MAX_NAME = 63
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -100,7 +101,7 @@ def _owner(policy: Mapping[str, Any]) -> dict[str, Any]:
     return owner
 
 
-def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> InjectionSettings | SettingsError:
+def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> InjectionSettings | PolicyError:
     """The shared cache's settings: operator defaults < the policy (no workload's annotations)."""
     namespace, name = _policy_meta(policy)
     return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: name}, policy, defaults, namespace)
@@ -111,14 +112,14 @@ def render_node_mode_fragment(
     settings: InjectionSettings,
     cluster: ClusterInfo,
     user_options_yaml: str | None = None,
-) -> RenderedInjection | SettingsError:
+) -> RenderedInjection | PolicyError:
     """The engine side of node mode: the sidecar-mode fragment without the sidecar, wired to
     the node's cache pod (Service URL, the node's shared /dev/shm, the policy label)."""
     meta = workload.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     for key in CACHE_SETTING_ANNOTATIONS:
         if key in annotations:
-            return SettingsError(
+            return PolicyError(
                 key, annotations[key],
                 "in mode node the cache is shared by the policy's workloads on a node; set it in the "
                 f"KVCachePolicy {settings.policy_name} (spec.cache.l1Size) and remove the annotation",

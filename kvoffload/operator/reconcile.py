@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.policy import PolicyError
 
 from .drift import object_carries
 from .fragment import (
@@ -39,7 +40,6 @@ from .node_mode import render_node_mode_fragment
 from .retry import RetryQueue
 from .settings import (
     OperatorDefaults,
-    SettingsError,
     enabled_state,
     policy_name,
     resolve_settings,
@@ -227,7 +227,7 @@ class Reconciler:
             return "noop"  # being deleted: an apply could only race the garbage collector
         annotations = meta.get("annotations") or {}
         enabled = enabled_state(annotations)
-        if isinstance(enabled, SettingsError):
+        if isinstance(enabled, PolicyError):
             return self._reject(obj, enabled, state=_ours_annotations(annotations))
         if not enabled:
             return self._remove(obj)
@@ -243,10 +243,10 @@ class Reconciler:
                 return "noop"
         state = f"{meta.get('generation')}/{fingerprint[1]}/{fingerprint[2]}"
         settings = resolve_settings(annotations, policy, self.defaults, str(meta.get("namespace")))
-        if isinstance(settings, SettingsError):
+        if isinstance(settings, PolicyError):
             return self._reject(obj, settings, state)
         if settings.mode == "node" and self.node_caches is None:
-            return self._reject(obj, SettingsError(
+            return self._reject(obj, PolicyError(
                 "mode", "node", "node mode is off in this operator: it needs the pod rights the chart grants "
                 "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
                 reason="unsupported",
@@ -258,14 +258,14 @@ class Reconciler:
             user_options = ((cm or {}).get("data") or {}).get(source.key)
             if user_options is None:
                 what = "does not exist" if cm is None else f"has no key {source.key!r}"
-                return self._reject(obj, SettingsError(
+                return self._reject(obj, PolicyError(
                     f"ConfigMap {source.configmap}", source.key,
                     f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
                     reason="options_missing",
                 ), state)  # fmt: skip
         render = render_node_mode_fragment if settings.mode == "node" else render_injection_fragment
         rendered = render(obj, settings, self.cluster, user_options)
-        if isinstance(rendered, SettingsError):
+        if isinstance(rendered, PolicyError):
             return self._reject(obj, rendered, state)
         answer: Mapping[str, Any] | None = None
         with self._lock:
@@ -284,7 +284,7 @@ class Reconciler:
                 # generation has nothing to do either: remember both as done.
                 again = render(answer, settings, self.cluster, user_options)
                 answer_meta = answer.get("metadata") or {}
-                if (not isinstance(again, SettingsError) and again.config_hash == rendered.config_hash
+                if (not isinstance(again, PolicyError) and again.config_hash == rendered.config_hash
                         and object_carries(again.workload_apply, answer)):  # fmt: skip
                     done.add((answer_meta.get("generation"),
                               _ours_annotations(answer_meta.get("annotations") or {}), *fingerprint[2:]))  # fmt: skip
@@ -324,7 +324,7 @@ class Reconciler:
                 return "skipped", None
             if exc.status == 422:
                 # Input the settings could not judge (e.g. a pod-level rule): say so on the workload.
-                return self._reject(obj, SettingsError(
+                return self._reject(obj, PolicyError(
                     f"{kind} {name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
                     reason="rejected_by_apiserver",
                 ), state), None  # fmt: skip
@@ -440,7 +440,7 @@ class Reconciler:
                 body["metadata"]["resourceVersion"] = version
             self.kube.apply(path, body, step.field_manager, force=False)
 
-    def _reject(self, obj: Mapping[str, Any], error: SettingsError, state: str) -> str:
+    def _reject(self, obj: Mapping[str, Any], error: PolicyError, state: str) -> str:
         """Bad input: a Warning Event naming field, value and what is allowed; nothing applied."""
         self.metrics.errors.labels(kind=str(obj.get("kind")), reason=error.reason).inc()
         self.events.post(obj, "Warning", "KvoffloadInvalid", error.message, state)
@@ -606,7 +606,7 @@ def desired_policy_status(policy: Mapping[str, Any], defaults: OperatorDefaults,
     (node mode) each node's cache pod with its readiness."""
     meta = policy.get("metadata") or {}
     check = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: str(meta.get("name"))}, policy, defaults)
-    ok = not isinstance(check, SettingsError)
+    ok = not isinstance(check, PolicyError)
     condition = {
         "type": READY,
         "status": "True" if ok else "False",

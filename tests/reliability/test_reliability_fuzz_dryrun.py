@@ -19,7 +19,8 @@ from hack.localcluster import LocalCluster
 from hack.workloads import get
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.settings import SettingsError, resolve_settings
+from kvoffload.operator.settings import resolve_settings
+from kvoffload.policy import PolicyError
 from tests.support import fuzz_strategies as fuzz
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane]
@@ -46,8 +47,8 @@ def test_sample_of_rendered_fragments_passes_server_side_dry_run(
 ) -> None:
     annotations = {**annotations, c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
     resolved = resolve_settings(annotations, fuzz.policy_object(spec), fuzz.DEFAULTS, namespace)
-    assume(not isinstance(resolved, SettingsError))
-    assert not isinstance(resolved, SettingsError)
+    assume(not isinstance(resolved, PolicyError))
+    assert not isinstance(resolved, PolicyError)
     workload["metadata"] = {"name": f"dry-{next(_names)}", "namespace": namespace}  # no kvoffload annotations:
     # the operator leaves it alone; the renderer takes the settings directly.
     workload["spec"]["selector"]["matchLabels"] = workload["spec"]["template"]["metadata"]["labels"] = {"app": "dry"}

@@ -29,7 +29,8 @@ from kvoffload.operator.node_mode import (
     render_node_mode_fragment,
 )
 from kvoffload.operator.reconcile import desired_policy_status
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.policy import PolicyError
 from tests.unit.operator.operator_fixtures import applied, container, deployment
 
 pytestmark = pytest.mark.operator
@@ -95,7 +96,7 @@ def test_node_mode_needs_a_policy_and_the_sidecar_backend(
     annotations: dict[str, str], pol: dict[str, Any] | None, field: str, words: str
 ) -> None:
     e = resolve_settings({c.ANN_ENABLED: "true", **annotations}, pol, DEFAULTS, "ns")
-    assert isinstance(e, SettingsError) and e.field == field and words in e.message, e
+    assert isinstance(e, PolicyError) and e.field == field and words in e.message, e
 
 
 # --- the engine's fragment ------------------------------------------------------
@@ -171,10 +172,10 @@ def test_user_shm_mount_and_per_workload_cache_size_are_errors_in_node_mode() ->
         volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     )
     e = render_node_mode_fragment(obj, node_settings(), NATIVE)
-    assert isinstance(e, SettingsError) and e.reason == "conflict" and "/dev/shm" in e.message
+    assert isinstance(e, PolicyError) and e.reason == "conflict" and "/dev/shm" in e.message
     sized = deployment(annotations={c.ANN_CPU_CACHE_SIZE: "8Gi"})
     e = render_node_mode_fragment(sized, node_settings(**{c.ANN_CPU_CACHE_SIZE: "8Gi"}), NATIVE)
-    assert isinstance(e, SettingsError) and e.field == c.ANN_CPU_CACHE_SIZE and "spec.cache.l1Size" in e.message
+    assert isinstance(e, PolicyError) and e.field == c.ANN_CPU_CACHE_SIZE and "spec.cache.l1Size" in e.message
 
 
 # --- cache pods -------------------------------------------------------------------

@@ -17,8 +17,9 @@ from kvoffload.operator.fragment import (
     render_injection_fragment,
     render_removal,
 )
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.trtllm_options import OPTIONS_PATH
+from kvoffload.policy import PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 
@@ -40,9 +41,9 @@ def render(obj: dict[str, Any], cluster: ClusterInfo = NATIVE, user_options: str
     return r
 
 
-def fail(obj: dict[str, Any], **annotations: str) -> SettingsError:
+def fail(obj: dict[str, Any], **annotations: str) -> PolicyError:
     r = render_injection_fragment(obj, settings_for(**annotations), NATIVE)
-    assert isinstance(r, SettingsError), r
+    assert isinstance(r, PolicyError), r
     return r
 
 
@@ -181,7 +182,7 @@ def test_existing_env_var_of_the_same_name(name: str, value: str, outcome: str) 
     obj = deployment(containers=[engine])
     r = render_injection_fragment(obj, settings_for(), NATIVE)
     if outcome == "error":
-        assert isinstance(r, SettingsError) and r.reason == "conflict"
+        assert isinstance(r, PolicyError) and r.reason == "conflict"
         assert name in r.message and repr(value) in r.message
         return
     assert isinstance(r, RenderedInjection)
@@ -333,7 +334,7 @@ def test_a_chunk_size_the_engines_blocks_do_not_divide_is_refused_before_the_eng
     if refused is None:
         assert isinstance(r, RenderedInjection), r
     else:
-        assert isinstance(r, SettingsError) and r.field == "cache.chunkSize" and refused in r.message, r
+        assert isinstance(r, PolicyError) and r.field == "cache.chunkSize" and refused in r.message, r
 
 
 def test_options_from_a_configmap_are_merged_and_the_arg_rewritten() -> None:
@@ -424,7 +425,7 @@ def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[di
     obj = deployment(containers=containers, volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}}])
     cluster = NATIVE if native else PLAIN
     r = render_injection_fragment(obj, settings_for(**annotations), cluster)
-    if isinstance(r, SettingsError):
+    if isinstance(r, PolicyError):
         assert r.message and r.field
         return
     spec = pod(r.workload_apply)

@@ -12,11 +12,11 @@ from kvoffload import contract as c
 from kvoffload.operator.settings import (
     InjectionSettings,
     OperatorDefaults,
-    SettingsError,
     base_settings,
     enabled_state,
     resolve_settings,
 )
+from kvoffload.policy import PolicyError
 
 pytestmark = pytest.mark.operator
 DEFAULTS = OperatorDefaults()
@@ -29,9 +29,9 @@ def ok(annotations: dict[str, str], policy: dict[str, Any] | None = None,
     return result
 
 
-def err(annotations: dict[str, str], policy: dict[str, Any] | None = None) -> SettingsError:
+def err(annotations: dict[str, str], policy: dict[str, Any] | None = None) -> PolicyError:
     result = resolve_settings({c.ANN_ENABLED: "true", **annotations}, policy, DEFAULTS, "ns")
-    assert isinstance(result, SettingsError), result
+    assert isinstance(result, PolicyError), result
     return result
 
 
@@ -51,7 +51,7 @@ def test_enabled_state(annotations: dict[str, str], expected: bool) -> None:
 @pytest.mark.parametrize("value", ["yes", "1", "", "on", "TRUE", "True", " true ", "false\n"])
 def test_enabled_state_rejects_other_values_naming_what_is_allowed(value: str) -> None:
     result = enabled_state({c.ANN_ENABLED: value})
-    assert isinstance(result, SettingsError)
+    assert isinstance(result, PolicyError)
     assert c.ANN_ENABLED in result.message and repr(value) in result.message and '"true" or "false"' in result.message
 
 
@@ -80,7 +80,7 @@ def test_defaults_file_spec_lays_over_flag_defaults() -> None:
     s = ok({}, defaults=defaults)
     assert s.l1_bytes == 2 * 2**30 and s.bundle_image == "b:1"
     bad = base_settings(OperatorDefaults(spec={"cache": {"chunkSize": 7}}))
-    assert isinstance(bad, SettingsError) and "operator defaults.cache.chunkSize" in bad.message
+    assert isinstance(bad, PolicyError) and "operator defaults.cache.chunkSize" in bad.message
 
 
 @pytest.mark.parametrize(
@@ -165,9 +165,9 @@ def test_fuzz_annotations_give_settings_or_an_error_never_an_exception(annotatio
                                                                        ) -> None:  # fmt: skip
     policy = {"metadata": {"name": annotations.get(c.ANN_POLICY, "p")}, "spec": {}} if with_policy else None
     state = enabled_state(annotations)
-    assert isinstance(state, (bool, SettingsError))
+    assert isinstance(state, (bool, PolicyError))
     result = resolve_settings(annotations, policy, DEFAULTS, "ns")
-    if isinstance(result, SettingsError):
+    if isinstance(result, PolicyError):
         assert result.field and "is not allowed" in result.message
     else:
         assert result.l1_bytes > 0 and result.shm_bytes > 0 and result.mode in ("sidecar", "node")

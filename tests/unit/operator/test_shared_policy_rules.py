@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.settings import OperatorDefaults, SettingsError, resolve_settings
+from kvoffload.operator.settings import OperatorDefaults, resolve_settings
+from kvoffload.policy import PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
 
 pytestmark = pytest.mark.operator
@@ -36,7 +37,7 @@ def test_the_crd_l1_minimum_is_the_contracts_and_every_side_refuses_below_it() -
     for size, accepted in (("63Mi", False), (c.MIN_L1_SIZE, True)):
         policy = {"metadata": {"name": "p"}, "spec": {"cache": {"l1Size": size}}}
         s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
-        assert (not isinstance(s, SettingsError)) is accepted
+        assert (not isinstance(s, PolicyError)) is accepted
         try:
             sidecar_settings.load_settings({}, {"cache": {"l1Size": size}})
             sidecar_ok = True
@@ -48,7 +49,7 @@ def test_the_crd_l1_minimum_is_the_contracts_and_every_side_refuses_below_it() -
 def operator_accepts(url: str) -> bool:
     policy = {"metadata": {"name": "p"}, "spec": {"l2": {"redis": {"url": url}}}}
     s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
-    return not isinstance(s, SettingsError)
+    return not isinstance(s, PolicyError)
 
 
 def sidecar_accepts(url: str) -> bool:

@@ -9,14 +9,15 @@ import pytest
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, SettingsError, resolve_settings
+from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.policy import PolicyError
 
 pytestmark = pytest.mark.reliability
 DEFAULTS = OperatorDefaults()
 ON = {c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
 
 
-def _resolve(spec: dict[str, Any]) -> InjectionSettings | SettingsError:
+def _resolve(spec: dict[str, Any]) -> InjectionSettings | PolicyError:
     policy = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "1"}, "spec": spec}
     return resolve_settings(ON, policy, DEFAULTS, "ns")
 
@@ -37,7 +38,7 @@ def _resolve(spec: dict[str, Any]) -> InjectionSettings | SettingsError:
 def test_policy_values_the_apiserver_would_refuse_are_refused_naming_the_field(spec: dict[str, Any], field: str
                                                                                ) -> None:  # fmt: skip
     result = _resolve(spec)
-    assert isinstance(result, SettingsError) and result.field == f"KVCachePolicy p.spec.{field}", result
+    assert isinstance(result, PolicyError) and result.field == f"KVCachePolicy p.spec.{field}", result
 
 
 def test_valid_images_and_resources_still_pass() -> None:

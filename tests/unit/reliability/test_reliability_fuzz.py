@@ -22,10 +22,10 @@ from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment, render_removal
 from kvoffload.operator.settings import (
     InjectionSettings,
-    SettingsError,
     enabled_state,
     resolve_settings,
 )
+from kvoffload.policy import PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
 from tests.support.fuzz_strategies import (
     ANNOTATIONS,
@@ -51,10 +51,10 @@ pytestmark = pytest.mark.reliability
 @given(annotations=ANNOTATIONS)
 def test_fuzz_annotation_parser_never_crashes(annotations: dict[str, str]) -> None:
     annotations = {**annotations, c.ANN_ENABLED: annotations.get(c.ANN_ENABLED, "true")}
-    assert isinstance(enabled_state(annotations), (bool, SettingsError))
+    assert isinstance(enabled_state(annotations), (bool, PolicyError))
     result = resolve_settings(annotations, policy_object({}), DEFAULTS, "ns")
-    assert isinstance(result, (InjectionSettings, SettingsError))
-    if isinstance(result, SettingsError):
+    assert isinstance(result, (InjectionSettings, PolicyError))
+    if isinstance(result, PolicyError):
         assert result.field and result.message.startswith(result.field)
     else:
         assert result.l1_bytes > 0 and result.shm_bytes > 0 and result.mode in ("sidecar", "node")
@@ -66,9 +66,9 @@ def test_fuzz_annotation_parser_never_crashes(annotations: dict[str, str]) -> No
 def test_fuzz_policy_parser_never_crashes(spec: Any) -> None:
     annotations = {c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
     result = resolve_settings(annotations, policy_object(spec), DEFAULTS, "ns")
-    assert isinstance(result, (InjectionSettings, SettingsError))
+    assert isinstance(result, (InjectionSettings, PolicyError))
     event("accepted" if isinstance(result, InjectionSettings) else "refused")
-    if isinstance(result, SettingsError):
+    if isinstance(result, PolicyError):
         assert result.field and result.allowed
     else:
         assert 16 <= result.chunk_size <= 65536 and result.chunk_size % 16 == 0
@@ -83,11 +83,11 @@ def test_fuzz_fragment_renderer_never_crashes(workload: dict[str, Any], spec: An
     annotations = {**annotations, c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
     workload["metadata"]["annotations"] = annotations
     resolved = resolve_settings(annotations, policy_object(spec), DEFAULTS, "ns")
-    if isinstance(resolved, SettingsError):
+    if isinstance(resolved, PolicyError):
         return
     for native in (True, False):
         rendered = render_injection_fragment(workload, resolved, ClusterInfo(native_sidecars=native))
-        assert isinstance(rendered, (RenderedInjection, SettingsError))
+        assert isinstance(rendered, (RenderedInjection, PolicyError))
         event("rendered" if isinstance(rendered, RenderedInjection) else f"refused: {rendered.reason}")
         if isinstance(rendered, RenderedInjection):
             check_rendered(rendered)

@@ -1,0 +1,358 @@
+"""The KVCachePolicy: its typed form, defaults, limits and the one validator every component uses.
+
+The operator lays a policy ``spec`` (and its own flags, as a spec) over :class:`Policy`'s
+defaults; the sidecar reads the policy file the operator writes (``Policy.document()``) and
+its env through the same field readers; the connector reads its env through them too. So a
+value the CRD admits is a value every component accepts: the CRD's schema is checked against
+:data:`FIELDS` by a test, and a property test drives CRD-valid specs through all three.
+
+Validation never raises: a reader returns the value or a :class:`PolicyError` naming the field,
+the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from kvoffload import contract as c
+from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
+
+MODES = ("sidecar", "node")
+EVICTION_POLICIES = ("LRU", "ARC")
+BACKENDS = (c.BACKEND_SIDECAR, c.BACKEND_INPROCESS)
+CONNECTOR_SOURCES = ("init-container", "image")
+GPU_ACCESS_MODES = ("nvidia-runtime", "none")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+CHUNK_SIZE_MULTIPLE = 16
+"""TensorRT-LLM's tokens_per_block is a power of two >= 16; a chunk must hold whole blocks."""
+MIN_CHUNK_SIZE = CHUNK_SIZE_MULTIPLE
+MAX_CHUNK_SIZE = 65536
+MIN_WORKERS, MAX_WORKERS = 1, 64
+MIN_TIMEOUT_MS, MAX_TIMEOUT_MS = 1, 600_000
+MAX_QUANTITY = "1Pi"
+"""Largest shmSize / l1Size the CRD admits (a typo such as 20Pi is refused, not scheduled)."""
+RESOURCE_KEYS = ("limits", "requests")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+REDIS_URL = re.compile(c.REDIS_URL_PATTERN)
+IMAGE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,1024}$")
+"""An image reference: one token, no whitespace or control characters (else every pod fails to pull)."""
+_K8S_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
+"""Kubernetes' resource.Quantity syntax (any unit: cpu, memory, extended resources)."""
+_RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class PolicyError:
+    """Why a value cannot be used: the field, the value and what would be allowed."""
+
+    field: str
+    value: object
+    allowed: str
+    reason: str = "invalid_settings"
+    """Short machine-readable cause, used as the error metric's ``reason`` label."""
+
+    @property
+    def message(self) -> str:
+        return f"{self.field}: {' '.join(repr(self.value).split())} is not allowed; {self.allowed}"
+
+
+@dataclass(frozen=True)
+class FsTier:
+    """Local-filesystem L2 tier: a directory and the bytes it may hold."""
+
+    path: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RedisTier:
+    """Redis L2 tier; the password, if any, comes from a Secret."""
+
+    url: str
+    password_secret_name: str | None = None
+    password_secret_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One effective policy: every field of a KVCachePolicy ``spec``, defaults filled in."""
+
+    mode: str = "sidecar"
+    shm_bytes: int = 8 * 2**30
+    l1_bytes: int = 20 * 2**30
+    eviction_policy: str = "LRU"
+    chunk_size: int = 256
+    max_workers: int = 4
+    fs_tier: FsTier | None = None
+    redis_tier: RedisTier | None = None
+    sidecar_image: str = "ghcr.io/kvoffload/sidecar:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    sidecar_resources: Mapping[str, Any] | None = None
+    gpu_access: str = "none"
+    """The sidecar's data path (shared-memory L1) needs no GPU; nvidia-runtime is for CUDA-IPC transfer."""
+    runtime_class_name: str | None = None
+    bundle_image: str = "ghcr.io/kvoffload/connector-bundle:0.1.0"
+    backend: str = c.BACKEND_SIDECAR
+    connector_source: str = "init-container"
+    lookup_timeout_ms: int = 100
+    retrieve_timeout_ms: int = 5000
+    store_timeout_ms: int = 5000
+    save_decode_tokens: bool = False
+
+    def document(self) -> dict[str, Any]:
+        """The policy as a CRD ``spec`` (camelCase): what the sidecar reads as policy.json."""
+        doc: dict[str, Any] = {
+            "mode": self.mode,
+            "cache": {
+                "l1Size": format_bytes(self.l1_bytes),
+                "evictionPolicy": self.eviction_policy,
+                "chunkSize": self.chunk_size,
+                "maxWorkers": self.max_workers,
+            },
+            "shmSize": format_bytes(self.shm_bytes),
+            "connector": {
+                "backend": self.backend,
+                "source": self.connector_source,
+                "lookupTimeoutMs": self.lookup_timeout_ms,
+                "retrieveTimeoutMs": self.retrieve_timeout_ms,
+                "storeTimeoutMs": self.store_timeout_ms,
+                "saveDecodeTokens": self.save_decode_tokens,
+            },
+            "ports": {
+                "request": c.REQUEST_PORT,
+                "lmcacheHttp": c.LMCACHE_HTTP_PORT,
+                "sidecarHttp": c.SIDECAR_HTTP_PORT,
+            },
+        }
+        l2: dict[str, Any] = {}
+        if self.fs_tier:
+            l2["fs"] = {"path": self.fs_tier.path, "size": format_bytes(self.fs_tier.size_bytes)}
+        if self.redis_tier:
+            redis: dict[str, Any] = {"url": self.redis_tier.url}
+            if self.redis_tier.password_secret_name:
+                redis["passwordSecretRef"] = {
+                    "name": self.redis_tier.password_secret_name,
+                    "key": self.redis_tier.password_secret_key,
+                }
+            l2["redis"] = redis
+        if l2:
+            doc["l2"] = l2
+        return doc
+
+
+# --- field readers: (value, field name) -> value | PolicyError ----------------
+
+
+def read_choice(allowed: tuple[str, ...]) -> Callable[[object, str], str | PolicyError]:
+    def read(value: object, name: str) -> str | PolicyError:
+        if isinstance(value, str) and value in allowed:
+            return value
+        return PolicyError(name, value, "allowed: " + ", ".join(allowed))
+
+    return read
+
+
+def read_int(lo: int, hi: int, multiple: int = 1) -> Callable[[object, str], int | PolicyError]:
+    def read(value: object, name: str) -> int | PolicyError:
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            return PolicyError(name, value, f"an integer from {lo} to {hi}")
+        if value % multiple:
+            return PolicyError(name, value, f"a multiple of {multiple} (whole TensorRT-LLM blocks)")
+        return value
+
+    return read
+
+
+def read_quantity(
+    minimum: str | None = None, maximum: str = MAX_QUANTITY
+) -> Callable[[object, str], int | PolicyError]:
+    """A byte quantity (``20Gi``) greater than 0, at least ``minimum`` and at most ``maximum``."""
+
+    def read(value: object, name: str) -> int | PolicyError:
+        if not isinstance(value, str):
+            return PolicyError(name, value, "a byte quantity string such as 20Gi")
+        try:
+            size = parse_bytes(value, name)
+        except QuantityError as exc:
+            return PolicyError(name, value, str(exc).split("; ", 1)[-1])
+        low = parse_bytes(minimum, name) if minimum else 1
+        if not low <= size <= parse_bytes(maximum, name):
+            at_least = f"at least {minimum}" if minimum else "greater than 0"
+            why = " (LMCache's L1 must hold whole chunks)" if minimum else ""
+            return PolicyError(name, value, f"a quantity {at_least} and at most {maximum}{why}")
+        return size
+
+    return read
+
+
+def read_bool(value: object, name: str) -> bool | PolicyError:
+    return value if isinstance(value, bool) else PolicyError(name, value, "true or false")
+
+
+def read_mapping(value: object, name: str) -> Mapping[str, Any] | PolicyError:
+    return value if isinstance(value, Mapping) else PolicyError(name, value, "an object")
+
+
+def read_image(value: object, name: str) -> str | PolicyError:
+    if isinstance(value, str) and IMAGE.fullmatch(value):
+        return value
+    return PolicyError(name, value, "an image reference without whitespace or control characters")
+
+
+def read_runtime_class(value: object, name: str) -> str | None | PolicyError:
+    if value in (None, ""):
+        return None
+    if isinstance(value, str) and DNS_LABEL.fullmatch(value):
+        return value
+    return PolicyError(name, value, "a DNS-1123 label or empty")
+
+
+def read_resources(value: object, name: str) -> Mapping[str, Any] | None | PolicyError:
+    """A container ``resources`` object: only limits/requests, each resource name -> quantity."""
+    res = read_mapping(value, name)
+    if isinstance(res, PolicyError):
+        return res
+    for key, amounts in res.items():
+        if key not in RESOURCE_KEYS:
+            return PolicyError(f"{name}.{key}", amounts, "allowed keys: " + ", ".join(RESOURCE_KEYS))
+        if not isinstance(amounts, Mapping):
+            return PolicyError(f"{name}.{key}", amounts, "an object of resource name to quantity")
+        for resource, amount in amounts.items():
+            if not isinstance(resource, str) or not _RESOURCE_NAME.fullmatch(resource):
+                return PolicyError(f"{name}.{key}", resource, "a resource name such as memory or cpu")
+            text = str(amount) if isinstance(amount, int) and not isinstance(amount, bool) else amount
+            if not isinstance(text, str) or not _K8S_QUANTITY.fullmatch(text) or text.startswith("-"):
+                return PolicyError(f"{name}.{key}.{resource}", amount, "a non-negative quantity such as 8Gi or 500m")
+    return dict(res) or None
+
+
+def read_redis_url(value: object, name: str) -> str | PolicyError:
+    if isinstance(value, str) and REDIS_URL.fullmatch(value):
+        return value
+    shown = re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", value) if isinstance(value, str) else value
+    return PolicyError(name, shown, "redis://[user@]host[:port][/0] (LMCache's Redis adapter: plain Redis, "
+                       "database 0; the password goes in a Secret)")  # fmt: skip
+
+
+def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
+    fs = read_mapping(value, name)
+    if isinstance(fs, PolicyError):
+        return fs
+    path = fs.get("path")
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
+        return PolicyError(f"{name}.path", path, "an absolute path without '..'")
+    size = read_quantity()(fs.get("size"), f"{name}.size")
+    return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)
+
+
+def read_redis_tier(value: object, name: str) -> RedisTier | PolicyError:
+    redis = read_mapping(value, name)
+    if isinstance(redis, PolicyError):
+        return redis
+    url = read_redis_url(redis.get("url"), f"{name}.url")
+    if isinstance(url, PolicyError):
+        return url
+    ref = redis.get("passwordSecretRef")
+    if ref is None:
+        return RedisTier(url=url)
+    ref_map = read_mapping(ref, f"{name}.passwordSecretRef")
+    if isinstance(ref_map, PolicyError):
+        return ref_map
+    secret, key = ref_map.get("name"), ref_map.get("key")
+    if not isinstance(secret, str) or len(secret) > 253 or not DNS_LABEL.fullmatch(secret.replace(".", "-")):
+        return PolicyError(f"{name}.passwordSecretRef.name", secret, "a Secret name")
+    if not isinstance(key, str) or not key or len(key) > 253:
+        return PolicyError(f"{name}.passwordSecretRef.key", key, "a key of that Secret")
+    return RedisTier(url=url, password_secret_name=secret, password_secret_key=key)
+
+
+@dataclass(frozen=True)
+class PolicyField:
+    """One settable field: where it sits in the ``spec``, the :class:`Policy` attribute, its reader."""
+
+    path: tuple[str, ...]
+    attr: str
+    read: Callable[[object, str], Any]
+
+    @property
+    def spec_path(self) -> str:
+        return ".".join(self.path)
+
+
+FIELDS: tuple[PolicyField, ...] = (
+    PolicyField(("mode",), "mode", read_choice(MODES)),
+    PolicyField(("shmSize",), "shm_bytes", read_quantity()),
+    PolicyField(("cache", "l1Size"), "l1_bytes", read_quantity(minimum=c.MIN_L1_SIZE)),
+    PolicyField(("cache", "evictionPolicy"), "eviction_policy", read_choice(EVICTION_POLICIES)),
+    PolicyField(("cache", "chunkSize"), "chunk_size", read_int(MIN_CHUNK_SIZE, MAX_CHUNK_SIZE, CHUNK_SIZE_MULTIPLE)),
+    PolicyField(("cache", "maxWorkers"), "max_workers", read_int(MIN_WORKERS, MAX_WORKERS)),
+    PolicyField(("l2", "fs"), "fs_tier", read_fs_tier),
+    PolicyField(("l2", "redis"), "redis_tier", read_redis_tier),
+    PolicyField(("sidecar", "image"), "sidecar_image", read_image),
+    PolicyField(("sidecar", "imagePullPolicy"), "image_pull_policy", read_choice(PULL_POLICIES)),
+    PolicyField(("sidecar", "resources"), "sidecar_resources", read_resources),
+    PolicyField(("sidecar", "gpuAccess"), "gpu_access", read_choice(GPU_ACCESS_MODES)),
+    PolicyField(("sidecar", "runtimeClassName"), "runtime_class_name", read_runtime_class),
+    PolicyField(("connector", "bundleImage"), "bundle_image", read_image),
+    PolicyField(("connector", "backend"), "backend", read_choice(BACKENDS)),
+    PolicyField(("connector", "source"), "connector_source", read_choice(CONNECTOR_SOURCES)),
+    PolicyField(("connector", "lookupTimeoutMs"), "lookup_timeout_ms", read_int(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)),
+    PolicyField(("connector", "retrieveTimeoutMs"), "retrieve_timeout_ms", read_int(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)),
+    PolicyField(("connector", "storeTimeoutMs"), "store_timeout_ms", read_int(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)),
+    PolicyField(("connector", "saveDecodeTokens"), "save_decode_tokens", read_bool),
+)
+"""Every field a KVCachePolicy ``spec`` may set (the CRD's properties, checked by a test)."""
+SECTIONS = ("cache", "l2", "sidecar", "connector")
+"""The object-valued top-level keys of a ``spec``."""
+
+P = TypeVar("P", bound=Policy)
+
+
+def _lookup(spec: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, object]:
+    node: object = spec
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def parse_policy(spec: object, base: P, where: str) -> P | PolicyError:
+    """``base`` with the fields ``spec`` sets laid over it; ``where`` names the spec in messages.
+
+    Works for any :class:`Policy` subclass (the operator's per-workload settings extend it).
+    """
+    root = read_mapping(spec, where)
+    if isinstance(root, PolicyError):
+        return root
+    for section in SECTIONS:
+        if section in root and isinstance(read_mapping(root[section], ""), PolicyError):
+            return PolicyError(f"{where}.{section}", root[section], "an object")
+    updates: dict[str, Any] = {}
+    for f in FIELDS:
+        present, raw = _lookup(root, f.path)
+        if not present:
+            continue
+        value = f.read(raw, f"{where}.{f.spec_path}")
+        if isinstance(value, PolicyError):
+            return value
+        updates[f.attr] = value
+    problem = spec_rule_problem(root, where)
+    return problem or replace(base, **updates)
+
+
+def spec_rule_problem(spec: Mapping[str, Any], where: str) -> PolicyError | None:
+    """The rules between fields of one spec: exactly the CRD's CEL rules."""
+    backend = _lookup(spec, ("connector", "backend"))
+    if spec.get("mode") == "node" and backend[0] and backend[1] != c.BACKEND_SIDECAR:
+        return PolicyError(f"{where}.connector.backend", backend[1],
+                           "mode node needs backend sidecar (the cache server runs in the node's cache pod)")  # fmt: skip
+    lookup = _lookup(spec, ("connector", "lookupTimeoutMs"))
+    retrieve = _lookup(spec, ("connector", "retrieveTimeoutMs"))
+    if lookup[0] and retrieve[0] and lookup[1] > retrieve[1]:  # type: ignore[operator]
+        return PolicyError(f"{where}.connector.lookupTimeoutMs", lookup[1],
+                           f"at most retrieveTimeoutMs ({retrieve[1]}): a lookup waits within a load's time")  # fmt: skip
+    return None
