@@ -37,11 +37,22 @@ MAX_QUANTITY = "1Pi"
 RESOURCE_KEYS = ("limits", "requests")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 REDIS_URL = re.compile(c.REDIS_URL_PATTERN)
-IMAGE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,1024}$")
-"""An image reference: one token, no whitespace or control characters (else every pod fails to pull)."""
+IMAGE_PATTERN = r"^[^\x00-\x20\x7f]+$"
+"""An image reference: one token, no space or control characters (else every pod fails to pull); the CRD's."""
+IMAGE = re.compile(IMAGE_PATTERN)
+MAX_IMAGE_LENGTH = 1024
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A Secret's name (DNS-1123 subdomain, at most 253 characters); the CRD's."""
+FS_PATH_PATTERN = r"^/[^\x00]*$"
+"""An absolute path (and, by a rule of its own, no '..' part); the CRD's."""
 _K8S_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 """Kubernetes' resource.Quantity syntax (any unit: cpu, memory, extended resources)."""
 _RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+WORKLOAD_DEPENDENT = "workload_dependent"
+"""``PolicyError.reason`` of a value valid in itself (the CRD admits it) that this workload's engine
+or the operator's defaults cannot use: the operator refuses it per workload, with an Event."""
 
 
 @dataclass(frozen=True)
@@ -170,19 +181,19 @@ def read_quantity(
     minimum: str | None = None, maximum: str = MAX_QUANTITY
 ) -> Callable[[object, str], int | PolicyError]:
     """A byte quantity (``20Gi``) greater than 0, at least ``minimum`` and at most ``maximum``."""
+    span = f"from {minimum} to {maximum}" if minimum else f"greater than 0 and at most {maximum}"
+    why = " (LMCache's L1 must hold whole chunks)" if minimum else ""
+    allowed = f"a byte quantity {span}{why}, such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)"
 
     def read(value: object, name: str) -> int | PolicyError:
         if not isinstance(value, str):
-            return PolicyError(name, value, "a byte quantity string such as 20Gi")
+            return PolicyError(name, value, allowed)
         try:
             size = parse_bytes(value, name)
-        except QuantityError as exc:
-            return PolicyError(name, value, str(exc).split("; ", 1)[-1])
-        low = parse_bytes(minimum, name) if minimum else 1
-        if not low <= size <= parse_bytes(maximum, name):
-            at_least = f"at least {minimum}" if minimum else "greater than 0"
-            why = " (LMCache's L1 must hold whole chunks)" if minimum else ""
-            return PolicyError(name, value, f"a quantity {at_least} and at most {maximum}{why}")
+        except QuantityError:
+            return PolicyError(name, value, allowed)
+        if not (parse_bytes(minimum, name) if minimum else 1) <= size <= parse_bytes(maximum, name):
+            return PolicyError(name, value, allowed)
         return size
 
     return read
@@ -197,9 +208,9 @@ def read_mapping(value: object, name: str) -> Mapping[str, Any] | PolicyError:
 
 
 def read_image(value: object, name: str) -> str | PolicyError:
-    if isinstance(value, str) and IMAGE.fullmatch(value):
+    if isinstance(value, str) and len(value) <= MAX_IMAGE_LENGTH and IMAGE.fullmatch(value):
         return value
-    return PolicyError(name, value, "an image reference without whitespace or control characters")
+    return PolicyError(name, value, "an image reference without spaces or control characters")
 
 
 def read_runtime_class(value: object, name: str) -> str | None | PolicyError:
@@ -229,12 +240,24 @@ def read_resources(value: object, name: str) -> Mapping[str, Any] | None | Polic
     return dict(res) or None
 
 
+REDIS_URL_FORM = "redis://[user@]host[:port][/0]"
+
+
 def read_redis_url(value: object, name: str) -> str | PolicyError:
+    """A URL LMCache's Redis adapter can use: plain Redis, database 0, no password in it."""
     if isinstance(value, str) and REDIS_URL.fullmatch(value):
         return value
-    shown = re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", value) if isinstance(value, str) else value
-    return PolicyError(name, shown, "redis://[user@]host[:port][/0] (LMCache's Redis adapter: plain Redis, "
-                       "database 0; the password goes in a Secret)")  # fmt: skip
+    text = value if isinstance(value, str) else ""
+    if re.match(r"^rediss?://[^/@]*:[^/@]*@", text):
+        shown = re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", text)
+        return PolicyError(name, shown, f"keep the password out of the URL (a Secret holds it): {REDIS_URL_FORM}")
+    if text.startswith("rediss://"):
+        why = "LMCache's Redis adapter speaks plain Redis, not TLS"
+    elif re.match(r"^redis://[^/]*/.", text) and not re.match(r"^redis://[^/]*/0$", text):
+        why = "LMCache's Redis adapter uses database 0 only"
+    else:
+        why = "LMCache's Redis adapter: plain Redis, database 0"
+    return PolicyError(name, value, f"{REDIS_URL_FORM} ({why})")
 
 
 def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
@@ -242,7 +265,7 @@ def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
     if isinstance(fs, PolicyError):
         return fs
     path = fs.get("path")
-    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
+    if not isinstance(path, str) or not re.fullmatch(FS_PATH_PATTERN, path) or ".." in path.split("/"):
         return PolicyError(f"{name}.path", path, "an absolute path without '..'")
     size = read_quantity()(fs.get("size"), f"{name}.size")
     return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)
@@ -262,7 +285,7 @@ def read_redis_tier(value: object, name: str) -> RedisTier | PolicyError:
     if isinstance(ref_map, PolicyError):
         return ref_map
     secret, key = ref_map.get("name"), ref_map.get("key")
-    if not isinstance(secret, str) or len(secret) > 253 or not DNS_LABEL.fullmatch(secret.replace(".", "-")):
+    if not isinstance(secret, str) or len(secret) > 253 or not re.fullmatch(SECRET_NAME_PATTERN, secret):
         return PolicyError(f"{name}.passwordSecretRef.name", secret, "a Secret name")
     if not isinstance(key, str) or not key or len(key) > 253:
         return PolicyError(f"{name}.passwordSecretRef.key", key, "a key of that Secret")
@@ -342,6 +365,15 @@ def parse_policy(spec: object, base: P, where: str) -> P | PolicyError:
         updates[f.attr] = value
     problem = spec_rule_problem(root, where)
     return problem or replace(base, **updates)
+
+
+def merged_rule_problem(policy: Policy, where: str) -> PolicyError | None:
+    """The CRD's rules between fields, on a policy merged over defaults the apiserver cannot see."""
+    if policy.lookup_timeout_ms > policy.retrieve_timeout_ms:
+        return PolicyError(f"{where}.connector.lookupTimeoutMs", policy.lookup_timeout_ms,
+                           f"at most retrieveTimeoutMs ({policy.retrieve_timeout_ms}, with the operator's "
+                           "defaults): a lookup waits within a load's time", reason=WORKLOAD_DEPENDENT)  # fmt: skip
+    return None
 
 
 def spec_rule_problem(spec: Mapping[str, Any], where: str) -> PolicyError | None:

@@ -7,7 +7,6 @@ standard library only.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
 
 _SUFFIXES: dict[str, int] = {
     "": 1,
@@ -22,7 +21,10 @@ _SUFFIXES: dict[str, int] = {
     "Ti": 2**40,
     "Pi": 2**50,
 }
-_QUANTITY = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[kMGTP]i?|Ki)?$")
+QUANTITY_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+"""The byte quantities kvoffload accepts: whole numbers with an optional suffix, a subset of Kubernetes'
+syntax (the CRD holds the same pattern), so every one is a whole number of bytes."""
+_QUANTITY = re.compile(r"^(?P<number>[0-9]+)(?P<suffix>Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 MAX_BYTES = 2**50  # 1 PiB: anything above is a typo, not a cache size.
 
 
@@ -32,18 +34,13 @@ class QuantityError(ValueError):
 
 def parse_bytes(value: str, field: str) -> int:
     """Bytes in a quantity such as ``20Gi``; ``field`` names the setting in the error message."""
-    text = value.strip() if isinstance(value, str) else value
-    match = _QUANTITY.match(text) if isinstance(text, str) else None
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
     if not match:
         raise QuantityError(
-            f"{field}: {value!r} is not a byte quantity; use a positive number with an optional "
-            "suffix Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi"
+            f"{field}: {value!r} is not a byte quantity; use a whole number with an optional "
+            "suffix Ki, Mi, Gi, Ti, Pi (powers of 2) or k, M, G, T, P (powers of 10), e.g. 20Gi"
         )
-    try:
-        number = Decimal(match["number"])
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise QuantityError(f"{field}: {value!r} is not a number") from exc
-    size = int(number * _SUFFIXES[match["suffix"] or ""])
+    size = int(match["number"]) * _SUFFIXES[match["suffix"] or ""]
     if size <= 0:
         raise QuantityError(f"{field}: {value!r} must be greater than zero")
     if size > MAX_BYTES:

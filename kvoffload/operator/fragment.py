@@ -21,7 +21,7 @@ from typing import Any
 
 from kvoffload import __version__
 from kvoffload import contract as c
-from kvoffload.policy import PolicyError
+from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import format_bytes
 
 from .managed_fields import (
@@ -489,7 +489,7 @@ def render_injection_fragment(
     # its blocks do not divide is refused here, not by the connector when the engine starts.
     chunk_problem = None if isinstance(plan, ManualStep) else chunk_size_problem(options_text, settings.chunk_size)
     if chunk_problem:
-        return PolicyError("cache.chunkSize", settings.chunk_size, chunk_problem)
+        return PolicyError("cache.chunkSize", settings.chunk_size, chunk_problem, reason=WORKLOAD_DEPENDENT)
 
     # Engine container: env, mounts, args.
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)

@@ -135,8 +135,11 @@ def _with_policy(
             c.ANN_POLICY, name, f"no KVCachePolicy of that name exists{where}; create it or remove the annotation",
             reason="policy_missing",
         )  # fmt: skip
-    overlaid = parse_policy(policy.get("spec") or {}, settings, f"KVCachePolicy {name}.spec")
-    return overlaid if isinstance(overlaid, PolicyError) else replace(overlaid, policy_name=name)
+    where = f"KVCachePolicy {name}.spec"
+    overlaid = parse_policy(policy.get("spec") or {}, settings, where)
+    if isinstance(overlaid, PolicyError):
+        return overlaid
+    return pol.merged_rule_problem(overlaid, where) or replace(overlaid, policy_name=name)
 
 
 def _node_mode_problem(settings: InjectionSettings, annotations: Mapping[str, str]) -> PolicyError | None:

@@ -16,23 +16,17 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvoffload import contract
-from kvoffload.quantity import QuantityError, parse_bytes
+from kvoffload import policy as pol
+from kvoffload.policy import Policy, PolicyError, parse_policy
 
-DEFAULT_L1_SIZE = "20Gi"
-DEFAULT_EVICTION_POLICY = "LRU"
-DEFAULT_CHUNK_SIZE = 256
-DEFAULT_MAX_WORKERS = 4
 DEFAULT_GRACE_SECONDS = 25.0
 DEFAULT_REDIS_PORT = 6379
-EVICTION_POLICIES = ("LRU", "ARC")
-MAX_CHUNK_SIZE = 65536
-MAX_WORKERS = 64
 MAX_GRACE_SECONDS = 3600.0
 DEFAULT_POLICY_FILE = f"{contract.POLICY_MOUNT_PATH}/{contract.POLICY_FILE}"
 SHM_NAME_PREFIX = "kvoffload_"
@@ -112,62 +106,29 @@ def _fail(setting: str, value: object, allowed: str) -> SettingsError:
     return SettingsError(f"{setting}: {_one_line(repr(value))} is not allowed; {allowed}")
 
 
-class _Source:
-    """Looks a setting up in env first, then in the policy spec, naming where it came from."""
-
-    def __init__(self, env: Mapping[str, str], spec: Mapping[str, Any] | None) -> None:
-        self.env = env
-        self.spec = spec or {}
-
-    def get(self, env_name: str, policy_path: tuple[str, ...] | None) -> tuple[str, object] | None:
-        if env_name in self.env:
-            return env_name, self.env[env_name]
-        if policy_path is None:
-            return None
-        node: object = self.spec
-        for i, part in enumerate(policy_path):
-            if node is None:
-                return None
-            if not isinstance(node, Mapping):
-                where = "policy " + ".".join(policy_path[:i]) if i else "policy spec"
-                raise _fail(where, node, "must be a JSON object")
-            node = node.get(part)
-        if node is None:
-            return None
-        return "policy " + ".".join(policy_path), node
-
-
-def _port(src: _Source, env_name: str, default: int) -> int:
-    found = src.get(env_name, None)
-    if found is None:
-        return default
-    setting, raw = found
-    return _int(setting, raw, 1, 65535, "a TCP port number from 1 to 65535")
-
-
-def _int(setting: str, raw: object, low: int, high: int, allowed: str) -> int:
-    if isinstance(raw, bool):
-        raise _fail(setting, raw, f"use {allowed}")
-    if isinstance(raw, int):
-        value = raw
-    elif isinstance(raw, str) and re.fullmatch(r"\s*[0-9]+\s*", raw):
-        value = int(raw)
-    else:
-        raise _fail(setting, raw, f"use {allowed}")
-    if not low <= value <= high:
-        raise _fail(setting, raw, f"use {allowed}")
+def _checked(value: Any) -> Any:
+    """A policy reader's value, or its error raised as a one-line ``SettingsError``."""
+    if isinstance(value, PolicyError):
+        raise SettingsError(value.message)
     return value
 
 
-def _quantity(setting: str, raw: object) -> int:
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = str(raw)
-    if not isinstance(raw, str):
-        raise _fail(setting, raw, "use a byte quantity such as 20Gi")
-    try:
-        return parse_bytes(raw, setting)
-    except QuantityError as exc:
-        raise SettingsError(_one_line(exc)) from None
+def _port(env: Mapping[str, str], env_name: str, default: int) -> int:
+    raw = env.get(env_name)
+    return default if raw is None else _int(env_name, raw, 1, 65535, "a TCP port number from 1 to 65535")
+
+
+def _int(setting: str, raw: object, low: int, high: int, allowed: str) -> int:
+    if isinstance(raw, str) and re.fullmatch(r"\s*[0-9]+\s*", raw):
+        value = int(raw)
+        if low <= value <= high:
+            return value
+    raise _fail(setting, raw, f"use {allowed}")
+
+
+def _env_int(raw: str) -> object:
+    """An env var's text as the integer a policy field holds (anything else stays text, to be refused)."""
+    return int(raw) if re.fullmatch(r"\s*[0-9]+\s*", raw) else raw
 
 
 def _absolute_path(setting: str, raw: object) -> str:
@@ -176,77 +137,67 @@ def _absolute_path(setting: str, raw: object) -> str:
     return str(PurePosixPath(raw))
 
 
-def _eviction_policy(src: _Source) -> str:
-    found = src.get(contract.ENV_EVICTION_POLICY, ("cache", "evictionPolicy"))
-    if found is None:
-        return DEFAULT_EVICTION_POLICY
-    setting, raw = found
-    if isinstance(raw, str) and raw.strip().upper() in EVICTION_POLICIES:
-        return raw.strip().upper()
-    raise _fail(setting, raw, "use one of " + ", ".join(EVICTION_POLICIES))
+_ENV_OVERRIDES: tuple[tuple[str, str, Any, bool], ...] = (
+    (contract.ENV_L1_SIZE, "l1_bytes", pol.read_quantity(minimum=contract.MIN_L1_SIZE), False),
+    (contract.ENV_EVICTION_POLICY, "eviction_policy", pol.read_choice(pol.EVICTION_POLICIES), False),
+    (contract.ENV_CHUNK_SIZE, "chunk_size", pol.read_int(pol.MIN_CHUNK_SIZE, pol.MAX_CHUNK_SIZE,
+                                                         pol.CHUNK_SIZE_MULTIPLE), True),
+    (contract.ENV_MAX_WORKERS, "max_workers", pol.read_int(pol.MIN_WORKERS, pol.MAX_WORKERS), True),
+)  # fmt: skip
+"""Env vars that override one policy field, each read by that field's policy reader."""
 
 
-def _fs_tier(src: _Source) -> FsTier | None:
-    path_found = src.get(contract.ENV_L2_FS_PATH, ("l2", "fs", "path"))
-    size_found = src.get(contract.ENV_L2_FS_SIZE, ("l2", "fs", "size"))
-    if path_found is None or path_found[1] == "":
-        if size_found is not None and size_found[1] != "":
-            setting, raw = size_found
-            raise _fail(
-                setting,
-                raw,
-                f"a size needs a filesystem L2 path too ({contract.ENV_L2_FS_PATH} or policy l2.fs.path)",
-            )
+def _policy(env: Mapping[str, str], spec: Mapping[str, Any] | None) -> Policy:
+    """The policy file's spec over the defaults, then the env overrides: the policy's own readers."""
+    policy = _checked(parse_policy(spec or {}, Policy(), "policy spec"))
+    updates: dict[str, Any] = {}
+    for name, attr, read, numeric in _ENV_OVERRIDES:
+        if name in env:
+            value = read(_env_int(env[name]) if numeric else env[name], name)
+            if isinstance(value, PolicyError):  # name the env var's own text, not its parsed form
+                raise SettingsError(replace(value, value=env[name]).message)
+            updates[attr] = value
+    return replace(policy, **updates)
+
+
+def _fs_tier(env: Mapping[str, str], policy: Policy) -> FsTier | None:
+    """Env path and size each override the policy's (an empty value: none)."""
+    tier = policy.fs_tier
+    path = env.get(contract.ENV_L2_FS_PATH, tier.path if tier else "")
+    size = env.get(contract.ENV_L2_FS_SIZE)
+    if not path:
+        if size:
+            raise _fail(contract.ENV_L2_FS_SIZE, size,
+                        f"a size needs a filesystem L2 path too ({contract.ENV_L2_FS_PATH} or policy l2.fs.path)")  # fmt: skip
         return None
-    path = _absolute_path(*path_found)
-    size = None if size_found is None or size_found[1] == "" else _quantity(*size_found)
-    return FsTier(path=path, size_bytes=size)
+    if size is None:
+        size_bytes = tier.size_bytes if tier else None
+    else:
+        size_bytes = _checked(pol.read_quantity()(size, contract.ENV_L2_FS_SIZE)) if size else None
+    return FsTier(path=_absolute_path(contract.ENV_L2_FS_PATH, path), size_bytes=size_bytes)
 
 
-def _redis_tier(src: _Source) -> RedisTier | None:
-    found = src.get(contract.ENV_L2_REDIS_URL, ("l2", "redis", "url"))
-    password = src.env.get(contract.ENV_L2_REDIS_PASSWORD, "")
-    if found is None or found[1] == "":
+def _redis_tier(env: Mapping[str, str], policy: Policy) -> RedisTier | None:
+    """The env URL overrides the policy's (an empty value: no Redis tier)."""
+    raw = env.get(contract.ENV_L2_REDIS_URL, policy.redis_tier.url if policy.redis_tier else "")
+    password = env.get(contract.ENV_L2_REDIS_PASSWORD, "")
+    if not raw:
         if password:
             raise SettingsError(
                 f"{contract.ENV_L2_REDIS_PASSWORD}: is set but no Redis L2 is configured; "
                 f"set {contract.ENV_L2_REDIS_URL} or policy l2.redis.url, or unset the password"
             )
         return None
-    setting, raw = found
-    allowed = "use redis://[user@]host[:port][/0] (the password goes in " + contract.ENV_L2_REDIS_PASSWORD + ")"
-    if not isinstance(raw, str):
-        raise _fail(setting, raw, allowed)
-    try:
-        url = urlsplit(raw.strip())
-        port = url.port
-    except ValueError:
-        raise _fail(setting, raw, allowed) from None
-    if url.scheme != "redis" or not url.hostname or url.query or url.fragment:
-        raise _fail(setting, raw, allowed)
-    if url.password is not None:
-        raise _fail(setting, _redact(raw), f"keep the password out of the URL: {allowed}")
-    if url.path not in ("", "/", "/0"):
-        raise _fail(setting, raw, f"LMCache's Redis adapter uses database 0 only: {allowed}")
-    if not re.fullmatch(contract.REDIS_URL_PATTERN, raw.strip()):  # the CRD's rule, exactly
-        raise _fail(setting, raw, allowed)
-    return RedisTier(
-        host=url.hostname,
-        port=port or DEFAULT_REDIS_PORT,
-        username=unquote(url.username or ""),
-        password=password,
-    )
+    url = urlsplit(_checked(pol.read_redis_url(raw, contract.ENV_L2_REDIS_URL)))
+    return RedisTier(host=url.hostname or "", port=url.port or DEFAULT_REDIS_PORT,
+                     username=unquote(url.username or ""), password=password)  # fmt: skip
 
 
-def _redact(raw: str) -> str:
-    return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", raw)
-
-
-def _grace(src: _Source) -> float:
-    found = src.get(contract.ENV_GRACE_SECONDS, None)
-    if found is None:
+def _grace(env: Mapping[str, str]) -> float:
+    raw = env.get(contract.ENV_GRACE_SECONDS)
+    if raw is None:
         return DEFAULT_GRACE_SECONDS
-    setting, raw = found
+    setting = contract.ENV_GRACE_SECONDS
     allowed = f"use a number of seconds greater than 0 and at most {MAX_GRACE_SECONDS:g}"
     try:
         value = float(str(raw))
@@ -282,39 +233,12 @@ def load_settings(
     """Validated settings from ``env`` and the policy ``spec``; raises ``SettingsError``."""
     if spec is not None and not isinstance(spec, Mapping):
         raise _fail("policy spec", spec, "the policy file must hold a JSON object (the policy spec)")
-    src = _Source(env, spec)
-    request_port = _port(src, contract.ENV_REQUEST_PORT, contract.REQUEST_PORT)
-    lmcache_http_port = _port(src, contract.ENV_LMCACHE_HTTP_PORT, contract.LMCACHE_HTTP_PORT)
-    sidecar_http_port = _port(src, contract.ENV_SIDECAR_HTTP_PORT, contract.SIDECAR_HTTP_PORT)
-    ports = {
-        contract.ENV_REQUEST_PORT: request_port,
-        contract.ENV_LMCACHE_HTTP_PORT: lmcache_http_port,
-        contract.ENV_SIDECAR_HTTP_PORT: sidecar_http_port,
-    }
-    if len(set(ports.values())) != len(ports):
-        names = list(ports)
-        for i, name in enumerate(names):
-            for other in names[i + 1 :]:
-                if ports[name] == ports[other]:
-                    raise _fail(other, ports[other], f"it must differ from {name}")
-
-    l1_found = src.get(contract.ENV_L1_SIZE, ("cache", "l1Size"))
-    l1_size = _quantity(*l1_found) if l1_found else parse_bytes(DEFAULT_L1_SIZE, contract.ENV_L1_SIZE)
-    if l1_found and l1_size < parse_bytes(contract.MIN_L1_SIZE, l1_found[0]):
-        raise _fail(*l1_found, f"use at least {contract.MIN_L1_SIZE} (LMCache's L1 must hold whole chunks)")
-
-    chunk_found = src.get(contract.ENV_CHUNK_SIZE, ("cache", "chunkSize"))
-    chunk_size = (
-        _int(*chunk_found, 1, MAX_CHUNK_SIZE, f"a whole number of tokens from 1 to {MAX_CHUNK_SIZE}")
-        if chunk_found
-        else DEFAULT_CHUNK_SIZE
-    )
-    workers_found = src.get(contract.ENV_MAX_WORKERS, ("cache", "maxWorkers"))
-    max_workers = (
-        _int(*workers_found, 1, MAX_WORKERS, f"a whole number from 1 to {MAX_WORKERS}")
-        if workers_found
-        else DEFAULT_MAX_WORKERS
-    )
+    request_port = _port(env, contract.ENV_REQUEST_PORT, contract.REQUEST_PORT)
+    lmcache_http_port = _port(env, contract.ENV_LMCACHE_HTTP_PORT, contract.LMCACHE_HTTP_PORT)
+    sidecar_http_port = _port(env, contract.ENV_SIDECAR_HTTP_PORT, contract.SIDECAR_HTTP_PORT)
+    _distinct_ports({contract.ENV_REQUEST_PORT: request_port, contract.ENV_LMCACHE_HTTP_PORT: lmcache_http_port,
+                     contract.ENV_SIDECAR_HTTP_PORT: sidecar_http_port})  # fmt: skip
+    policy = _policy(env, spec)
 
     instance_id = _name(contract.ENV_INSTANCE_ID, env.get(contract.ENV_INSTANCE_ID, "") or "kvoffload")
     shm_raw = env.get(contract.ENV_SHM_NAME, "")
@@ -325,15 +249,15 @@ def load_settings(
         request_port=request_port,
         lmcache_http_port=lmcache_http_port,
         sidecar_http_port=sidecar_http_port,
-        l1_size_bytes=l1_size,
-        eviction_policy=_eviction_policy(src),
-        chunk_size=chunk_size,
-        max_workers=max_workers,
-        l2_fs=_fs_tier(src),
-        l2_redis=_redis_tier(src),
+        l1_size_bytes=policy.l1_bytes,
+        eviction_policy=policy.eviction_policy,
+        chunk_size=policy.chunk_size,
+        max_workers=policy.max_workers,
+        l2_fs=_fs_tier(env, policy),
+        l2_redis=_redis_tier(env, policy),
         instance_id=instance_id,
         shm_name=shm_name,
-        grace_seconds=_grace(src),
+        grace_seconds=_grace(env),
         metrics_dir=_absolute_path(
             contract.ENV_PROMETHEUS_MULTIPROC_DIR,
             env.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR, contract.METRICS_DIR),
@@ -342,6 +266,14 @@ def load_settings(
         policy_file=policy_file,
         request_host=_request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1"),
     )
+
+
+def _distinct_ports(ports: Mapping[str, int]) -> None:
+    names = list(ports)
+    for i, name in enumerate(names):
+        for other in names[i + 1 :]:
+            if ports[name] == ports[other]:
+                raise _fail(other, ports[other], f"it must differ from {name}")
 
 
 def _request_host(raw: str) -> str:

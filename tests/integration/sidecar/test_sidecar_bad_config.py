@@ -19,20 +19,19 @@ CASES: list[tuple[str, dict[str, str], str | None, str]] = [
         "l1-size",
         {contract.ENV_L1_SIZE: "20GB"},
         None,
-        "KVOFFLOAD_L1_SIZE: '20GB' is not a byte quantity; use a positive number with an optional suffix "
-        "Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi",
+        "KVOFFLOAD_L1_SIZE: '20GB' is not allowed; a byte quantity from 64Mi to 1Pi (LMCache's L1 must hold whole chunks), such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
     (
         "l1-size-too-big",
         {contract.ENV_L1_SIZE: "2Pi"},
         None,
-        "KVOFFLOAD_L1_SIZE: '2Pi' is larger than the 1Pi this setting allows",
+        "KVOFFLOAD_L1_SIZE: '2Pi' is not allowed; a byte quantity from 64Mi to 1Pi (LMCache's L1 must hold whole chunks), such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
     (
         "eviction",
         {contract.ENV_EVICTION_POLICY: "random"},
         None,
-        "KVOFFLOAD_EVICTION_POLICY: 'random' is not allowed; use one of LRU, ARC",
+        "KVOFFLOAD_EVICTION_POLICY: 'random' is not allowed; allowed: LRU, ARC",
     ),
     (
         "request-port",
@@ -50,27 +49,25 @@ CASES: list[tuple[str, dict[str, str], str | None, str]] = [
         "chunk-size",
         {contract.ENV_CHUNK_SIZE: "1.5"},
         None,
-        "KVOFFLOAD_CHUNK_SIZE: '1.5' is not allowed; use a whole number of tokens from 1 to 65536",
+        "KVOFFLOAD_CHUNK_SIZE: '1.5' is not allowed; an integer from 16 to 65536",
     ),
     (
         "max-workers",
         {contract.ENV_MAX_WORKERS: "1000"},
         None,
-        "KVOFFLOAD_MAX_WORKERS: '1000' is not allowed; use a whole number from 1 to 64",
+        "KVOFFLOAD_MAX_WORKERS: '1000' is not allowed; an integer from 1 to 64",
     ),
     (
         "redis-url-scheme",
         {contract.ENV_L2_REDIS_URL: "rediss://redis:6380"},
         None,
-        "KVOFFLOAD_L2_REDIS_URL: 'rediss://redis:6380' is not allowed; use redis://[user@]host[:port][/0] "
-        "(the password goes in KVOFFLOAD_L2_REDIS_PASSWORD)",
+        "KVOFFLOAD_L2_REDIS_URL: 'rediss://redis:6380' is not allowed; redis://[user@]host[:port][/0] (LMCache's Redis adapter speaks plain Redis, not TLS)",
     ),
     (
         "redis-url-port",
         {contract.ENV_L2_REDIS_URL: "redis://redis:99999"},
         None,
-        "KVOFFLOAD_L2_REDIS_URL: 'redis://redis:99999' is not allowed; use redis://[user@]host[:port][/0] "
-        "(the password goes in KVOFFLOAD_L2_REDIS_PASSWORD)",
+        "KVOFFLOAD_L2_REDIS_URL: 'redis://redis:99999' is not allowed; redis://[user@]host[:port][/0] (LMCache's Redis adapter: plain Redis, database 0)",
     ),
     (
         "fs-path",
@@ -83,21 +80,19 @@ CASES: list[tuple[str, dict[str, str], str | None, str]] = [
         "fs-size",
         {contract.ENV_L2_FS_PATH: "/var/cache/kvo", contract.ENV_L2_FS_SIZE: "-1Gi"},
         None,
-        "KVOFFLOAD_L2_FS_SIZE: '-1Gi' is not a byte quantity; use a positive number with an optional suffix "
-        "Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi",
+        "KVOFFLOAD_L2_FS_SIZE: '-1Gi' is not allowed; a byte quantity greater than 0 and at most 1Pi, such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
     (
         "policy-l2-fs-size",
         {},
         json.dumps({"l2": {"fs": {"path": "/cache", "size": "huge"}}}),
-        "policy l2.fs.size: 'huge' is not a byte quantity; use a positive number with an optional suffix "
-        "Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi",
+        "policy spec.l2.fs.size: 'huge' is not allowed; a byte quantity greater than 0 and at most 1Pi, such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
     (
         "policy-eviction",
         {},
         json.dumps({"cache": {"evictionPolicy": "LFU"}}),
-        "policy cache.evictionPolicy: 'LFU' is not allowed; use one of LRU, ARC",
+        "policy spec.cache.evictionPolicy: 'LFU' is not allowed; allowed: LRU, ARC",
     ),
     (
         "policy-not-json",

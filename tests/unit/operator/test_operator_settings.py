@@ -87,7 +87,7 @@ def test_defaults_file_spec_lays_over_flag_defaults() -> None:
     ("annotations", "field", "allowed"),
     [
         ({c.ANN_CPU_CACHE_SIZE: "lots"}, c.ANN_CPU_CACHE_SIZE, "Gi"),
-        ({c.ANN_CPU_CACHE_SIZE: "0"}, c.ANN_CPU_CACHE_SIZE, "greater than zero"),
+        ({c.ANN_CPU_CACHE_SIZE: "0"}, c.ANN_CPU_CACHE_SIZE, "from 64Mi to 1Pi"),
         ({c.ANN_SHM_SIZE: "-1Gi"}, c.ANN_SHM_SIZE, "Gi"),
         ({c.ANN_BACKEND: "remote"}, c.ANN_BACKEND, "sidecar, inprocess"),
         ({c.ANN_MODE: "cluster"}, c.ANN_MODE, "sidecar, node"),

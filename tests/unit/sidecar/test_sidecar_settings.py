@@ -55,7 +55,7 @@ def test_policy_spec_is_read() -> None:
 def test_env_overrides_policy() -> None:
     env = {
         contract.ENV_L1_SIZE: "1Gi",
-        contract.ENV_EVICTION_POLICY: "lru",
+        contract.ENV_EVICTION_POLICY: "LRU",
         contract.ENV_CHUNK_SIZE: "512",
         contract.ENV_MAX_WORKERS: "8",
         contract.ENV_L2_FS_PATH: "/data/l2/",
@@ -84,24 +84,27 @@ BAD = [
     (
         {contract.ENV_L1_SIZE: "lots"},
         None,
-        "KVOFFLOAD_L1_SIZE: 'lots' is not a byte quantity; use a positive number with an optional suffix "
-        "Ki, Mi, Gi, Ti (powers of 2) or k, M, G, T (powers of 10), e.g. 20Gi",
+        "KVOFFLOAD_L1_SIZE: 'lots' is not allowed; a byte quantity from 64Mi to 1Pi (LMCache's L1 must hold whole chunks), such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
-    ({contract.ENV_L1_SIZE: "0"}, None, "KVOFFLOAD_L1_SIZE: '0' must be greater than zero"),
+    (
+        {contract.ENV_L1_SIZE: "0"},
+        None,
+        "KVOFFLOAD_L1_SIZE: '0' is not allowed; a byte quantity from 64Mi to 1Pi (LMCache's L1 must hold whole chunks), such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
+    ),
     (
         {},
         {"cache": {"l1Size": True}},
-        "policy cache.l1Size: True is not allowed; use a byte quantity such as 20Gi",
+        "policy spec.cache.l1Size: True is not allowed; a byte quantity from 64Mi to 1Pi (LMCache's L1 must hold whole chunks), such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)",
     ),
     (
         {contract.ENV_EVICTION_POLICY: "FIFO"},
         None,
-        "KVOFFLOAD_EVICTION_POLICY: 'FIFO' is not allowed; use one of LRU, ARC",
+        "KVOFFLOAD_EVICTION_POLICY: 'FIFO' is not allowed; allowed: LRU, ARC",
     ),
     (
         {},
         {"cache": {"evictionPolicy": "MRU"}},
-        "policy cache.evictionPolicy: 'MRU' is not allowed; use one of LRU, ARC",
+        "policy spec.cache.evictionPolicy: 'MRU' is not allowed; allowed: LRU, ARC",
     ),
     (
         {contract.ENV_REQUEST_PORT: "70000"},
@@ -116,12 +119,12 @@ BAD = [
     (
         {contract.ENV_CHUNK_SIZE: "-3"},
         None,
-        "KVOFFLOAD_CHUNK_SIZE: '-3' is not allowed; use a whole number of tokens from 1 to 65536",
+        "KVOFFLOAD_CHUNK_SIZE: '-3' is not allowed; an integer from 16 to 65536",
     ),
     (
         {},
         {"cache": {"maxWorkers": 0}},
-        "policy cache.maxWorkers: 0 is not allowed; use a whole number from 1 to 64",
+        "policy spec.cache.maxWorkers: 0 is not allowed; an integer from 1 to 64",
     ),
     (
         {contract.ENV_L2_FS_PATH: "relative/dir"},
@@ -138,21 +141,17 @@ BAD = [
     (
         {contract.ENV_L2_REDIS_URL: "http://redis:6379"},
         None,
-        "KVOFFLOAD_L2_REDIS_URL: 'http://redis:6379' is not allowed; use redis://[user@]host[:port][/0] "
-        "(the password goes in KVOFFLOAD_L2_REDIS_PASSWORD)",
+        "KVOFFLOAD_L2_REDIS_URL: 'http://redis:6379' is not allowed; redis://[user@]host[:port][/0] (LMCache's Redis adapter: plain Redis, database 0)",
     ),
     (
         {contract.ENV_L2_REDIS_URL: "redis://u:hunter2@redis:6379"},
         None,
-        "KVOFFLOAD_L2_REDIS_URL: 'redis://u:***@redis:6379' is not allowed; keep the password out of "
-        "the URL: use redis://[user@]host[:port][/0] (the password goes in KVOFFLOAD_L2_REDIS_PASSWORD)",
+        "KVOFFLOAD_L2_REDIS_URL: 'redis://u:***@redis:6379' is not allowed; keep the password out of the URL (a Secret holds it): redis://[user@]host[:port][/0]",
     ),
     (
         {},
         {"l2": {"redis": {"url": "redis://redis:6379/3"}}},
-        "policy l2.redis.url: 'redis://redis:6379/3' is not allowed; LMCache's Redis adapter uses "
-        "database 0 only: use redis://[user@]host[:port][/0] (the password goes in "
-        "KVOFFLOAD_L2_REDIS_PASSWORD)",
+        "policy spec.l2.redis.url: 'redis://redis:6379/3' is not allowed; redis://[user@]host[:port][/0] (LMCache's Redis adapter uses database 0 only)",
     ),
     (
         {contract.ENV_L2_REDIS_PASSWORD: "pw"},
@@ -176,7 +175,7 @@ BAD = [
         "KVOFFLOAD_INSTANCE_ID: '../etc' is not allowed; use 1-200 characters of letters, digits, '.', "
         "'_' or '-', starting with a letter or digit",
     ),
-    ({}, {"cache": "big"}, "policy cache: 'big' is not allowed; must be a JSON object"),
+    ({}, {"cache": "big"}, "policy spec.cache: 'big' is not allowed; an object"),
 ]
 
 
@@ -282,7 +281,7 @@ def test_valid_quantities_parse_to_their_bytes(number: int, suffix: str) -> None
     if number * scale > 2**50:
         return
     if number * scale < 64 * 2**20:  # contract.MIN_L1_SIZE: refused, naming the minimum
-        with pytest.raises(SettingsError, match=f"at least {contract.MIN_L1_SIZE}"):
+        with pytest.raises(SettingsError, match=f"from {contract.MIN_L1_SIZE} to 1Pi"):
             load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None)
         return
     assert load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None).l1_size_bytes == number * scale

@@ -1,5 +1,6 @@
-"""Rules the CRD, the operator and the sidecar share (contract.REDIS_URL_PATTERN, contract.MIN_L1_SIZE):
-whatever the apiserver admits, the operator and the sidecar accept."""
+"""The CRD is checked against the one policy module (kvoffload.policy): the same fields, enums,
+ranges and patterns; and the shared rules (contract.REDIS_URL_PATTERN, contract.MIN_L1_SIZE) agree.
+The real apiserver's verdicts are compared in tests/integration/operator/test_policy_agreement.py."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
+from kvoffload import policy as pol
 from kvoffload.operator.settings import OperatorDefaults, resolve_settings
 from kvoffload.policy import PolicyError
+from kvoffload.quantity import QUANTITY_PATTERN
 from kvoffload.sidecar import settings as sidecar_settings
 
-pytestmark = pytest.mark.operator
-CRD = Path(__file__).resolve().parents[3] / "charts" / "kvoffload" / "crds" / "kvcachepolicies.yaml"
+pytestmark = [pytest.mark.operator, pytest.mark.sidecar]
+CRD = Path(__file__).resolve().parents[2] / "charts" / "kvoffload" / "crds" / "kvcachepolicies.yaml"
 
 
 def crd_spec() -> dict[str, Any]:
@@ -98,3 +101,48 @@ def test_every_url_the_rule_admits_the_sidecar_accepts_and_the_rest_everyone_ref
     admitted = bool(re.fullmatch(c.REDIS_URL_PATTERN, url))
     assert operator_accepts(url) is admitted, url
     assert sidecar_accepts(url) is admitted, url
+
+
+WHOLE_FIELDS = {"l2.fs", "l2.redis", "sidecar.resources"}
+"""Object-valued fields a policy reader takes whole."""
+
+
+def crd_field_paths(schema: dict[str, Any], prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Every settable field of the CRD's spec, by dotted path, with its schema."""
+    found: dict[str, dict[str, Any]] = {}
+    for key, sub in schema.get("properties", {}).items():
+        path = f"{prefix}{key}"
+        if sub.get("type") == "object" and path not in WHOLE_FIELDS:
+            found.update(crd_field_paths(sub, path + "."))
+        else:
+            found[path] = sub
+    return found
+
+
+def test_the_crd_spec_has_exactly_the_policy_fields() -> None:
+    assert set(crd_field_paths(crd_spec())) == {f.spec_path for f in pol.FIELDS}
+
+
+def test_the_crd_limits_are_the_policy_modules() -> None:
+    fields = crd_field_paths(crd_spec())
+    for path, allowed in (("mode", pol.MODES), ("cache.evictionPolicy", pol.EVICTION_POLICIES),
+                          ("sidecar.imagePullPolicy", pol.PULL_POLICIES), ("sidecar.gpuAccess", pol.GPU_ACCESS_MODES),
+                          ("connector.backend", pol.BACKENDS), ("connector.source", pol.CONNECTOR_SOURCES)):  # fmt: skip
+        assert tuple(fields[path]["enum"]) == allowed, path
+    ranges = {"cache.chunkSize": (pol.MIN_CHUNK_SIZE, pol.MAX_CHUNK_SIZE), "cache.maxWorkers": (pol.MIN_WORKERS, pol.MAX_WORKERS),
+              **{f"connector.{k}TimeoutMs": (pol.MIN_TIMEOUT_MS, pol.MAX_TIMEOUT_MS) for k in ("lookup", "retrieve", "store")}}  # fmt: skip
+    for path, (lo, hi) in ranges.items():
+        assert (fields[path]["minimum"], fields[path]["maximum"]) == (lo, hi), path
+    assert [v["rule"] for v in fields["cache.chunkSize"]["x-kubernetes-validations"]] == [
+        f"self % {pol.CHUNK_SIZE_MULTIPLE} == 0"
+    ]
+    for path in ("shmSize", "cache.l1Size"):
+        assert fields[path]["pattern"] == QUANTITY_PATTERN, path
+        assert f"quantity('{pol.MAX_QUANTITY}')) <= 0" in fields[path]["x-kubernetes-validations"][0]["rule"]
+    l2 = crd_spec()["properties"]["l2"]["properties"]
+    assert l2["fs"]["properties"]["size"]["pattern"] == QUANTITY_PATTERN
+    assert l2["fs"]["properties"]["path"]["pattern"] == pol.FS_PATH_PATTERN
+    secret = l2["redis"]["properties"]["passwordSecretRef"]["properties"]["name"]
+    assert (secret["pattern"], secret["maxLength"]) == (pol.SECRET_NAME_PATTERN, 253)
+    for path in ("sidecar.image", "connector.bundleImage"):
+        assert (fields[path]["pattern"], fields[path]["maxLength"]) == (pol.IMAGE_PATTERN, pol.MAX_IMAGE_LENGTH)
