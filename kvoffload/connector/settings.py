@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract
+from kvoffload import policy as pol
+from kvoffload.policy import Policy, PolicyError
 
-DEFAULT_LOOKUP_TIMEOUT_MS = 100
-DEFAULT_RETRIEVE_TIMEOUT_MS = 5000
-DEFAULT_STORE_TIMEOUT_MS = 5000
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
 DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_ASYNC_SAVE = True
@@ -84,6 +83,17 @@ def _parse_port(env: Mapping[str, str], name: str) -> int | None:
     return port
 
 
+def _policy_value(env: Mapping[str, str], name: str, read: Any, default: Any, numeric: bool = False) -> Any:
+    """A policy field set through env, read by the policy module's own reader."""
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = read(int(raw) if numeric and raw.strip().isdigit() else raw.strip(), name)
+    if isinstance(value, PolicyError):
+        raise SettingsError(f"{name}={raw!r} is not allowed; {value.allowed}")
+    return value
+
+
 def _attr(obj: Any, *path: str) -> Any:
     for name in path:
         if obj is None:
@@ -94,12 +104,7 @@ def _attr(obj: Any, *path: str) -> Any:
 
 def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
     """Validate env + ``llm_args`` into settings, or raise ``SettingsError``."""
-    backend = env.get(contract.ENV_BACKEND, contract.BACKEND_SIDECAR).strip() or contract.BACKEND_SIDECAR
-    if backend not in (contract.BACKEND_SIDECAR, contract.BACKEND_INPROCESS):
-        raise SettingsError(
-            f"{contract.ENV_BACKEND}={backend!r} is not a backend; "
-            f"allowed: {contract.BACKEND_SIDECAR!r}, {contract.BACKEND_INPROCESS!r}"
-        )
+    backend = _policy_value(env, contract.ENV_BACKEND, pol.read_choice(pol.BACKENDS), Policy.backend)
 
     config_url = _attr(llm_args, "kv_connector_config", "server_url")
     server_url = str(config_url or env.get(contract.ENV_SERVER_URL) or contract.server_url())
@@ -135,9 +140,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         raise SettingsError(f"pipeline_parallel_size={pp}: TensorRT-LLM's KV connector requires 1")
 
     def timeout(name: str, default: int) -> int:
-        value = _parse_positive_int(env, name, default)
-        assert value is not None
-        return value
+        return _policy_value(env, name, pol.read_int(pol.MIN_TIMEOUT_MS, pol.MAX_TIMEOUT_MS), default, numeric=True)
 
     return ConnectorSettings(
         backend=backend,
@@ -146,9 +149,9 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         tokens_per_block=tokens_per_block,
         chunk_size=chunk_size,
         world_size=tp * pp,
-        lookup_timeout_ms=timeout(contract.ENV_LOOKUP_TIMEOUT_MS, DEFAULT_LOOKUP_TIMEOUT_MS),
-        retrieve_timeout_ms=timeout(contract.ENV_RETRIEVE_TIMEOUT_MS, DEFAULT_RETRIEVE_TIMEOUT_MS),
-        store_timeout_ms=timeout(contract.ENV_STORE_TIMEOUT_MS, DEFAULT_STORE_TIMEOUT_MS),
+        lookup_timeout_ms=timeout(contract.ENV_LOOKUP_TIMEOUT_MS, Policy.lookup_timeout_ms),
+        retrieve_timeout_ms=timeout(contract.ENV_RETRIEVE_TIMEOUT_MS, Policy.retrieve_timeout_ms),
+        store_timeout_ms=timeout(contract.ENV_STORE_TIMEOUT_MS, Policy.store_timeout_ms),
         heartbeat_interval_ms=timeout(contract.ENV_HEARTBEAT_INTERVAL_MS, DEFAULT_HEARTBEAT_INTERVAL_MS),
         save_decode_tokens=_parse_bool(env, contract.ENV_SAVE_DECODE_TOKENS, False),
         async_save=_parse_bool(env, contract.ENV_ASYNC_SAVE, DEFAULT_ASYNC_SAVE),

@@ -14,12 +14,10 @@ from kvoffload import contract
 from kvoffload.connector.backends.base import kv_geometry
 from kvoffload.connector.keys import cache_model_name, normalize_salt, salt_of
 from kvoffload.connector.settings import (
-    DEFAULT_LOOKUP_TIMEOUT_MS,
-    DEFAULT_RETRIEVE_TIMEOUT_MS,
-    DEFAULT_STORE_TIMEOUT_MS,
     SettingsError,
     parse_settings,
 )
+from kvoffload.policy import Policy
 
 pytestmark = pytest.mark.connector
 STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
@@ -46,9 +44,9 @@ def test_defaults_match_design() -> None:
     assert (
         (s.lookup_timeout_ms, s.retrieve_timeout_ms, s.store_timeout_ms)
         == (
-            DEFAULT_LOOKUP_TIMEOUT_MS,
-            DEFAULT_RETRIEVE_TIMEOUT_MS,
-            DEFAULT_STORE_TIMEOUT_MS,
+            Policy.lookup_timeout_ms,
+            Policy.retrieve_timeout_ms,
+            Policy.store_timeout_ms,
         )
         == (100, 5000, 5000)
     )
@@ -65,10 +63,13 @@ def test_server_url_from_llm_args_overrides_env() -> None:
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({contract.ENV_BACKEND: "disk"}, "KVOFFLOAD_BACKEND='disk' is not a backend"),
+        ({contract.ENV_BACKEND: "disk"}, "KVOFFLOAD_BACKEND='disk' is not allowed; allowed: sidecar, inprocess"),
         ({contract.ENV_SERVER_URL: "http://x"}, "is not a ZMQ URL"),
-        ({contract.ENV_LOOKUP_TIMEOUT_MS: "fast"}, "KVOFFLOAD_LOOKUP_TIMEOUT_MS='fast' is not an integer"),
-        ({contract.ENV_STORE_TIMEOUT_MS: "0"}, "must be a positive integer"),
+        (
+            {contract.ENV_LOOKUP_TIMEOUT_MS: "fast"},
+            "KVOFFLOAD_LOOKUP_TIMEOUT_MS='fast' is not allowed; an integer from 1 to 600000",
+        ),
+        ({contract.ENV_STORE_TIMEOUT_MS: "0"}, "STORE_TIMEOUT_MS=.0. is not allowed; an integer from 1 to 600000"),
         ({contract.ENV_SAVE_DECODE_TOKENS: "maybe"}, "is not a boolean"),
         ({contract.ENV_CHUNK_SIZE: "100"}, "must be a multiple of tokens_per_block=32"),
         ({contract.ENV_TOKENS_PER_BLOCK: "64"}, "disagrees with kv_cache_config.tokens_per_block=32"),
