@@ -20,7 +20,7 @@ from kvoffload import contract as c
 from kvoffload.policy import EVICTION_POLICIES, GPU_ACCESS_MODES, PolicyError
 from kvoffload.quantity import QuantityError, parse_bytes
 
-from .fragment import ClusterInfo
+from .injection_plan import ClusterInfo
 from .kube import Kube, load_configuration
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches

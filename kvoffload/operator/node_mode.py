@@ -26,14 +26,9 @@ from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes
 
-from .fragment import (
-    RESTRICTED_SECURITY_CONTEXT,
-    ClusterInfo,
-    NodeCacheWiring,
-    RenderedInjection,
-    _sidecar_container,
-    render_injection_fragment,
-)
+from .containers import RESTRICTED_SECURITY_CONTEXT, cache_server_container
+from .fragment import RenderedInjection, render_injection_fragment
+from .injection_plan import ClusterInfo, NodeCacheWiring
 from .settings import InjectionSettings, OperatorDefaults, resolve_settings
 
 MAX_NAME = 63
@@ -107,14 +102,9 @@ def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> Inj
     return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: name}, policy, defaults, namespace)
 
 
-def render_node_mode_fragment(
-    workload: Mapping[str, Any],
-    settings: InjectionSettings,
-    cluster: ClusterInfo,
-    user_options_yaml: str | None = None,
-) -> RenderedInjection | PolicyError:
-    """The engine side of node mode: the sidecar-mode fragment without the sidecar, wired to
-    the node's cache pod (Service URL, the node's shared /dev/shm, the policy label)."""
+def node_cache_wiring(workload: Mapping[str, Any], settings: InjectionSettings) -> NodeCacheWiring | PolicyError:
+    """How a node-mode engine reaches its node's cache pod (Service URL, the node's shared
+    /dev/shm, the policy label), or why its annotations conflict with a shared cache."""
     meta = workload.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     for key in CACHE_SETTING_ANNOTATIONS:
@@ -126,39 +116,29 @@ def render_node_mode_fragment(
             )  # fmt: skip
     assert settings.policy_name is not None  # resolve_settings requires one in node mode
     namespace = str(meta.get("namespace"))
-    wiring = NodeCacheWiring(
+    return NodeCacheWiring(
         server_url=cache_server_url(namespace, settings.policy_name),
         shm_host_path=node_shm_host_path(namespace, settings.policy_name),
         pod_labels={c.LABEL_NODE_CACHE_POLICY: settings.policy_name},
     )
+
+
+def render_node_mode_fragment(
+    workload: Mapping[str, Any],
+    settings: InjectionSettings,
+    cluster: ClusterInfo,
+    user_options_yaml: str | None = None,
+) -> RenderedInjection | PolicyError:
+    """The engine side of node mode: the sidecar-mode fragment without the sidecar, wired to the node's cache pod."""
+    wiring = node_cache_wiring(workload, settings)
+    if isinstance(wiring, PolicyError):
+        return wiring
     return render_injection_fragment(workload, settings, cluster, user_options_yaml, node_cache=wiring)
 
 
-def _env(name: str, value: str) -> dict[str, Any]:
-    return {"name": name, "value": value}
-
-
 def _cache_container(settings: InjectionSettings) -> dict[str, Any]:
-    """The sidecar container (same image, command, env, ports, probes, resources), configured by
-    env instead of a per-workload policy file, its request port open to the node's engines."""
-    container = _sidecar_container(settings, c.VOLUME_SHM, native=False)
-    env = [e for e in container["env"] if e["name"] != c.ENV_POLICY_FILE]
-    env += [
-        _env(c.ENV_REQUEST_HOST, "0.0.0.0"),
-        _env(c.ENV_EVICTION_POLICY, settings.eviction_policy),
-        _env(c.ENV_CHUNK_SIZE, str(settings.chunk_size)),
-        _env(c.ENV_MAX_WORKERS, str(settings.max_workers)),
-    ]
-    if settings.fs_tier:
-        env += [
-            _env(c.ENV_L2_FS_PATH, settings.fs_tier.path),
-            _env(c.ENV_L2_FS_SIZE, format_bytes(settings.fs_tier.size_bytes)),
-        ]
-    if settings.redis_tier:
-        env.append(_env(c.ENV_L2_REDIS_URL, settings.redis_tier.url))
-    container["env"] = env
-    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != c.VOLUME_POLICY]
-    return container
+    """The sidecar's cache-server container, shared by the node's engines."""
+    return cache_server_container(settings, c.VOLUME_SHM, native=False, node_shared=True)
 
 
 def _shm_permissions_container(settings: InjectionSettings) -> dict[str, Any]:

@@ -23,27 +23,21 @@ from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
 from .drift import object_carries
-from .fragment import (
-    SUPPORTED_KINDS,
-    ClusterInfo,
-    RemovalPlan,
-    RenderedInjection,
-    configmap_name,
-    options_source,
-    render_injection_fragment,
-    render_removal,
-)
+from .fragment import RemovalPlan, RenderedInjection, render, render_removal
+from .injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
 from .kube import Kube, KubeApiError, configmap_path, events_path, policy_path, workload_path
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
-from .node_mode import render_node_mode_fragment
+from .node_mode import node_cache_wiring
 from .retry import RetryQueue
 from .settings import (
+    InjectionSettings,
     OperatorDefaults,
     enabled_state,
     policy_name,
     resolve_settings,
 )
+from .workload_view import SUPPORTED_KINDS, configmap_name
 
 log = logging.getLogger("kvoffload.operator")
 EVENT_MESSAGE_LIMIT = 1000
@@ -251,22 +245,10 @@ class Reconciler:
                 "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
                 reason="unsupported",
             ), state)  # fmt: skip
-        user_options: str | None = None
-        source = options_source(obj, settings)
-        if source is not None:
-            cm = self.kube.get(configmap_path(str(meta.get("namespace")), source.configmap))
-            user_options = ((cm or {}).get("data") or {}).get(source.key)
-            if user_options is None:
-                what = "does not exist" if cm is None else f"has no key {source.key!r}"
-                return self._reject(obj, PolicyError(
-                    f"ConfigMap {source.configmap}", source.key,
-                    f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
-                    reason="options_missing",
-                ), state)  # fmt: skip
-        render = render_node_mode_fragment if settings.mode == "node" else render_injection_fragment
-        rendered = render(obj, settings, self.cluster, user_options)
-        if isinstance(rendered, PolicyError):
-            return self._reject(obj, rendered, state)
+        plan = self._plan(obj, settings, state)
+        if isinstance(plan, str):
+            return plan
+        rendered = render(plan)
         answer: Mapping[str, Any] | None = None
         with self._lock:
             first_sight = uid not in self._done
@@ -282,7 +264,7 @@ class Reconciler:
                 # The apply raised the generation. If the object it returned is a fixed point (the
                 # renderer gives the same fragment and the object carries it), the event for that
                 # generation has nothing to do either: remember both as done.
-                again = render(answer, settings, self.cluster, user_options)
+                again = self._replan(answer, plan)
                 answer_meta = answer.get("metadata") or {}
                 if (not isinstance(again, PolicyError) and again.config_hash == rendered.config_hash
                         and object_carries(again.workload_apply, answer)):  # fmt: skip
@@ -293,6 +275,38 @@ class Reconciler:
             self.metrics.mark_injected(kind, uid, True)
             self._touch_policy(obj)
         return result
+
+    def _plan(self, obj: Mapping[str, Any], settings: InjectionSettings, state: str) -> InjectionPlan | str:
+        """Choose the engine, fetch the user's options file if it lives in a ConfigMap, plan: once
+        per pass. A refusal is posted and its result label returned."""
+        engine = choose_engine(obj, settings)
+        if isinstance(engine, PolicyError):
+            return self._reject(obj, engine, state)
+        user_options: str | None = None
+        source = engine.user_options_source
+        if source is not None:
+            cm = self.kube.get(configmap_path(str((obj.get("metadata") or {}).get("namespace")), source.configmap))
+            user_options = ((cm or {}).get("data") or {}).get(source.key)
+            if user_options is None:
+                what = "does not exist" if cm is None else f"has no key {source.key!r}"
+                return self._reject(obj, PolicyError(
+                    f"ConfigMap {source.configmap}", source.key,
+                    f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
+                    reason="options_missing",
+                ), state)  # fmt: skip
+        wiring = node_cache_wiring(obj, settings) if settings.mode == "node" else None
+        if isinstance(wiring, PolicyError):
+            return self._reject(obj, wiring, state)
+        plan = plan_injection(obj, settings, self.cluster, engine, user_options, wiring)
+        return self._reject(obj, plan, state) if isinstance(plan, PolicyError) else plan
+
+    def _replan(self, answer: Mapping[str, Any], plan: InjectionPlan) -> RenderedInjection | PolicyError:
+        """The fragment for the object an apply returned, with the same settings and options file."""
+        engine = choose_engine(answer, plan.settings)
+        if isinstance(engine, PolicyError):
+            return engine
+        again = plan_injection(answer, plan.settings, self.cluster, engine, plan.user_options_yaml, plan.node_cache)
+        return again if isinstance(again, PolicyError) else render(again)
 
     def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
                          ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip
