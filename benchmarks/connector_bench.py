@@ -7,7 +7,7 @@ interleaved in the same run against the same server:
   WAIT_PREFETCH_STATUS; PREPARE -> ``blockcopy`` -> COMMIT with a transfer context of our own);
 * ``lmcache_copies``: the same protocol through LMCache's own ``submit_store``/``submit_retrieve``
   (its gather/scatter: what LMCache ships), for retrieve and store;
-* ``backend``: ``SidecarBackend.lookup/retrieve/store`` (the wrapper: timeouts, lock, keys);
+* ``backend``: ``CacheServerBackend.lookup/retrieve/store`` (the wrapper: timeouts, lock, keys);
 * ``hook_metrics_off`` / ``hook_metrics_on``: the TensorRT-LLM hook that performs the operation
   (``get_num_new_matched_tokens``, ``start_load_kv``, synchronous ``wait_for_save``), with
   ``KVOFFLOAD_METRICS_ENABLED`` false / true (prometheus_client multiprocess mode).
@@ -103,7 +103,7 @@ def _server(chunk: int, l1_gb: float) -> Iterator[Any]:
 
 
 class RawClient:
-    """LMCache 0.5.6's client API used directly: the calls ``SidecarBackend`` wraps."""
+    """LMCache 0.5.6's client API used directly: the calls ``CacheServerBackend`` wraps."""
 
     def __init__(self, url: str, shape: PoolShape, pool: Any | None) -> None:
         import zmq
@@ -239,7 +239,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     import torch
 
     from kvoffload.connector.backends.base import KvGeometry
-    from kvoffload.connector.backends.sidecar import SidecarBackend
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
     from kvoffload.connector.planning import ConnectorMetadata, TransferOp
     from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
@@ -257,9 +257,9 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         url = server.url
         off = ConnectorMetrics(MODEL, "sidecar", enabled=False)
         raw = RawClient(url, shape, pool)
-        backend = SidecarBackend(_settings(url, shape), rank=0, role="worker", metrics=off)
+        backend = CacheServerBackend(_settings(url, shape), rank=0, role="worker", metrics=off)
         backend.register(pool, geometry)
-        sched_backend = SidecarBackend(_settings(url, shape), rank=0, role="scheduler", metrics=off)
+        sched_backend = CacheServerBackend(_settings(url, shape), rank=0, role="scheduler", metrics=off)
         llm_args = connector_llm_args(MODEL, url, block=shape.tokens_per_block)
         hooks: dict[bool, tuple[Any, Any]] = {}
         for metrics in (False, True):
@@ -477,7 +477,7 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
 
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.blockcopy import gather_chunk, scatter_chunk
-    from kvoffload.connector.backends.sidecar import SidecarBackend
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
     from kvoffload.connector.planning import TransferOp
 
@@ -498,13 +498,13 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(_server(chunk, l1_gb))
             settings = _settings(server.url, shape)
-            ours = SidecarBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=True)
+            ours = CacheServerBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=True)
             stack.callback(ours.close)
             ours.register(pool, geometry)
-            shipped = SidecarBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=False)
+            shipped = CacheServerBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=False)
             stack.callback(shipped.close)
             shipped.register(pool, geometry)
-            scheduler = SidecarBackend(settings, rank=0, role="scheduler", metrics=off)
+            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off)
             stack.callback(scheduler.close)
             nb = tokens // block
             nbytes = tokens * shape.bytes_per_token

@@ -171,7 +171,7 @@ def make_backend(
 ) -> Any:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
     from kvoffload.connector.backends.base import kv_geometry
-    from kvoffload.connector.backends.sidecar import SidecarBackend
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
     from kvoffload.connector.settings import parse_settings
 
@@ -189,7 +189,7 @@ def make_backend(
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
-    backend = SidecarBackend(settings, rank=rank, role=role, metrics=metrics, use_fast_copies=fast)
+    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, use_fast_copies=fast)
     if pool is None:  # scheduler role: lookups only
         deadline = time.monotonic() + 30
         while not backend.is_up() and time.monotonic() < deadline:

@@ -33,7 +33,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
     gt.DEVICE = args.device  # "cuda" is this rank's GPU after set_device
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    from kvoffload.connector.backends.sidecar import PENDING_COMMITS
+    from kvoffload.connector.backends.commits import PENDING_COMMITS
     from kvoffload.connector.planning import TransferOp
 
     heads = gt.KV_HEADS // args.world_size

@@ -43,8 +43,8 @@ IMAGE = re.compile(IMAGE_PATTERN)
 MAX_IMAGE_LENGTH = 1024
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 """A Secret's name (DNS-1123 subdomain, at most 253 characters); the CRD's."""
-FS_PATH_PATTERN = r"^/[^\x00]*$"
-"""An absolute path (and, by a rule of its own, no '..' part); the CRD's."""
+FS_PATH_RULES = ("self.startsWith('/')", "!self.matches('(^|/)[.][.](/|$)') && !self.contains('\\x00')")
+"""The CRD's CEL rules for the L2 path: absolute, no '..' part, no NUL (read_fs_tier checks the same)."""
 _K8S_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 """Kubernetes' resource.Quantity syntax (any unit: cpu, memory, extended resources)."""
 _RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -265,7 +265,7 @@ def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
     if isinstance(fs, PolicyError):
         return fs
     path = fs.get("path")
-    if not isinstance(path, str) or not re.fullmatch(FS_PATH_PATTERN, path) or ".." in path.split("/"):
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
         return PolicyError(f"{name}.path", path, "an absolute path without '..'")
     size = read_quantity()(fs.get("size"), f"{name}.size")
     return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)

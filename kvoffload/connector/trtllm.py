@@ -62,14 +62,14 @@ def _rank() -> int:
 
 def _make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
     bundle.prepare()  # the bundle's deps on sys.path, lmcache loadable here, or one clear error
-    from kvoffload.connector.backends.sidecar import SidecarBackend
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
 
     if settings.backend == contract.BACKEND_INPROCESS:
         from kvoffload.connector.backends.inprocess import inprocess_settings
 
         settings = inprocess_settings(settings)
 
-    return SidecarBackend(settings, rank=rank, role=role, metrics=metrics)
+    return CacheServerBackend(settings, rank=rank, role=role, metrics=metrics)
 
 
 def _count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:

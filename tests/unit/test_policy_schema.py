@@ -141,7 +141,7 @@ def test_the_crd_limits_are_the_policy_modules() -> None:
         assert f"quantity('{pol.MAX_QUANTITY}')) <= 0" in fields[path]["x-kubernetes-validations"][0]["rule"]
     l2 = crd_spec()["properties"]["l2"]["properties"]
     assert l2["fs"]["properties"]["size"]["pattern"] == QUANTITY_PATTERN
-    assert l2["fs"]["properties"]["path"]["pattern"] == pol.FS_PATH_PATTERN
+    assert tuple(v["rule"] for v in l2["fs"]["properties"]["path"]["x-kubernetes-validations"]) == pol.FS_PATH_RULES
     secret = l2["redis"]["properties"]["passwordSecretRef"]["properties"]["name"]
     assert (secret["pattern"], secret["maxLength"]) == (pol.SECRET_NAME_PATTERN, 253)
     for path in ("sidecar.image", "connector.bundleImage"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvoffload.connector.backends.sidecar import PendingCommits
+from kvoffload.connector.backends.commits import PendingCommits
 
 
 def test_waiting_returns_at_once_when_nothing_is_pending() -> None:

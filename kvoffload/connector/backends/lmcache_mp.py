@@ -1,0 +1,394 @@
+"""LMCache's multi-process server, as a client: connection, registration, health, deferred COMMITs.
+
+Everything here is LMCache's public client API (``RequestClientFactory``, ``create_transfer_context``,
+``IPCCacheServerKey``). :class:`~kvoffload.connector.backends.cache_server.CacheServerBackend`
+builds the connector's lookups, loads and stores on it, for the pod's sidecar or for the server
+the in-process backend hosts.
+
+COMMIT off the engine's path: after the copy (synchronised, so the KV is where it must be) the
+COMMIT that publishes a store or releases a retrieve's slots is sent by a committer thread
+while the engine goes on. Lookups in this process first wait for pending COMMITs (bounded by
+the lookup timeout), so a request never misses KV that a finished request of this process
+stored. A COMMIT that fails marks the backend down like any other failed call.
+
+Failure handling: every call has its own timeout (settings, ms). A failed call
+marks the backend down; while down, calls fail at once (lookups answer 0, stores
+are skipped) and nothing waits. A heartbeat thread PINGs the server (which also
+keeps the server's reaper from dropping this worker), notices restarts (failed
+ping, or the server's SHM segment replaced) and registers the KV pool again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+from lmcache.utils import EngineType
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
+from kvoffload.connector.backends.blockcopy import TransferStream
+from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.keys import cache_model_name
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.settings import ConnectorSettings
+
+logger = logging.getLogger("kvoffload.connector")
+
+KV_POOL_NAME = "trtllm_kv_pool"
+_STARTUP_WAIT_S = 30.0
+_SHM_DIR = "/dev/shm"
+_MIN_PING_TIMEOUT_S = 2.0
+_RETIRED_GRACE_S = 10.0
+"""A replaced transfer context (server restarted) stays mapped until the end of the engine's
+iteration (``release_loaded``), or this long when the engine is idle: loads secured in its segment
+just before the restart still copy from it."""
+
+
+def failure_reason(exc: BaseException) -> str:
+    return "timeout" if isinstance(exc, TimeoutError) else "server_error"
+
+
+class LMCacheMPClient:
+    """One process's connection to an LMCache MP server, for one role (``scheduler`` or ``worker``)."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        rank: int,
+        role: str,
+        metrics: ConnectorMetrics,
+        use_fast_copies: bool = True,
+    ) -> None:
+        self._settings = settings
+        self._use_fast_copies = use_fast_copies
+        self._rank = rank
+        self._role = role
+        self._metrics = metrics
+        self._instance_id: int | None = instance_id() if role == "worker" else None
+        self._lookup_timeout_s = settings.lookup_timeout_ms / 1000.0
+        self._retrieve_timeout_s = settings.retrieve_timeout_ms / 1000.0
+        self._store_timeout_s = settings.store_timeout_ms / 1000.0
+        self._heartbeat_s = settings.heartbeat_interval_ms / 1000.0
+        # PINGs run on the heartbeat thread, never on the engine's path: a busy-but-alive server
+        # gets a generous answer window before it is declared down.
+        self._ping_timeout_s = max(_MIN_PING_TIMEOUT_S, self._heartbeat_s)
+        self._zmq = zmq.Context()
+        # Drop queued requests when a socket closes: a restarted server must never
+        # receive PREPARE/LOOKUP messages that were meant for its predecessor.
+        self._zmq.setsockopt(zmq.LINGER, 0)
+        self._lock = threading.RLock()
+        self._client: Any = RequestClientFactory.create(settings.server_url, context=self._zmq)
+        self._up = threading.Event()
+        self._needs_reset = False
+        self._needs_register = False
+        self._pool: Any = None
+        self._copies: TransferStream  # set with the pool (register)
+        self._geometry: KvGeometry | None = None
+        self._block_bytes = 0
+        self._transfer: Any = None
+        self._shm_identity: tuple[str, int] | None = None
+        self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
+        self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
+        self._loaded: list[TransferOp] = []
+        self.chunk_size = self._initial_chunk_size()
+        self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
+        self._stop = threading.Event()
+        self._commits: queue.Queue[DeferredCommit | None] = queue.Queue()
+        self._committer = threading.Thread(target=self._commit_loop, name=f"kvoffload-commit-{role}", daemon=True)
+        self._committer.start()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"kvoffload-heartbeat-{role}", daemon=True)
+        self._heartbeat.start()
+
+    # --- state ------------------------------------------------------------------
+    def is_up(self) -> bool:
+        """Whether the last contact with the server succeeded."""
+        return self._up.is_set()
+
+    def _mark_up(self) -> None:
+        if not self._up.is_set():
+            logger.info("event=backend_up backend=sidecar role=%s url=%s", self._role, self._settings.server_url)
+        self._up.set()
+        self._metrics.backend_up.set(1)
+
+    def _fail(self, operation: str, reason: str, detail: str = "") -> BackendError:
+        """Record a failure, mark the backend down and return the error to raise."""
+        self._metrics.error(operation, reason)
+        if self._up.is_set():
+            logger.warning(
+                "event=backend_down backend=sidecar role=%s operation=%s reason=%s detail=%s",
+                self._role,
+                operation,
+                reason,
+                detail,
+            )
+        self._up.clear()
+        self._metrics.backend_up.set(0)
+        self._needs_reset = True
+        return BackendError(operation, reason, detail)
+
+    def _initial_chunk_size(self) -> int:
+        wait_s = 2.0 if self._settings.chunk_size else _STARTUP_WAIT_S
+        try:
+            server_chunk = int(self._client.get_chunk_size().result(timeout=wait_s))
+        except Exception as exc:
+            if self._settings.chunk_size is None:
+                raise RuntimeError(
+                    f"kvoffload connector: LMCache server at {self._settings.server_url} did not answer "
+                    f"within {wait_s:.0f}s and KVOFFLOAD_CHUNK_SIZE is unset"
+                ) from exc
+            self._fail("heartbeat", failure_reason(exc), "server not reachable at start")
+            return self._settings.chunk_size
+        if self._settings.chunk_size and self._settings.chunk_size != server_chunk:
+            logger.warning(
+                "event=chunk_size_mismatch configured=%d server=%d using=server",
+                self._settings.chunk_size,
+                server_chunk,
+            )
+        if server_chunk % self._settings.tokens_per_block != 0:
+            raise RuntimeError(
+                f"kvoffload connector: LMCache chunk_size={server_chunk} is not a multiple of "
+                f"tokens_per_block={self._settings.tokens_per_block}"
+            )
+        self._mark_up()
+        return server_chunk
+
+    # --- keys -------------------------------------------------------------------
+    def _key(
+        self,
+        session_id: str,
+        token_ids: tuple[int, ...],
+        start: int,
+        end: int,
+        salt: str,
+        worker: bool,
+        rank: int | None = None,
+    ) -> IPCCacheServerKey:
+        return IPCCacheServerKey(
+            model_name=cache_model_name(self._settings.model_name),
+            world_size=self._settings.world_size,
+            worker_id=(self._rank if rank is None else rank) if worker else None,
+            token_ids=token_ids,
+            start=start,
+            end=end,
+            request_id=session_id,
+            cache_salt=salt,
+            num_kv_readers=1,
+        )
+
+    # --- worker side ----------------------------------------------------------------
+    def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
+        """Register the pool now; on failure the heartbeat keeps trying."""
+        self._pool = kv_pool
+        self._copies = TransferStream(kv_pool.device)
+        self._geometry = geometry
+        self._block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
+        try:
+            self._register_now()
+        except Exception as exc:
+            self._fail("register", failure_reason(exc), repr(exc))
+            self._needs_register = True
+
+    def _register_now(self) -> None:
+        assert self._geometry is not None and self._instance_id is not None
+        kv = {KV_POOL_NAME: self._pool}
+        with self._lock:
+            transfer = create_transfer_context(
+                kv, instance_id=self._instance_id, req_client=self._client, mode=MPTransferMode.ENGINE_DRIVEN
+            )
+            transfer.register(
+                kv,
+                cache_model_name(self._settings.model_name),
+                self._settings.world_size,
+                self._blocks_per_chunk,
+                max(self._store_timeout_s, self._retrieve_timeout_s),
+                layout_hints=self._geometry.layout_hints(),
+                engine_type=EngineType.TRTLLM,
+            )
+            old, self._transfer = self._transfer, transfer
+            old_identity, self._shm_identity = self._shm_identity, self._shm_of(transfer)
+            self._needs_register = False
+        if old is not None:
+            self._retire(old, old_identity)
+        mode = "shm" if self._shm_identity else "pickle"
+        log = logger.info if self._shm_identity else logger.warning
+        log(
+            "event=registered backend=sidecar rank=%d instance=%d transfer=%s shape=%s geometry=%s",
+            self._rank,
+            self._instance_id,
+            mode,
+            tuple(self._pool.shape),
+            self._geometry,
+        )
+        self._mark_up()
+
+    @staticmethod
+    def _shm_of(transfer: Any) -> tuple[str, int] | None:
+        """(segment name, inode) of the server L1 segment this context mapped; None in pickle mode."""
+        # lmcache 0.5.6 keeps the name on the SHM context only as a private attribute.
+        name = getattr(getattr(transfer, "_engine_driven_context", None), "_shm_name", None)
+        if not name:
+            return None
+        try:
+            return name, os.stat(os.path.join(_SHM_DIR, name.lstrip("/"))).st_ino
+        except OSError:
+            return name, -1
+
+    def _shm_replaced(self) -> bool:
+        ident = self._shm_identity
+        if ident is None:
+            return False
+        try:
+            return os.stat(os.path.join(_SHM_DIR, ident[0].lstrip("/"))).st_ino != ident[1]
+        except OSError:
+            return True
+
+    def _acquire(self, operation: str, timeout_s: float) -> Any:
+        if not self._up.is_set():
+            raise BackendError(operation, "unavailable")
+        if not self._lock.acquire(timeout=timeout_s):
+            raise self._fail(operation, "timeout", "transfer context busy")
+        transfer = self._transfer
+        if transfer is None:
+            self._lock.release()
+            raise BackendError(operation, "unavailable", "KV pool not registered")
+        return transfer
+
+    def _retire(self, transfer: Any, identity: tuple[str, int] | None) -> None:
+        """Keep a replaced transfer context mapped for a while (secured loads may still read it)."""
+        with self._retired_lock:
+            self._retired.append((transfer, identity, time.monotonic()))
+
+    def _close_retired(self, older_than_s: float) -> None:
+        with self._retired_lock:
+            self._close_retired_locked(older_than_s)
+
+    def _close_retired_locked(self, older_than_s: float) -> None:
+        now = time.monotonic()
+        keep = []
+        for transfer, identity, since in self._retired:
+            if now - since < older_than_s:
+                keep.append((transfer, identity, since))
+                continue
+            try:
+                transfer.close()
+            except Exception:  # a view still exported: try again next time
+                logger.debug("event=retired_close_failed segment=%s", identity, exc_info=True)
+                keep.append((transfer, identity, since))
+        self._retired = keep
+
+    # --- deferred COMMIT ----------------------------------------------------------------
+    def _commit_later(self, operation: str, key: IPCCacheServerKey) -> None:
+        """Queue the COMMIT of a finished copy (for the current transfer context; one queued for a
+        context replaced before it is sent is dropped: that server is gone)."""
+        PENDING_COMMITS.add()
+        self._commits.put(DeferredCommit(operation, self._transfer, key))
+
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commits.get()
+            if item is None:
+                return
+            try:
+                self._commit_now(item)
+            except Exception:  # the committer must outlive any one COMMIT
+                logger.exception("event=commit_failed operation=%s", item.operation)
+            finally:
+                PENDING_COMMITS.done()
+
+    def _commit_now(self, item: DeferredCommit) -> None:
+        with self._lock:
+            if item.transfer is not self._transfer or item.transfer is None:
+                # Reconnected meanwhile: that server (and its reservation) is gone; a store is lost.
+                if item.operation == "store":
+                    self._metrics.error("store", "unavailable")
+                logger.warning("event=commit_dropped operation=%s session=%s", item.operation, item.key.request_id)
+                return
+            edc = item.transfer.engine_driven_context
+            start = time.perf_counter()
+            try:
+                ok = True
+                if item.operation == "store":
+                    ok = bool(edc.commit_store(item.key, self._instance_id, []))
+                else:
+                    edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
+            except Exception as exc:
+                self._fail(item.operation, failure_reason(exc), f"COMMIT: {exc!r}")
+                return
+            if not ok:
+                self._metrics.error(item.operation, "server_error")
+                logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+            logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
+                         (time.perf_counter() - start) * 1e3)  # fmt: skip
+
+    # --- heartbeat ----------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self._close_retired(_RETIRED_GRACE_S)
+                self.heartbeat_once()
+            except Exception:  # the thread must survive anything
+                logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
+
+    def heartbeat_once(self) -> None:
+        """PING; on failure reconnect, on success (re)register the pool when needed."""
+        if self._needs_reset:
+            self._reset_client()
+        try:
+            self._client.ping(self._instance_id).result(timeout=self._ping_timeout_s)
+        except Exception as exc:
+            if self._up.is_set():
+                self._fail("heartbeat", failure_reason(exc), repr(exc))
+            self._needs_reset = True
+            return
+        if self._pool is not None and (self._needs_register or self._shm_replaced()):
+            try:
+                self._register_now()
+            except Exception as exc:
+                self._fail("register", failure_reason(exc), repr(exc))
+                self._needs_register = True
+                return
+        self._mark_up()
+
+    def _reset_client(self) -> None:
+        """New socket; the old one's queued requests are dropped (LINGER 0)."""
+        with self._lock:
+            old = self._client
+            self._client = RequestClientFactory.create(self._settings.server_url, context=self._zmq)
+            self._needs_reset = False
+            if self._pool is not None:
+                self._needs_register = True
+            transfer, self._transfer = self._transfer, None
+            identity, self._shm_identity = self._shm_identity, None
+        if transfer is not None:
+            self._retire(transfer, identity)
+        old.close()
+
+    def close(self) -> None:
+        """Send the queued COMMITs, stop the heartbeat, unregister and close the connection."""
+        self._commits.put(None)
+        self._committer.join(timeout=max(5.0, self._store_timeout_s))
+        self._stop.set()
+        self._heartbeat.join(timeout=5)
+        self._close_retired(0.0)
+        with self._lock:
+            transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            if self._up.is_set():
+                try:
+                    future = transfer.unregister()
+                    if future is not None:
+                        future.result(timeout=1.0)
+                except Exception:
+                    logger.debug("event=unregister_failed backend=sidecar", exc_info=True)
+            transfer.close()
+        self._client.close()
