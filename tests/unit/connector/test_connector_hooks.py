@@ -100,7 +100,9 @@ def trtllm() -> Any:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, trtllm: Any) -> FakeBackend:
     backend = FakeBackend()
-    monkeypatch.setattr(trtllm, "_make_backend", lambda *a, **k: backend)
+    for hooks in ("scheduler", "worker"):  # where each hook class builds its backend
+        monkeypatch.setattr(importlib.import_module(f"kvoffload.connector.{hooks}"), "make_backend",
+                            lambda *a, **k: backend)  # fmt: skip
     monkeypatch.setenv(contract.ENV_METRICS_ENABLED, "false")
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
     return backend

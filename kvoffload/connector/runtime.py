@@ -1,0 +1,88 @@
+"""What the scheduler and worker hooks share: TensorRT-LLM's connector API, this process's rank,
+the backend they act through, and the error a failed promised load raises."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvoffload import contract
+from kvoffload.connector import bundle
+from kvoffload.connector.backends.base import BackendError, KVBackend
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.settings import ConnectorSettings
+
+try:
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+except ImportError:  # TensorRT-LLM 1.1/1.2 module path
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+
+__all__ = [
+    "KvCacheConnectorScheduler",
+    "KvCacheConnectorWorker",
+    "KvoffloadLoadError",
+    "SchedulerOutput",
+    "count_skip",
+    "engine_rank",
+    "make_backend",
+    "prompt_tokens",
+    "use_private_stream",
+]
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadLoadError(RuntimeError):
+    """KV promised to TensorRT-LLM could not be loaded; the affected requests must fail, never run on garbage."""
+
+
+def engine_rank() -> int:
+    try:
+        import tensorrt_llm
+
+        return int(tensorrt_llm.mpi_rank())
+    except (ImportError, AttributeError):
+        return 0
+
+
+def make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
+    bundle.prepare()  # the bundle's deps on sys.path, lmcache loadable here, or one clear error
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
+
+    if settings.backend == contract.BACKEND_INPROCESS:
+        from kvoffload.connector.backends.inprocess import inprocess_settings
+
+        settings = inprocess_settings(settings)
+
+    return CacheServerBackend(settings, rank=rank, role=role, metrics=metrics)
+
+
+def count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
+    """Count operations skipped because the backend is down (failures themselves are counted where they happen)."""
+    if exc.reason == "unavailable":
+        metrics.error(exc.operation, "unavailable")
+
+
+def use_private_stream(device: Any) -> None:
+    """Make this thread's current CUDA stream its own (no-op off CUDA).
+
+    The saver waits for the forward pass's event on the CPU; a backend then orders its copies after
+    this thread's current stream, which must not be one the engine keeps queueing work on.
+    """
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_stream(torch.cuda.Stream(device=device))
+
+
+def prompt_tokens(request: Any) -> list[int]:
+    tokens = request.get_tokens(0)
+    return list(tokens)

@@ -1,0 +1,238 @@
+"""The connector's scheduler hooks (TensorRT-LLM's ``KvCacheConnectorScheduler``): what to load, what to save.
+
+Each hook gathers its inputs, calls a pure function in ``planning`` and acts through a backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from kvoffload.connector import planning
+from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.keys import salt_of
+from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.runtime import (
+    KvCacheConnectorScheduler,
+    SchedulerOutput,
+    count_skip,
+    make_backend,
+    prompt_tokens,
+)
+from kvoffload.connector.settings import parse_settings
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
+    """Rank-0 half: lookups, and which blocks to load and save each iteration."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._metrics = metrics_for(self._settings)
+        self._backend = make_backend(self._settings, "scheduler", 0, self._metrics)
+        self._block = self._settings.tokens_per_block
+        self._chunk = self._backend.chunk_size
+        # Session ids are unique per engine start: LMCache caches chunk hashes per session,
+        # and TensorRT-LLM request ids repeat after a restart.
+        self._session_prefix = uuid.uuid4().hex[:12]
+        self._requests: dict[int, planning.RequestState] = {}
+        # block id -> live requests listing it: a block handed out again names requests that ended
+        # without request_finished (cancelled, errored, aborted), whose state is then reaped.
+        self._holders: dict[int, set[int]] = {}
+        logger.info(
+            "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
+            self._settings.backend,
+            self._settings.server_url,
+            self._settings.model_name,
+            self._chunk,
+            self._block,
+        )
+
+    def _state_for(self, request: Any, num_prompt_tokens: int) -> planning.RequestState:
+        rid = int(request.request_id)
+        state = self._requests.get(rid)
+        if state is None:
+            state = planning.RequestState(
+                request_id=rid,
+                session_id=f"{self._session_prefix}-{rid}",
+                salt=salt_of(request),
+                num_prompt_tokens=num_prompt_tokens,
+            )
+            self._requests[rid] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Step 2 (first context chunk, after device prefix reuse): tokens loadable beyond the device's.
+
+        Returns ``(n, False)``: the load is synchronous in ``start_load_kv``. A failed
+        or slow lookup answers 0, so the engine simply computes.
+        """
+        tokens = prompt_tokens(request)
+        state = self._state_for(request, len(tokens))
+        state.tokens = tokens
+        state.load = planning.NO_LOAD  # only this call's promise may turn into a load
+        end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
+        if end == 0:
+            return 0, False
+        token_ids = tuple(tokens)
+        m = self._metrics
+        t0 = time.perf_counter()
+        try:
+            hit = self._backend.lookup(state.session_id, token_ids, end, state.salt)
+        except BackendError as exc:
+            count_skip(self._metrics, exc)
+            logger.debug("event=lookup_failed request=%d reason=%s", state.request_id, exc.reason)
+            return 0, False
+        m.record_lookup(time.perf_counter() - t0, end, hit)
+        decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
+        if decision.loads:
+            # Promise only what is secured: once the server handed out and locked the chunks, the
+            # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
+            state.secured = self._backend.secure(
+                state.session_id,
+                token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
+                decision.retrieve_start,
+                decision.retrieve_end,
+                state.salt,
+            )
+            if state.secured is None:
+                decision = planning.decline(decision)
+        if decision.free_ranges:
+            self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
+        state.load = decision
+        state.stored_upto = max(state.stored_upto, hit)
+        logger.debug(
+            "event=lookup request=%d prompt=%d device=%d queried=%d hit=%d matched=%d",
+            state.request_id,
+            len(tokens),
+            num_computed_tokens,
+            end,
+            hit,
+            decision.matched_tokens,
+        )
+        return decision.matched_tokens, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Step 2, right after allocation: remember the request's blocks (loads target them)."""
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            state.block_ids = list(block_ids)
+            self._hold(state.request_id, block_ids)
+
+    def _hold(self, request_id: int, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._holders.setdefault(block, set()).add(request_id)
+
+    def _forget(self, request_id: int) -> planning.RequestState | None:
+        """Drop a request's state and its claim on blocks; end its LMCache session."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for block in state.block_ids:
+            holders = self._holders.get(block)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self._holders[block]
+        if state.secured is not None:  # promised, never loaded (the request ended first)
+            load = state.load
+            token_ids = tuple(state.tokens[: load.retrieve_end])
+            self._backend.release_secured(
+                state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt
+            )
+        self._backend.end_session(state.session_id)
+        return state
+
+    def _reap_vanished(self, fresh: list[int], owner: int) -> None:
+        for rid in planning.vanished_holders(fresh, self._holders, owner):
+            self._forget(rid)
+            logger.debug("event=request_vanished request=%d", rid)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
+        """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
+        loads: list[planning.TransferOp] = []
+        saves: list[planning.TransferOp] = []
+        fresh: set[int] = set()
+        for req in scheduler_output.new_requests:
+            rid = int(req.request_id)
+            new_fresh = planning.fresh_blocks(req.new_block_ids, req.computed_position, self._block, True)
+            self._reap_vanished(new_fresh, rid)
+            fresh.update(new_fresh)
+            state = self._requests.get(rid)
+            if state is None:  # never looked up (e.g. dummy request): still save it
+                state = self._state_for(req, len(req.new_tokens))
+            state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
+            if not state.block_ids:
+                state.block_ids = list(req.new_block_ids)
+                self._hold(rid, state.block_ids)
+            before = req.computed_position + state.load.matched_tokens
+            if state.load.loads:
+                load = state.load
+                loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
+                state.secured = None  # the workers copy it; rank 0 releases it after the iteration
+            state.tokens_with_kv = planning.tokens_with_kv_after_step(
+                before, req.num_scheduled_tokens, len(state.tokens)
+            )
+            self._plan_save(state, saves)
+        for req in scheduler_output.cached_requests:
+            rid = int(req.request_id)
+            self._reap_vanished(list(req.new_block_ids), rid)
+            fresh.update(req.new_block_ids)
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            state.tokens.extend(req.new_tokens)
+            state.block_ids.extend(req.new_block_ids)
+            self._hold(rid, list(req.new_block_ids))
+            state.tokens_with_kv = planning.tokens_with_kv_after_step(
+                state.tokens_with_kv, req.num_scheduled_tokens, len(state.tokens)
+            )
+            self._plan_save(state, saves)
+        return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves), fresh_blocks=frozenset(fresh))
+
+    def _plan_save(self, state: planning.RequestState, saves: list[planning.TransferOp]) -> None:
+        span = planning.plan_save(
+            state.stored_upto,
+            state.tokens_with_kv,
+            len(state.block_ids) * self._block,
+            state.num_prompt_tokens,
+            self._chunk,
+            self._settings.save_decode_tokens,
+        )
+        if span is None:
+            return
+        saves.append(self._op(state, span[0], span[1], 0))
+        state.stored_upto = span[1]
+        state.saves_issued += 1
+
+    def _op(
+        self,
+        state: planning.RequestState,
+        start: int,
+        end: int,
+        skip: int,
+        secured: planning.SecuredLoad | None = None,
+    ) -> planning.TransferOp:
+        return planning.TransferOp(
+            request_id=state.request_id,
+            session_id=state.session_id,
+            token_ids=tuple(state.tokens[:end]),
+            start=start,
+            end=end,
+            block_ids=planning.block_slice(state.block_ids, start, end, self._block),
+            skip_tokens=skip,
+            salt=state.salt,
+            secured=secured,
+        )
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Step 5: forget the request; True (hold its blocks) only when async saves may still be running."""
+        state = self._forget(int(request.request_id))
+        if state is None:
+            return False
+        return self._settings.async_save and state.saves_issued > 0

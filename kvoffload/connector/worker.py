@@ -1,0 +1,207 @@
+"""The connector's worker hooks (TensorRT-LLM's ``KvCacheConnectorWorker``): KV copies between the pool and the cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from kvoffload.connector import planning
+from kvoffload.connector.backends.base import BackendError, kv_geometry, read_hf_config
+from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.runtime import (
+    KvCacheConnectorWorker,
+    KvoffloadLoadError,
+    count_skip,
+    engine_rank,
+    make_backend,
+    use_private_stream,
+)
+from kvoffload.connector.settings import parse_settings
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadConnectorWorker(KvCacheConnectorWorker):
+    """Every rank: moves KV between TensorRT-LLM's pool and the store."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._rank = engine_rank()
+        self._metrics = metrics_for(self._settings)
+        self._backend = make_backend(self._settings, "worker", self._rank, self._metrics)
+        self._block = self._settings.tokens_per_block
+        # Async saves: one background thread; request ids wait in _saving until their stores ran.
+        self._save_queue: deque[tuple[planning.TransferOp, Any]] = deque()
+        self._save_cv = threading.Condition()
+        self._saving: dict[int, int] = {}
+        self._storing: planning.TransferOp | None = None  # the op the saver is working on
+        self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
+        self._finished_waiting: set[int] = set()
+        self._save_thread: threading.Thread | None = None
+        self._kv_device: Any = None
+        if self._settings.async_save:
+            self._save_thread = threading.Thread(target=self._save_loop, name="kvoffload-save", daemon=True)
+            self._save_thread.start()
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``."""
+        geometry = kv_geometry(
+            int(kv_cache_tensor.shape[-1]),
+            self._block,
+            read_hf_config(self._settings.model_name),
+            self._settings.world_size,
+        )
+        self._kv_device = kv_cache_tensor.device
+        self._backend.register(kv_cache_tensor, geometry)
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one layer group is one pool and goes to
+        ``register_kv_caches`` (TensorRT-LLM's default); several are refused here, at start, by name."""
+        groups = tuple(getattr(layout, "groups", ()))
+        if len(groups) > 1:
+            windows = sorted({str(getattr(g, "window_size", None) or "full") for g in groups})
+            raise RuntimeError(
+                f"kvoffload: this model's KV cache has {len(groups)} layer groups (attention windows: "
+                f"{', '.join(windows)}), as variable sliding-window or hybrid attention models do; the "
+                "connector moves one pool of uniform blocks: use it with models of one attention window"
+            )
+        default = getattr(super(), "register_kv_cache_layout", None)
+        if default is None:
+            raise RuntimeError("kvoffload: register_kv_cache_layout called by a TensorRT-LLM without layouts")
+        default(layout)
+
+    def start_load_kv(self, stream: Any) -> None:
+        """Step 3: fence queued saves off blocks handed out again, then copy every promised load in.
+
+        Never raises (TensorRT-LLM runs this outside any try: an exception stops the engine).
+        Each load's chunks were secured at lookup, so the copies are local and cannot fail.
+        """
+        meta = self._metadata
+        if not isinstance(meta, planning.ConnectorMetadata):
+            return
+        if meta.fresh_blocks and self._save_thread is not None:
+            self._fence_saves(meta.fresh_blocks)
+        if not meta.loads:
+            return
+        m = self._metrics
+        for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
+            if result.error is not None:
+                logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
+                self._unloaded.append(op.request_id)
+                continue
+            m.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
+
+    def _fence_saves(self, fresh: frozenset[int]) -> None:
+        """Before a forward that may write ``fresh`` blocks: no queued save may read them afterwards.
+
+        Such a save belongs to a request that ended without ``request_finished`` (its blocks went
+        back to the pool): a queued one is dropped (its KV may already be another request's), one
+        being copied right now is waited for (it read the blocks before this forward runs).
+        """
+        with self._save_cv:
+            keep: deque[tuple[planning.TransferOp, Any]] = deque()
+            for op, event in self._save_queue:
+                if fresh.isdisjoint(op.block_ids):
+                    keep.append((op, event))
+                    continue
+                self._metrics.error("store", "blocks_reused")
+                self._save_done(op.request_id)
+                logger.debug("event=save_dropped request=%d reason=blocks_reused", op.request_id)
+            self._save_queue = keep
+            self._save_cv.wait_for(lambda: self._storing is None or fresh.isdisjoint(self._storing.block_ids))
+
+    def _save_done(self, request_id: int) -> None:
+        """One save of ``request_id`` ran or was dropped (called with ``_save_cv`` held)."""
+        left = self._saving.get(request_id, 1) - 1
+        if left <= 0:
+            self._saving.pop(request_id, None)
+        else:
+            self._saving[request_id] = left
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``).
+
+        Loads are secured at lookup, so a load cannot fail for the server's sake; if one still did
+        (a bug, or its segment unmapped), the forward must not run on the missing KV: raising here
+        makes TensorRT-LLM fail the active requests (``_forward_step``), where raising in
+        ``start_load_kv`` would stop the executor.
+        """
+        if self._unloaded:
+            failed, self._unloaded = self._unloaded, []
+            raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, after it ran: nothing (a block spans all layers; saves run in ``wait_for_save``)."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Step 4 (end of forward): store this iteration's new full chunks (or queue them when async)."""
+        meta = self._metadata
+        if not isinstance(meta, planning.ConnectorMetadata) or not meta.saves:
+            return
+        if self._save_thread is not None:
+            # The saver must not copy before the forward pass wrote the KV: it waits on this event.
+            event = stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
+            with self._save_cv:
+                for op in meta.saves:
+                    self._saving[op.request_id] = self._saving.get(op.request_id, 0) + 1
+                    self._save_queue.append((op, event))
+                self._save_cv.notify_all()
+            return
+        for op in meta.saves:
+            self._store(op)
+
+    def _store(self, op: planning.TransferOp) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._backend.store(op)
+        except BackendError as exc:
+            count_skip(self._metrics, exc)
+            logger.warning("event=store_failed request=%d reason=%s", op.request_id, exc.reason)
+            return
+        self._metrics.record_store(time.perf_counter() - t0, op.end - op.start, nbytes)
+
+    def _save_loop(self) -> None:
+        on_private_stream = False
+        while True:
+            with self._save_cv:
+                while not self._save_queue:
+                    self._save_cv.wait()
+                op, event = self._save_queue.popleft()
+                self._storing = op
+            try:
+                if not on_private_stream:
+                    use_private_stream(self._kv_device)
+                    on_private_stream = True
+                if event is not None:
+                    event.synchronize()
+                self._store(op)
+            except Exception:  # the saver must survive anything, or finished requests would wait forever
+                logger.exception("event=save_error request=%d", op.request_id)
+            finally:
+                with self._save_cv:
+                    self._storing = None
+                    self._save_done(op.request_id)
+                    self._save_cv.notify_all()
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Step 6: requests whose async saves are done (loads are synchronous, never reported)."""
+        self._backend.release_loaded()
+        if self._save_thread is None:
+            return [], []
+        with self._save_cv:
+            self._finished_waiting.update(finished_gen_req_ids)
+            done = [rid for rid in self._finished_waiting if rid not in self._saving]
+            self._finished_waiting.difference_update(done)
+        return done, []
+
+    def shutdown(self) -> None:
+        """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""
+        self._backend.close()
+        self._metrics.flush()
