@@ -20,11 +20,12 @@ from kvoffload import contract as c
 from kvoffload.policy import EVICTION_POLICIES, GPU_ACCESS_MODES, PolicyError
 from kvoffload.quantity import QuantityError, parse_bytes
 
+from .events import EventRecorder
 from .injection_plan import ClusterInfo
 from .kube import Kube, load_configuration
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
-from .reconcile import EventRecorder, Reconciler
+from .reconcile import Reconciler
 from .settings import OperatorDefaults, base_settings
 
 PROG = "kvoffload-operator"

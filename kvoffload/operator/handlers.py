@@ -58,12 +58,12 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
                 _reconciler(memo).run_due_retries()
             except Exception:
                 log.exception("retries failed")
-            _reconciler(memo).flush_policy_status()
+            _reconciler(memo).policies.flush_status()
             since_node_check += POLICY_STATUS_INTERVAL_S
             if since_node_check >= NODE_CACHE_RECHECK_S:  # a missed pod event must not strand a cache pod
                 since_node_check = 0.0
                 try:
-                    _reconciler(memo).recheck_node_caches()
+                    _reconciler(memo).policies.recheck_node_caches()
                 except Exception:
                     log.exception("node cache recheck failed")
             elapsed += POLICY_STATUS_INTERVAL_S
@@ -112,13 +112,15 @@ def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None
 def engine_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
     """A node-mode engine pod was scheduled, changed or left: recompute its policy's cache pods."""
     meta = body.get("metadata") or {}
-    _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_NODE_CACHE_POLICY]))
+    _reconciler(memo).policies.sync_node_caches(
+        str(meta.get("namespace")), str(meta["labels"][c.LABEL_NODE_CACHE_POLICY])
+    )
 
 
 def cache_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
     """A cache pod changed or went away: replace it, delete it, or update the policy status."""
     meta = body.get("metadata") or {}
-    _reconciler(memo).sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_CACHE_POLICY]))
+    _reconciler(memo).policies.sync_node_caches(str(meta.get("namespace")), str(meta["labels"][c.LABEL_CACHE_POLICY]))
 
 
 def register_node_mode_handlers() -> None:

@@ -28,7 +28,7 @@ from kvoffload.operator.node_mode import (
     render_cache_service,
     render_node_mode_fragment,
 )
-from kvoffload.operator.reconcile import desired_policy_status
+from kvoffload.operator.policy_status import desired_policy_status
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.policy import PolicyError
 from tests.unit.operator.operator_fixtures import applied, container, deployment

@@ -1,0 +1,110 @@
+"""Writes to a workload that must not land on a stale version: Server-Side Apply locked to the
+resourceVersion a fragment or removal plan was computed from."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload import contract as c
+
+from .drift import object_carries
+from .fragment import RemovalPlan, RenderedInjection, render_removal
+from .kube import Kube, KubeApiError, configmap_path, workload_path
+from .settings import enabled_state
+from .workload_view import configmap_name
+
+LOCKED_APPLY_TRIES = 3
+
+
+def ours_annotations_digest(annotations: Mapping[str, str]) -> str:
+    """A digest of the ``kvoffload.io/*`` annotations: a workload's opt-in inputs besides its spec."""
+    relevant = {k: v for k, v in annotations.items() if k.startswith(c.ANNOTATION_PREFIX)}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def locked_apply(kube: Kube, path: str, body: Mapping[str, Any], meta: Mapping[str, Any], force: bool
+                  ) -> dict[str, Any] | None:  # fmt: skip
+    """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
+    computed from; status writes in between only refresh the lock (a few tries). None: the
+    inputs changed (the next event carries them). Field conflicts are raised to the caller."""
+    locked = copy.deepcopy(dict(body))
+    version = meta.get("resourceVersion")
+    ours = ours_annotations_digest(meta.get("annotations") or {})
+    for _attempt in range(LOCKED_APPLY_TRIES):
+        locked["metadata"]["resourceVersion"] = version
+        try:
+            return kube.apply(path, locked, c.FIELD_MANAGER, force=force)
+        except KubeApiError as exc:
+            if exc.status != 409 or exc.field_conflicts:
+                raise
+        current = kube.get(path)
+        current_meta = (current or {}).get("metadata") or {}
+        if (current is None or current_meta.get("generation") != meta.get("generation")
+                or ours_annotations_digest(current_meta.get("annotations") or {}) != ours):  # fmt: skip
+            return None
+        version = current_meta.get("resourceVersion")
+    return None
+
+
+def apply_removal(kube: Kube, path: str, plan: RemovalPlan, version: str | None) -> None:
+    """Apply the removal steps; the first is locked to the version the plan was made from
+    (a stale plan would re-claim fields and loop on its own intermediate writes)."""
+    for index, step in enumerate(plan.steps):
+        body = copy.deepcopy(step.body)
+        if index == 0 and version:
+            body["metadata"]["resourceVersion"] = version
+        kube.apply(path, body, step.field_manager, force=False)
+
+
+def changed_since(kube: Kube, path: str, meta: Mapping[str, Any]) -> bool:
+    """Whether the object's spec moved on from the version a fragment was computed from."""
+    current = kube.get(path)
+    return current is not None and (current.get("metadata") or {}).get("generation") != meta.get("generation")
+
+
+def carries_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+    """Whether the live workload and its ConfigMap hold every field the apply would set."""
+    if not object_carries(rendered.workload_apply, obj):
+        return False
+    meta = obj.get("metadata") or {}
+    cm = kube.get(configmap_path(str(meta.get("namespace")), configmap_name(str(meta.get("name")))))
+    return object_carries(rendered.configmap_apply, cm)
+
+
+def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
+    """Apply the removal plan of an opted-out workload and delete its generated ConfigMap.
+
+    ``noop``: nothing of ours; ``removed``; ``skipped``: the workload kept changing or opted in
+    again meanwhile (the next event carries it). Field conflicts are raised to the caller.
+    """
+    kind = str(obj.get("kind"))
+    meta = obj.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    path = workload_path(kind, namespace, name)
+    current: Mapping[str, Any] = obj
+    for _attempt in range(LOCKED_APPLY_TRIES):
+        plan = render_removal(current)
+        if not plan.steps:
+            return "noop"
+        try:
+            apply_removal(kube, path, plan, (current.get("metadata") or {}).get("resourceVersion"))
+            break
+        except KubeApiError as exc:
+            if exc.status != 409 or exc.field_conflicts:
+                raise
+        # The plan was made from a stale version (often our own removal's intermediate
+        # state, delivered late): plan again from the live object, which may need nothing.
+        live = kube.get(path)
+        if live is None or enabled_state((live.get("metadata") or {}).get("annotations") or {}) is not False:
+            return "skipped"
+        current = {"kind": kind, **live}
+    else:
+        return "skipped"
+    cm = kube.get(configmap_path(namespace, configmap_name(name)))
+    if cm and ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
+        kube.delete(configmap_path(namespace, configmap_name(name)))
+    return "removed"
