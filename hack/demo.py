@@ -28,6 +28,55 @@ def say(message: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {STEP:2d}. {message}", flush=True)
 
 
+def walk(journey: Journey, cluster: LocalCluster, workdir: Path, requests: int, keep: bool) -> int:
+    """The journey, narrated: install, opt in, serve, measure, opt out, uninstall; 0 when all held."""
+    journey.install_chart()
+    journey.start_operator()
+    journey.create_workload(options_from_configmap=False)
+    pod = journey.annotate()
+    prefix_tokens, suffix_tokens = 2048, 128
+    prompts = shared_prefix_prompts(requests, prefix_tokens, suffix_tokens)
+    say(f"sending {requests} prompts sharing a {prefix_tokens}-token prefix (device KV evicted after the first)")
+    report = journey.run_pod_locally(pod, prompts)
+    results = [r for phase in report["phases"] if "results" in phase for r in phase["results"]]
+    later = report["phases"][2]["results"]
+    computed = sum(r["computed_prompt_tokens"] for r in later)
+    prompt_tokens = len(later) * (prefix_tokens + suffix_tokens)
+    failed = sum(r["failed"] for r in results)
+    say(
+        f"engine done: {len(results)} requests, {failed} failed, {report['kv_mismatches']} KV mismatches; "
+        f"later requests computed {computed} of {prompt_tokens} prompt tokens"
+    )
+    journey.start_prometheus()
+    hit = wait_until(lambda: journey.promql("sum(kvoffload_connector_lookup_hit_tokens_total)"), 60, "metrics")
+    queried = journey.promql("sum(kvoffload_connector_lookup_queried_tokens_total)") or 0.0
+    retrieved = journey.promql("sum(kvoffload_connector_retrieve_bytes_total)") or 0.0
+    say(f"PromQL: lookup hit tokens {hit:.0f} of {queried:.0f} queried; retrieved {retrieved / 2**20:.1f} MiB")
+    before = journey.original_template
+    after = journey.remove_annotation()
+    same = strip_server_fields(after) == strip_server_fields(before)
+    leftovers = journey.uninstall()
+    print("\nSummary")
+    print("  injected:   kvoffload-cache (LMCache server, native sidecar), kvoffload-connector-bundle (init),")
+    print("              /dev/shm + metrics volumes, connector env, TensorRT-LLM options with kv_connector_config")
+    print(f"  hit rate:   {hit / queried:.0%} of looked-up tokens were found in the cache" if queried else "")
+    print(f"  recompute:  later requests computed {computed} of {prompt_tokens} prompt tokens")
+    print(
+        f"  removal:    template identical to the original: {same}; objects left after uninstall: {leftovers or 'none'}"
+    )
+    print(f"  logs:       {workdir} (operator.log, pod/sidecar.log, pod/engine.log, prometheus/)")
+    if keep:
+        print(f"\nPrometheus: {journey.prom_url('/graph')}   kubectl --kubeconfig {cluster.admin_kubeconfig} ...")
+        print("Ctrl-C stops everything.")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    ok = same and not failed and report["kv_mismatches"] == 0 and hit > 0
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path(".cache/demo"), help="working folder (logs stay here)")
@@ -47,53 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"control plane up in {cluster.started_in_s:.1f} s (Kubernetes v1.36.3, 2 fake GPU nodes via kwok)")
     journey = Journey(cluster=cluster, workdir=workdir, say=say)
     try:
-        journey.install_chart()
-        journey.start_operator()
-        journey.create_workload(options_from_configmap=False)
-        pod = journey.annotate()
-        prefix_tokens, suffix_tokens = 2048, 128
-        prompts = shared_prefix_prompts(args.requests, prefix_tokens, suffix_tokens)
-        say(
-            f"sending {args.requests} prompts sharing a {prefix_tokens}-token prefix (device KV evicted after the first)"
-        )
-        report = journey.run_pod_locally(pod, prompts)
-        results = [r for phase in report["phases"] if "results" in phase for r in phase["results"]]
-        later = report["phases"][2]["results"]
-        computed = sum(r["computed_prompt_tokens"] for r in later)
-        prompt_tokens = len(later) * (prefix_tokens + suffix_tokens)
-        failed = sum(r["failed"] for r in results)
-        say(
-            f"engine done: {len(results)} requests, {failed} failed, {report['kv_mismatches']} KV mismatches; "
-            f"later requests computed {computed} of {prompt_tokens} prompt tokens"
-        )
-        journey.start_prometheus()
-        hit = wait_until(lambda: journey.promql("sum(kvoffload_connector_lookup_hit_tokens_total)"), 60, "metrics")
-        queried = journey.promql("sum(kvoffload_connector_lookup_queried_tokens_total)") or 0.0
-        retrieved = journey.promql("sum(kvoffload_connector_retrieve_bytes_total)") or 0.0
-        say(f"PromQL: lookup hit tokens {hit:.0f} of {queried:.0f} queried; retrieved {retrieved / 2**20:.1f} MiB")
-        before = journey.original_template
-        after = journey.remove_annotation()
-        same = strip_server_fields(after) == strip_server_fields(before)
-        leftovers = journey.uninstall()
-        print("\nSummary")
-        print("  injected:   kvoffload-cache (LMCache server, native sidecar), kvoffload-connector-bundle (init),")
-        print("              /dev/shm + metrics volumes, connector env, TensorRT-LLM options with kv_connector_config")
-        print(f"  hit rate:   {hit / queried:.0%} of looked-up tokens were found in the cache" if queried else "")
-        print(f"  recompute:  later requests computed {computed} of {prompt_tokens} prompt tokens")
-        print(
-            f"  removal:    template identical to the original: {same}; objects left after uninstall: {leftovers or 'none'}"
-        )
-        print(f"  logs:       {workdir} (operator.log, pod/sidecar.log, pod/engine.log, prometheus/)")
-        if args.keep:
-            print(f"\nPrometheus: {journey.prom_url('/graph')}   kubectl --kubeconfig {cluster.admin_kubeconfig} ...")
-            print("Ctrl-C stops everything.")
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
-        ok = same and not failed and report["kv_mismatches"] == 0 and hit > 0
-        return 0 if ok else 1
+        return walk(journey, cluster, workdir, args.requests, args.keep)
     finally:
         journey.close()
         cluster.stop()

@@ -13,8 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hack.localpod import http_get
 from kvoffload import contract
 
 READY_TIMEOUT_S = 180.0
@@ -34,17 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    """Status and body; 0 when nothing answered."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from kvoffload import contract as c
+from kvoffload.operator.events import EventRecorder
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.operator.kube import KubeApiError, workload_path
 from kvoffload.operator.metrics import OperatorMetrics
-from kvoffload.operator.events import EventRecorder
 from kvoffload.operator.reconcile import Reconciler
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from tests.unit.operator.operator_fixtures import applied, deployment

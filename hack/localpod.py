@@ -1,0 +1,141 @@
+"""A pod as the apiserver stores it, run as local processes: containers' commands with their env,
+volumes as local folders. No Docker: the demo and the e2e test start what the pod spec says."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hack.localcluster import LocalCluster
+from kvoffload import contract
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """Status and body of a GET; (0, error) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")
+    except OSError as err:
+        return 0, str(err)
+
+
+@dataclass
+class LocalPod:
+    """A pod's containers run as local processes, with volumes as local folders."""
+
+    pod: dict[str, Any]
+    workdir: Path
+    cluster: LocalCluster
+    volume_dirs: dict[str, Path] = field(default_factory=dict)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def container(self, name: str) -> dict[str, Any]:
+        spec = self.pod["spec"]
+        for c in spec.get("initContainers", []) + spec.get("containers", []):
+            if c["name"] == name:
+                return c  # type: ignore[no-any-return]
+        raise LookupError(f"pod {self.pod['metadata']['name']} has no container {name!r}")
+
+    def materialize_volumes(self, bundle_source: Path) -> None:
+        """emptyDirs become folders; ConfigMap volumes get their keys as files; the bundle is 'copied' in."""
+        ns = self.pod["metadata"]["namespace"]
+        for volume in self.pod["spec"].get("volumes", []):
+            path = self.workdir / "volumes" / volume["name"]
+            path.mkdir(parents=True, exist_ok=True)
+            self.volume_dirs[volume["name"]] = path
+            if "configMap" in volume:
+                cm = json.loads(
+                    self.cluster.kubectl("get", "configmap", volume["configMap"]["name"], "-n", ns, "-o", "json").stdout
+                )
+                items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in cm.get("data", {})]
+                for item in items:
+                    (path / item["path"]).write_text(cm["data"][item["key"]])
+        # The connector-bundle init container copies /kvoffload-bundle/. into its volume;
+        # locally the same files come from a --target install of this checkout.
+        if contract.VOLUME_BUNDLE in self.volume_dirs:
+            init = self.container(contract.BUNDLE_INIT_CONTAINER)
+            assert any(m["name"] == contract.VOLUME_BUNDLE for m in init["volumeMounts"])
+            dest = self.volume_dirs[contract.VOLUME_BUNDLE]
+            shutil.copytree(bundle_source, dest, dirs_exist_ok=True)
+
+    def _mounts(self, container: dict[str, Any]) -> list[tuple[str, Path]]:
+        mounts = []
+        for m in container.get("volumeMounts", []):
+            local = self.volume_dirs[m["name"]]
+            if m.get("subPath"):
+                local = local / m["subPath"]
+            mounts.append((m["mountPath"].rstrip("/"), local))
+        return sorted(mounts, key=lambda m: -len(m[0]))
+
+    def local_path(self, container: dict[str, Any], value: str) -> str:
+        """Rewrite container paths inside ``value`` (also ':'-separated lists) to local folders."""
+        parts = []
+        for part in value.split(":"):
+            for mount_path, local in self._mounts(container):
+                if part == mount_path or part.startswith(mount_path + "/"):
+                    part = str(local) + part[len(mount_path) :]
+                    break
+            parts.append(part)
+        return ":".join(parts)
+
+    def env(self, container: dict[str, Any]) -> dict[str, str]:
+        """The container's env exactly as injected, with valueFrom resolved the way kubelet would."""
+        ns = self.pod["metadata"]["namespace"]
+        env: dict[str, str] = {}
+        for var in container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = self.local_path(container, var["value"])
+                continue
+            source = var.get("valueFrom", {})
+            if "fieldRef" in source:
+                path = source["fieldRef"]["fieldPath"]
+                env[var["name"]] = {
+                    "metadata.name": self.pod["metadata"]["name"],
+                    "metadata.namespace": ns,
+                    "status.podIP": "127.0.0.1",
+                    "spec.nodeName": self.pod["spec"].get("nodeName", ""),
+                }.get(path, "")
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                out = self.cluster.kubectl(
+                    "get", "secret", ref["name"], "-n", ns, "-o", f"jsonpath={{.data.{ref['key']}}}"
+                ).stdout
+                import base64
+
+                env[var["name"]] = base64.b64decode(out).decode()
+            elif "resourceFieldRef" in source:
+                env[var["name"]] = "0"
+        return env
+
+    def start(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
+        base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "KVOFFLOAD_CACHE")}
+        proc = subprocess.Popen(
+            argv, env={**base, **env}, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.processes.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.processes):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
