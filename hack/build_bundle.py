@@ -35,7 +35,7 @@ def _pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *args], check=True)
 
 
-SOURCES = ("pyproject.toml", "README.md", "kvoffload", "operator", "sidecar", "connector")
+SOURCES = ("pyproject.toml", "README.md", "kvoffload")
 
 
 def _source_copy(kvoffload: str, scratch: Path) -> str:
