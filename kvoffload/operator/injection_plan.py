@@ -15,8 +15,9 @@ from typing import Any
 from kvoffload import __version__
 from kvoffload import contract as c
 from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
 
-from .containers import engine_env, merge_engine_env
+from .containers import engine_env, merge_engine_env, shm_size_limit
 from .managed_fields import TEMPLATE_SPEC, owned_by_others
 from .settings import InjectionSettings
 from .trtllm_options import (
@@ -112,7 +113,10 @@ def choose_engine(workload: Mapping[str, Any], settings: InjectionSettings) -> E
     return EngineChoice(name, view, plan_options(view.container, user_volumes(workload), view.original_options_path))
 
 
-def _user_shm_volume(engine: EngineChoice, node_cache: NodeCacheWiring | None) -> str | None | PolicyError:
+def _user_shm_volume(
+    workload: Mapping[str, Any], settings: InjectionSettings, engine: EngineChoice, node_cache: NodeCacheWiring | None
+) -> str | None | PolicyError:
+    """The user's own /dev/shm volume, reused if it can hold LMCache's L1 and the engine's share."""
     mounts = engine.view.container.get("volumeMounts") or []
     user_shm = next((m for m in mounts if str(m.get("mountPath", "")).rstrip("/") == c.SHM_MOUNT_PATH), None)
     if user_shm is not None and node_cache is not None:
@@ -121,7 +125,25 @@ def _user_shm_volume(engine: EngineChoice, node_cache: NodeCacheWiring | None) -
             "mode node mounts the node's shared /dev/shm there (the cache pod's L1 lives in it); remove your mount",
             reason="conflict",
         )  # fmt: skip
-    return str(user_shm["name"]) if user_shm else None
+    if user_shm is None:
+        return None
+    volume = next((v for v in user_volumes(workload) if v.get("name") == user_shm.get("name")), {})
+    limit = (volume.get("emptyDir") or {}).get("sizeLimit")
+    needed = shm_size_limit(settings)
+    try:
+        size = parse_bytes(str(limit), "sizeLimit") if limit is not None else None
+    except QuantityError:
+        size = None  # a Kubernetes quantity our byte syntax does not cover: the apiserver judged it
+    if size is not None and size < needed:
+        return PolicyError(
+            f"container {engine.name} volumeMounts {c.SHM_MOUNT_PATH} (volume {user_shm.get('name')})",
+            f"sizeLimit {limit}",
+            f"at least {format_bytes(needed)}: LMCache keeps its L1 ({format_bytes(settings.l1_bytes)}) in /dev/shm "
+            "beside the engine's share, and without room falls back to a path ~100x slower where no load can be "
+            "secured; raise the sizeLimit, or remove the mount and kvoffload provides one",
+            reason="shm_too_small",
+        )  # fmt: skip
+    return str(user_shm["name"])
 
 
 def _options(engine: EngineChoice, settings: InjectionSettings, user_options_yaml: str | None) -> str | PolicyError:
@@ -200,7 +222,7 @@ def plan_injection(
     )
     if env_error:
         return env_error
-    user_shm = _user_shm_volume(engine, node_cache)
+    user_shm = _user_shm_volume(workload, settings, engine, node_cache)
     if isinstance(user_shm, PolicyError):
         return user_shm
     pod_level = _pod_level(workload, settings, uses_sidecar)

@@ -206,6 +206,47 @@ def chunk_size_problem(options_yaml: str, chunk_size: int) -> str | None:
     )
 
 
+CAPACITY_POLICY_FOR_CONNECTORS = "GUARANTEED_NO_EVICT"
+
+
+def user_options_problem(options: Mapping[str, Any]) -> str | None:
+    """Why the user's own TensorRT-LLM options cannot run with kvoffload's connector, or None.
+
+    Each is a setting TensorRT-LLM refuses with a KV connector at engine start (or with which it
+    ignores the connector's offers), or one kvoffload would otherwise have to change silently.
+    """
+    connector = options.get("kv_connector_config")
+    if isinstance(connector, Mapping) and connector.get("connector_module") not in (None, c.CONNECTOR_MODULE):
+        return (f"kv_connector_config: the file already loads connector {connector.get('connector_module')!r}; "
+                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
+    if isinstance(connector, Mapping) and connector.get("connector"):
+        return (f"kv_connector_config.connector: {connector.get('connector')!r} names a connector preset; "
+                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
+    cache = options.get("kv_cache_config")
+    cache = cache if isinstance(cache, Mapping) else {}
+    if cache.get("enable_block_reuse") is False:
+        return ("kv_cache_config.enable_block_reuse: false; a KV connector needs block reuse (without it TensorRT-LLM "
+                "ignores every hit), so kvoffload would have to turn it on: set it to true or remove it")  # fmt: skip
+    host = cache.get("host_cache_size")
+    if isinstance(host, int) and not isinstance(host, bool) and host > 0:
+        return (f"kv_cache_config.host_cache_size: {host}; TensorRT-LLM refuses a KV connector with its own host "
+                "cache tier (kvoffload is that tier): remove it or set 0")  # fmt: skip
+    windows = cache.get("max_attention_window")
+    if isinstance(windows, list) and len(set(windows)) > 1:
+        return (f"kv_cache_config.max_attention_window: {windows}; TensorRT-LLM refuses a KV connector with "
+                "variable sliding-window attention")  # fmt: skip
+    scheduler = options.get("scheduler_config")
+    policy = scheduler.get("capacity_scheduler_policy") if isinstance(scheduler, Mapping) else None
+    if policy not in (None, CAPACITY_POLICY_FOR_CONNECTORS):
+        return (f"scheduler_config.capacity_scheduler_policy: {policy!r}; TensorRT-LLM runs a KV connector only "
+                f"with {CAPACITY_POLICY_FOR_CONNECTORS}: set that or remove the field")  # fmt: skip
+    for key, why in (("pipeline_parallel_size", "pipeline parallelism"), ("max_beam_width", "beam search")):
+        value = options.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return f"{key}: {value}; TensorRT-LLM's KV connector does not support {why}: set 1 or remove it"
+    return None
+
+
 def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
     """Our options merged over the user's; (YAML text, error message or None)."""
     base: dict[str, Any] = {}
@@ -217,6 +258,9 @@ def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
         if loaded is not None and not isinstance(loaded, dict):
             return "", "the user's TensorRT-LLM options file is not a YAML mapping"
         base = dict(loaded or {})
+        problem = user_options_problem(base)
+        if problem:
+            return "", problem
     ours = connector_options()
     merged = dict(base)
     merged["kv_connector_config"] = ours["kv_connector_config"]

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,6 +130,20 @@ def test_existing_dev_shm_volume_is_reused() -> None:
     assert all(m["mountPath"] != c.SHM_MOUNT_PATH for m in named(spec["containers"], "trtllm")["volumeMounts"])
     sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
     assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
+
+
+@pytest.mark.parametrize(("size_limit", "refused"), [("64Mi", True), ("27Gi", True), ("28Gi", False), ("1Ti", False)])
+def test_a_users_dev_shm_too_small_for_the_l1_is_refused_before_a_pod_would_run_slow(
+    size_limit: str, refused: bool
+) -> None:
+    engine = container()
+    engine["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volume = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size_limit}}
+    r = render_injection_fragment(deployment(containers=[engine], volumes=[volume]), settings_for(), NATIVE)
+    if refused:  # defaults: a 20Gi L1 beside the engine's 8Gi share needs 28Gi
+        assert isinstance(r, PolicyError) and r.reason == "shm_too_small" and "at least 28Gi" in r.message, r
+    else:
+        assert isinstance(r, RenderedInjection), r
 
 
 def test_several_containers_pick_the_gpu_one() -> None:
@@ -433,3 +448,48 @@ def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[di
     assert len(names) == len(set(names))
     again = render_injection_fragment(applied(obj, r.workload_apply), settings_for(**annotations), cluster)
     assert isinstance(again, RenderedInjection) and again.workload_apply == r.workload_apply
+
+
+@pytest.mark.parametrize(
+    ("user_options", "setting"),
+    [
+        ("kv_connector_config:\n  connector_module: kvbm.trtllm\n  connector_worker_class: W\n", "kv_connector_config"),
+        ("kv_connector_config:\n  connector: lmcache\n", "kv_connector_config.connector"),
+        ("kv_cache_config:\n  enable_block_reuse: false\n", "kv_cache_config.enable_block_reuse"),
+        ("kv_cache_config:\n  host_cache_size: 1073741824\n", "kv_cache_config.host_cache_size"),
+        ("kv_cache_config:\n  max_attention_window: [4096, 32768]\n", "kv_cache_config.max_attention_window"),
+        ("scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n", "scheduler_config.capacity_scheduler_policy"),
+        ("pipeline_parallel_size: 2\n", "pipeline_parallel_size"),
+        ("max_beam_width: 4\n", "max_beam_width"),
+    ],
+)  # fmt: skip
+def test_user_options_tensorrt_llm_refuses_with_a_connector_are_refused_naming_the_setting(
+    user_options: str, setting: str
+) -> None:
+    engine = container(options_file="/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    obj = deployment(containers=[engine], volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}])
+    r = render_injection_fragment(obj, settings_for(), NATIVE, user_options)
+    assert isinstance(r, PolicyError) and r.reason == "invalid_options", r
+    assert r.field == "ConfigMap llm-options key extra.yaml" and f"{setting}: " in r.message, r.message
+
+
+@pytest.mark.parametrize(
+    "user_options",
+    [
+        "kv_cache_config:\n  enable_block_reuse: true\n  enable_partial_reuse: true\n  host_cache_size: 0\n",
+        "scheduler_config:\n  capacity_scheduler_policy: GUARANTEED_NO_EVICT\n",
+        "kv_connector_config:\n  connector_module: kvoffload.connector.trtllm\n",
+        "speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 1\n",
+        "kv_cache_config:\n  max_attention_window: [32768, 32768]\n",
+    ],
+)
+def test_user_options_that_run_with_the_connector_are_kept(user_options: str) -> None:
+    engine = container(options_file="/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    obj = deployment(containers=[engine], volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}])
+    r = render_injection_fragment(obj, settings_for(), NATIVE, user_options)
+    assert isinstance(r, RenderedInjection), r
+    merged = yaml.safe_load(r.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE])
+    for key, value in yaml.safe_load(user_options).items():
+        assert {**merged[key], **value} == merged[key] if isinstance(value, dict) else merged[key] == value
