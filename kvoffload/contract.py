@@ -220,3 +220,6 @@ cache pod share (a hostPath)."""
 NODE_SHM_PREPARE_CONTAINER: Final = "kvoffload-shm-permissions"
 ANN_CACHE_NODE: Final = "kvoffload.io/cache-node"
 """On node cache pods: the node the pod is for (set before the scheduler binds it)."""
+
+OPERATOR_LEASE_NAME: Final = "kvoffload-operator"
+"""The coordination.k8s.io Lease the acting operator holds (in its own namespace)."""

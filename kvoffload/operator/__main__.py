@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import socket
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import kopf
 import yaml
@@ -23,6 +27,7 @@ from kvoffload.quantity import QuantityError, parse_bytes
 from .events import EventRecorder
 from .injection_plan import ClusterInfo
 from .kube import Kube, load_configuration
+from .leadership import Leadership, serve_health_while_waiting
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .reconcile import Reconciler
@@ -68,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--defaults-file", "KVOFFLOAD_DEFAULTS_FILE", "",
         "JSON/YAML KVCachePolicy spec laid over the flag defaults (the chart's `defaults` value)")  # fmt: skip
-    add("--peering", "KVOFFLOAD_PEERING", "",
-        "kopf ClusterKopfPeering name so replicas don't fight (empty: standalone)")  # fmt: skip
+    add("--leader-election", "KVOFFLOAD_LEADER_ELECTION", "true",
+        "true: one operator acts at a time, holding a Lease (others wait, live); false: act alone")  # fmt: skip
+    add("--leader-election-namespace", "POD_NAMESPACE", "", "namespace of the operator's Lease (its own)")
     add("--node-mode", "KVOFFLOAD_NODE_MODE", "false",
         "true: keep per-node cache pods for mode: node policies (needs the pod rights of the chart's "
         "nodeMode.enabled); false: such workloads get a KvoffloadInvalid Warning")  # fmt: skip
@@ -158,18 +164,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         return kopf.login_with_kubeconfig(**kwargs)  # type: ignore[arg-type]
 
     logging.getLogger(__name__).info(
-        "starting version=%s native_sidecars=%s namespaces=%s peering=%s node_mode=%s", __version__, native,
-        namespaces or "all", args.peering or "standalone", node_mode,
+        "starting version=%s native_sidecars=%s namespaces=%s leader_election=%s node_mode=%s", __version__, native,
+        namespaces or "all", args.leader_election, node_mode,
     )  # fmt: skip
-    kopf.run(
-        standalone=not args.peering,
-        peering_name=args.peering or None,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=f"http://0.0.0.0:{int(args.health_port)}/healthz",
-        memo=memo,
-    )
-    return 0
+    stop = threading.Event()
+    leadership = _lead(args, kube, stop)
+    if leadership is False:
+        return 0  # asked to stop while waiting for the Lease
+    if leadership is not None:
+        # Lost the Lease: stop as on SIGTERM (kopf's own graceful shutdown). A stop_flag would do
+        # the same, but kopf waits on one with an executor thread that blocks its loop's shutdown.
+        leadership.hold(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        kopf.run(
+            standalone=True,  # one operator acts at a time through the Lease, not kopf peering
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=f"http://0.0.0.0:{int(args.health_port)}/healthz",
+            memo=memo,
+        )
+    finally:
+        if leadership is not None:
+            leadership.release()
+    return 1 if leadership is not None and leadership.lost else 0
+
+
+def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leadership | None | Literal[False]:
+    """Hold the operator's Lease before acting (None: leader election is off; False: stopped while waiting).
+
+    While it waits the process answers /healthz, so a standby pod stays live and ready.
+    """
+    if args.leader_election not in ("true", "false"):
+        raise SystemExit(f"{PROG}: --leader-election {args.leader_election!r}: allowed true, false")
+    if args.leader_election == "false":
+        return None
+    if not args.leader_election_namespace:
+        raise SystemExit(f"{PROG}: --leader-election needs --leader-election-namespace (or POD_NAMESPACE), "
+                         "or --leader-election false")  # fmt: skip
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    leadership = Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity)
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with serve_health_while_waiting(int(args.health_port)):
+        held = leadership.acquire(stop)
+    signal.signal(signal.SIGTERM, previous)
+    return leadership if held else False
 
 
 if __name__ == "__main__":

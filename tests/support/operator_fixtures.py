@@ -19,6 +19,7 @@ from hack.localcluster import LocalCluster
 from hack.workloads import apply
 from tests.support.operator_support import (
     CRD_FILE,
+    LEADER_ELECTION_RULES_FILE,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     RULES_FILE,
@@ -56,6 +57,7 @@ def operator_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPath
     apply(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
                           "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}})  # fmt: skip
     bind_rules(cluster, "kvoffload-operator-test", RULES_FILE)
+    bind_rules(cluster, "kvoffload-operator-test-leader-election", LEADER_ELECTION_RULES_FILE)
     path = tmp_path_factory.mktemp("operator") / "operator.kubeconfig"
     return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, path)
 

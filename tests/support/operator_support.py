@@ -33,6 +33,7 @@ from tests.conftest import REPO_ROOT
 CHART = REPO_ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
 NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
+LEADER_ELECTION_RULES_FILE = CHART / "files" / "operator-leader-election-rules.yaml"
 CRD_FILE = CHART / "crds" / "kvcachepolicies.yaml"
 OPERATOR_NAMESPACE = "kvoffload-system"
 OPERATOR_SA = "kvoffload-operator"
@@ -69,6 +70,10 @@ class OperatorProcess:
     health_port: int = 0
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    lease_namespace: str = OPERATOR_NAMESPACE
+    """Where its leader-election Lease lives; the identity is this object's workdir (a pod's name)."""
+    overlap_allowed: bool = False
+    """Start even while another operator runs (as a RollingUpdate does); leader election keeps one acting."""
 
     @property
     def log_path(self) -> Path:
@@ -76,7 +81,9 @@ class OperatorProcess:
 
     def start(self) -> None:
         others = [p for p in _STARTED if p is not self and p.popen is not None and p.popen.poll() is None]
-        assert not others, f"another operator is still running ({others[0].workdir}): two would race each other"
+        assert self.overlap_allowed or not others, (
+            f"another operator is still running ({others[0].workdir}): two would race each other"
+        )
         if self not in _STARTED:
             _STARTED.append(self)
         self.starts += 1
@@ -85,9 +92,10 @@ class OperatorProcess:
             sys.executable, "-m", "kvoffload.operator",
             "--kubeconfig", str(self.kubeconfig),
             "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
-            *DEFAULTS_FLAGS, "--resync-seconds", "0", "--log-level", "info", *self.extra_args,
+            *DEFAULTS_FLAGS, "--resync-seconds", "0", "--log-level", "info",
+            "--leader-election-namespace", self.lease_namespace, *self.extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "POD_NAME": f"operator-{self.workdir.name}"}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)

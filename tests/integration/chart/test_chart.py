@@ -34,8 +34,11 @@ def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subp
     return result
 
 
+RELEASE_NAMESPACE = "kvoffload-system"
+
+
 def render(*set_args: str) -> list[dict[str, Any]]:
-    args = ["template", "kvo", str(CHART), "--namespace", "kvoffload-system"]
+    args = ["template", "kvo", str(CHART), "--namespace", RELEASE_NAMESPACE]
     for s in set_args:
         args += ["--set", s] if not s.startswith("--") else [s]
     docs = yaml.safe_load_all(helm(*args).stdout)
@@ -203,13 +206,26 @@ def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) 
 
 def test_watch_namespaces_bind_the_rules_in_those_namespaces_only() -> None:
     docs = render("operator.watchNamespaces[0]=team-a", "operator.watchNamespaces[1]=team-b")
-    bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    bindings = [
+        d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding") and d["roleRef"]["kind"] != "Role"
+    ]
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [
         ("RoleBinding", "team-a"), ("RoleBinding", "team-b")
     ]  # fmt: skip
     assert all(d["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                 "name": "kvo-kvoffload-operator"} for d in bindings)  # fmt: skip
     assert {"--namespace=team-a", "--namespace=team-b"} <= set(operator_args(docs))
+
+
+def test_the_leader_election_lease_is_granted_in_the_release_namespace_only() -> None:
+    docs = render()
+    role = next(d for d in docs if d["kind"] == "Role")
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "Role")
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]  # fmt: skip
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {"--leader-election=true", f"--leader-election-namespace={RELEASE_NAMESPACE}"} <= set(operator_args(docs))
 
 
 @pytest.mark.controlplane
@@ -238,7 +254,9 @@ def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
 
         operator.stop()  # one operator at a time; the next test restarts the session one
         kubeconfig = cluster.service_account_kubeconfig(release_ns, sa, tmp_path / "scoped.kubeconfig")
-        scoped = OperatorProcess(kubeconfig=kubeconfig, workdir=tmp_path, extra_args=["--namespace", namespace])
+        scoped = OperatorProcess(
+            kubeconfig=kubeconfig, workdir=tmp_path, extra_args=["--namespace", namespace], lease_namespace=release_ns
+        )  # the chart's Role grants the Lease there
         scoped.start()
         try:
             for ns in (namespace, other):

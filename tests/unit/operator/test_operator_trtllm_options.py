@@ -92,17 +92,20 @@ def test_rewrite_and_restore_round_trip(flag_style: str) -> None:
     assert strip_injected_args(injected, "/config/o.yaml") == args
 
 
-def test_merge_keeps_user_options_and_forces_ours() -> None:
-    text, error = merged_options_yaml(
-        "max_batch_size: 8\nkv_cache_config: {enable_block_reuse: false, free_gpu_memory_fraction: 0.9}\n"
-        "kv_connector_config: {connector_module: other}\n"
-    )
+def test_merge_keeps_user_options_and_adds_ours() -> None:
+    text, error = merged_options_yaml("max_batch_size: 8\nkv_cache_config: {free_gpu_memory_fraction: 0.9}\n")
     assert error is None
     merged = yaml.safe_load(text)
     assert merged["max_batch_size"] == 8
     assert merged["kv_cache_config"] == {"enable_block_reuse": True, "free_gpu_memory_fraction": 0.9}
     assert merged["kv_connector_config"]["connector_module"] == c.CONNECTOR_MODULE
     assert merged["kv_connector_config"]["connector_scheduler_class"] == c.CONNECTOR_SCHEDULER_CLASS
+
+
+def test_merge_never_silently_changes_a_users_setting() -> None:
+    for user in ("kv_cache_config: {enable_block_reuse: false}\n", "kv_connector_config: {connector_module: other}\n"):
+        text, error = merged_options_yaml(user)
+        assert text == "" and error and error.split(":")[0] in user, (user, error)
 
 
 @pytest.mark.parametrize("bad", ["a: [1", "- just\n- a list\n"])

@@ -1,0 +1,46 @@
+"""Leader election decisions (kvoffload.operator.leadership): who may take the operator's Lease."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from kvoffload.operator.leadership import LEASE_DURATION_S, MICROTIME, lease_body, lease_state
+
+pytestmark = pytest.mark.operator
+NOW = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+
+
+def held_by(holder: str, seconds_ago: float) -> dict[str, object]:
+    renewed = (NOW - datetime.timedelta(seconds=seconds_ago)).strftime(MICROTIME)
+    return {"metadata": {"resourceVersion": "7"},
+            "spec": {"holderIdentity": holder, "renewTime": renewed, "leaseDurationSeconds": LEASE_DURATION_S}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("lease", "state"),
+    [
+        (None, "free"),
+        ({"spec": {"holderIdentity": ""}}, "free"),  # released by a stopping operator
+        (held_by("old-pod", 3), "held"),
+        (held_by("old-pod", LEASE_DURATION_S - 1), "held"),
+        (held_by("old-pod", LEASE_DURATION_S + 1), "free"),  # its holder died without releasing
+        (held_by("me", 3), "ours"),  # the same pod after a container restart
+        ({"spec": {"holderIdentity": "old-pod"}}, "free"),  # no time at all: nobody renews it
+    ],
+)
+def test_who_may_take_the_lease(lease: dict[str, object] | None, state: str) -> None:
+    assert lease_state(lease, "me", NOW) == state
+
+
+def test_a_takeover_counts_a_transition_and_a_renewal_keeps_the_acquire_time() -> None:
+    taken = lease_body("kvoffload-operator", "ns", "me", NOW, held_by("old-pod", 60))
+    assert taken["spec"]["holderIdentity"] == "me" and taken["spec"]["leaseTransitions"] == 1
+    assert taken["metadata"]["resourceVersion"] == "7"  # optimistic: a concurrent taker gets 409
+    later = NOW + datetime.timedelta(seconds=5)
+    renewed = lease_body("kvoffload-operator", "ns", "me", later, taken)
+    assert renewed["spec"]["acquireTime"] == taken["spec"]["acquireTime"]
+    assert renewed["spec"]["renewTime"] == later.strftime(MICROTIME) and renewed["spec"]["leaseTransitions"] == 1
+    first = lease_body("kvoffload-operator", "ns", "me", NOW, None)
+    assert first["spec"]["leaseTransitions"] == 0 and "resourceVersion" not in first["metadata"]
