@@ -109,6 +109,15 @@ def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None
     _reconciler(memo).policy_changed(_plain(body), deleted=type == "DELETED")
 
 
+@kopf.on.event("", "v1", "configmaps")
+def configmap_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A ConfigMap changed: if a workload's TensorRT-LLM options come from it, re-render that workload."""
+    meta = body.get("metadata") or {}
+    if (meta.get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
+        return  # our own generated copies
+    _reconciler(memo).options_changed(str(meta.get("namespace")), str(meta.get("name")))
+
+
 def engine_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:
     """A node-mode engine pod was scheduled, changed or left: recompute its policy's cache pods."""
     meta = body.get("metadata") or {}

@@ -20,11 +20,11 @@ from kvoffload.policy import PolicyError
 from .drift import object_carries
 from .events import EventRecorder
 from .fragment import RenderedInjection, render
-from .injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
+from .injection_plan import ClusterInfo, InjectionPlan
 from .kube import Kube, KubeApiError, configmap_path, workload_path
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
-from .node_mode import node_cache_wiring
+from .options_sources import OptionsSources
 from .policies import Policies
 from .retry import RetryQueue
 from .settings import (
@@ -33,6 +33,7 @@ from .settings import (
     enabled_state,
     resolve_settings,
 )
+from .workload_inputs import plan_for, replan
 from .workload_view import SUPPORTED_KINDS, configmap_name
 from .workload_writes import (
     carries_injection,
@@ -64,6 +65,8 @@ class Reconciler:
     _object_locks: dict[str, threading.Lock] = field(default_factory=dict)
     retries: RetryQueue = field(default_factory=RetryQueue)
     """Passes that failed on the API, run again by ``run_due_retries`` with backoff."""
+    options_sources: OptionsSources = field(default_factory=lambda: OptionsSources())
+    """Which workloads merge which of the user's options ConfigMaps (a ConfigMap edit re-renders them)."""
     policies: Policies = field(init=False)
     """The policy side: cache, node caches, status."""
 
@@ -78,6 +81,7 @@ class Reconciler:
         with self._lock:
             self._done.pop(uid, None)
             self._object_locks.pop(uid, None)
+        self.options_sources.track(obj, None)
         self.metrics.mark_injected(str(obj.get("kind")), uid, False)
         self.policies.touch(obj)
 
@@ -221,7 +225,7 @@ class Reconciler:
             # The apply raised the generation. If the object it returned is a fixed point (the
             # renderer gives the same fragment and the object carries it), the event for that
             # generation has nothing to do either: remember both as done.
-            again = self._replan(answer, plan)
+            again = replan(answer, plan)
             answer_meta = answer.get("metadata") or {}
             if (not isinstance(again, PolicyError) and again.config_hash == rendered.config_hash
                     and object_carries(again.workload_apply, answer)):  # fmt: skip
@@ -233,36 +237,19 @@ class Reconciler:
         self.policies.touch(obj)
 
     def _plan(self, obj: Mapping[str, Any], settings: InjectionSettings, state: str) -> InjectionPlan | str:
-        """Choose the engine, fetch the user's options file if it lives in a ConfigMap, plan: once
-        per pass. A refusal is posted and its result label returned."""
-        engine = choose_engine(obj, settings)
-        if isinstance(engine, PolicyError):
-            return self._reject(obj, engine, state)
-        user_options: str | None = None
-        source = engine.user_options_source
-        if source is not None:
-            cm = self.kube.get(configmap_path(str((obj.get("metadata") or {}).get("namespace")), source.configmap))
-            user_options = ((cm or {}).get("data") or {}).get(source.key)
-            if user_options is None:
-                what = "does not exist" if cm is None else f"has no key {source.key!r}"
-                return self._reject(obj, PolicyError(
-                    f"ConfigMap {source.configmap}", source.key,
-                    f"the TensorRT-LLM options file {source.path} comes from it but it {what}",
-                    reason="options_missing",
-                ), state)  # fmt: skip
-        wiring = node_cache_wiring(obj, settings) if settings.mode == "node" else None
-        if isinstance(wiring, PolicyError):
-            return self._reject(obj, wiring, state)
-        plan = plan_injection(obj, settings, self.cluster, engine, user_options, wiring)
+        """Plan once per pass (``workload_inputs.plan_for``); a refusal is posted and its result label returned."""
+        plan = plan_for(self.kube, obj, settings, self.cluster, self.options_sources)
         return self._reject(obj, plan, state) if isinstance(plan, PolicyError) else plan
 
-    def _replan(self, answer: Mapping[str, Any], plan: InjectionPlan) -> RenderedInjection | PolicyError:
-        """The fragment for the object an apply returned, with the same settings and options file."""
-        engine = choose_engine(answer, plan.settings)
-        if isinstance(engine, PolicyError):
-            return engine
-        again = plan_injection(answer, plan.settings, self.cluster, engine, plan.user_options_yaml, plan.node_cache)
-        return again if isinstance(again, PolicyError) else render(again)
+    def options_changed(self, namespace: str, name: str) -> int:
+        """A ConfigMap changed: re-render the workloads whose options file comes from it (one
+        rollout each when the merged file changes); returns how many were reconciled."""
+        refs = self.options_sources.workloads(namespace, name)
+        for kind, workload in refs:
+            current = self.kube.get(workload_path(kind, namespace, workload))
+            if current is not None:
+                self.reconcile({"apiVersion": "apps/v1", "kind": kind, **current}, force=True)
+        return len(refs)
 
     def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
                          ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip
@@ -340,6 +327,7 @@ class Reconciler:
         uid = str(meta.get("uid"))
         with self._lock:
             self._done.pop(uid, None)
+        self.options_sources.track(obj, None)
         self.metrics.mark_injected(kind, uid, False)
         self.events.post(
             obj, "Normal", "KvoffloadRemoved", "removed the kvoffload injection", str(meta.get("generation"))

@@ -1,0 +1,49 @@
+"""A workload's plan with the inputs it needs from the cluster: the user's options ConfigMap."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvoffload.policy import PolicyError
+
+from .fragment import RenderedInjection, render
+from .injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
+from .kube import Kube, configmap_path
+from .node_mode import node_cache_wiring
+from .options_sources import OptionsSources
+from .settings import InjectionSettings
+
+
+def plan_for(
+    kube: Kube, obj: Mapping[str, Any], settings: InjectionSettings, cluster: ClusterInfo, sources: OptionsSources
+) -> InjectionPlan | PolicyError:
+    """Choose the engine, fetch the user's options file if it lives in a ConfigMap, plan."""
+    engine = choose_engine(obj, settings)
+    if isinstance(engine, PolicyError):
+        return engine
+    user_options: str | None = None
+    source = engine.user_options_source
+    sources.track(obj, source.configmap if source else None)  # before the fetch: it may not exist yet
+    if source is not None:
+        cm = kube.get(configmap_path(str((obj.get("metadata") or {}).get("namespace")), source.configmap))
+        user_options = ((cm or {}).get("data") or {}).get(source.key)
+        if user_options is None:
+            what = "does not exist" if cm is None else f"has no key {source.key!r}"
+            return PolicyError(
+                f"ConfigMap {source.configmap}", source.key,
+                f"the TensorRT-LLM options file {source.path} comes from it but it {what}", reason="options_missing",
+            )  # fmt: skip
+    wiring = node_cache_wiring(obj, settings) if settings.mode == "node" else None
+    if isinstance(wiring, PolicyError):
+        return wiring
+    return plan_injection(obj, settings, cluster, engine, user_options, wiring)
+
+
+def replan(answer: Mapping[str, Any], plan: InjectionPlan) -> RenderedInjection | PolicyError:
+    """The fragment for the object an apply returned, with the same settings and options file."""
+    engine = choose_engine(answer, plan.settings)
+    if isinstance(engine, PolicyError):
+        return engine
+    again = plan_injection(answer, plan.settings, plan.cluster, engine, plan.user_options_yaml, plan.node_cache)
+    return again if isinstance(again, PolicyError) else render(again)
