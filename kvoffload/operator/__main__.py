@@ -32,6 +32,7 @@ from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .reconcile import Reconciler
 from .settings import OperatorDefaults, base_settings
+from .workload_writes import remove_every_injection
 
 PROG = "kvoffload-operator"
 NATIVE_SIDECAR_MIN = (1, 29)
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", "KVOFFLOAD_OPERATOR_WORKERS", "8", "threads running reconciles")
     add("--kubeconfig", "KUBECONFIG", "", "kubeconfig (empty: in-cluster service account)")
     add("--log-level", "KVOFFLOAD_LOG_LEVEL", "INFO", "log level")
+    p.add_argument("--remove-all", action="store_true",
+                   help="take kvoffload out of every watched workload and exit (the chart's pre-delete hook)")  # fmt: skip
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return p
 
@@ -143,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{PROG}: --node-mode {args.node_mode!r}: allowed true, false")
     node_mode = args.node_mode == "true"
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
+    if args.remove_all:
+        return _remove_all(kube, tuple(namespaces))
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
     reconciler = Reconciler(
@@ -187,6 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if leadership is not None:
             leadership.release()
     return 1 if leadership is not None and leadership.lost else 0
+
+
+def _remove_all(kube: Kube, namespaces: tuple[str, ...]) -> int:
+    """``--remove-all``: one line per workload, exit 1 if any could not be returned to the user's pods."""
+    results = remove_every_injection(kube, namespaces)
+    for ref, result in results:
+        print(f"{PROG}: {ref}: {result}", flush=True)
+    left = [ref for ref, result in results if result not in ("removed", "noop")]
+    print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
+    return 1 if left else 0
 
 
 def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leadership | None | Literal[False]:

@@ -14,8 +14,9 @@ from kvoffload import contract as c
 from .drift import object_carries
 from .fragment import RemovalPlan, RenderedInjection, render_removal
 from .kube import Kube, KubeApiError, configmap_path, workload_path
+from .managed_fields import manages_anything
 from .settings import enabled_state
-from .workload_view import configmap_name
+from .workload_view import SUPPORTED_KINDS, configmap_name
 
 LOCKED_APPLY_TRIES = 3
 
@@ -108,3 +109,18 @@ def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
     if cm and ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
         kube.delete(configmap_path(namespace, configmap_name(name)))
     return "removed"
+
+
+def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Take kvoffload out of every workload in ``namespaces`` (all when empty), as before opting in:
+    what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
+    results: list[tuple[str, str]] = []
+    for kind in SUPPORTED_KINDS:
+        for namespace in namespaces or ("",):
+            for item in kube.request("GET", workload_path(kind, namespace)).get("items") or []:
+                obj = {"apiVersion": "apps/v1", "kind": kind, **item}
+                if not manages_anything(obj, c.FIELD_MANAGER):
+                    continue
+                meta = obj.get("metadata") or {}
+                results.append((f"{kind}/{meta.get('namespace')}/{meta.get('name')}", remove_injection(kube, obj)))
+    return results

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -270,3 +272,47 @@ def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
     finally:
         helm("uninstall", "kvo-scoped", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
         cluster.kubectl("delete", "namespace", other, release_ns, "--wait=false", check=False)
+
+
+@pytest.mark.controlplane
+def test_helm_uninstall_returns_annotated_workloads_to_their_own_pods(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """The chart's pre-delete hook, run as its Job spec says (pods never run here, so the test
+    starts the hook container's command itself), with the release's own ServiceAccount."""
+    release_ns = "kvo-uninstall-system"
+    cluster.kubectl("create", "namespace", release_ns, check=False)
+    helm("install", "kvo-un", str(CHART), "-n", release_ns, "--wait=false", kubeconfig=cluster.admin_kubeconfig)
+    try:
+        kubeconfig = cluster.service_account_kubeconfig(release_ns, "kvo-un-kvoffload", tmp_path / "sa.kubeconfig")
+        operator.stop()  # one operator at a time; the next test restarts the session one
+        released = OperatorProcess(kubeconfig=kubeconfig, workdir=tmp_path, lease_namespace=release_ns)
+        apply(cluster, trtllm_deployment("llm", namespace, replicas=0))
+        original = get(cluster, "deployment", "llm", namespace)["spec"]["template"]
+        cluster.kubectl("annotate", "deployment", "llm", "-n", namespace, f"{contract.ANN_ENABLED}=true")
+        released.start()
+        try:
+            wait_injected(cluster, "deployment", "llm", namespace)
+        finally:
+            released.stop()
+        hooks = [d for d in yaml.safe_load_all(helm("get", "hooks", "kvo-un", "-n", release_ns,
+                                                    kubeconfig=cluster.admin_kubeconfig).stdout) if d]  # fmt: skip
+        job = next(d for d in hooks if d["kind"] == "Job")
+        assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+        pod = job["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "kvo-un-kvoffload"
+        run = subprocess.run([sys.executable, "-m", "kvoffload.operator", "--kubeconfig", str(kubeconfig),
+                              *pod["containers"][0]["args"]], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"Deployment/{namespace}/llm: removed" in run.stdout
+        helm("uninstall", "kvo-un", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
+        after = get(cluster, "deployment", "llm", namespace)
+        assert after["spec"]["template"] == original, "the workload is back on its own pod template"
+        assert contract.FIELD_MANAGER not in {m.get("manager") for m in after["metadata"].get("managedFields", [])}
+        gone = cluster.kubectl("get", "configmap", "llm" + contract.GENERATED_CONFIGMAP_SUFFIX, "-n", namespace,
+                               check=False)  # fmt: skip
+        assert gone.returncode != 0, "the generated ConfigMap is deleted"
+    finally:
+        helm("uninstall", "kvo-un", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig, check=False)
+        cluster.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
