@@ -60,3 +60,26 @@ def format_bytes(size: int) -> str:
         if size % unit == 0:
             return f"{size // unit}{suffix}"
     return str(size)
+
+
+_KUBERNETES_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "m": 1}  # fmt: skip
+
+
+def kubernetes_bytes(quantity: object) -> int | None:
+    """Bytes of any Kubernetes memory quantity the apiserver admits (a node's or a container's), None if unreadable.
+
+    Lenient on purpose: these are values others wrote; kvoffload's own settings use :func:`parse_bytes`.
+    """
+    text = str(quantity)
+    for suffix in sorted(_KUBERNETES_SUFFIXES, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            number = text[: -len(suffix)]
+            break
+    else:
+        suffix, number = "", text
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return int(value / 1000) if suffix == "m" else int(value * _KUBERNETES_SUFFIXES[suffix])

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.policy import PolicyError
-from kvoffload.quantity import format_bytes
+from kvoffload.quantity import format_bytes, kubernetes_bytes
 
 from .settings import InjectionSettings
 
@@ -99,6 +99,14 @@ def merge_engine_env(ours: list[dict[str, Any]], user_env: Sequence[Mapping[str,
             )  # fmt: skip
         # A tunable the user set on purpose: leave it to them.
     return result, None
+
+
+def cache_server_memory_bytes(settings: InjectionSettings) -> int:
+    """The memory the cache-server container requests: its L1 and overhead, or the policy's resources."""
+    memory = ((settings.sidecar_resources or {}).get("requests") or {}).get("memory")
+    if memory is None:
+        return settings.l1_bytes + settings.sidecar_memory_overhead_bytes
+    return kubernetes_bytes(memory) or 0
 
 
 def _sidecar_resources(settings: InjectionSettings) -> dict[str, Any]:

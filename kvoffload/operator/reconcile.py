@@ -24,6 +24,7 @@ from .injection_plan import ClusterInfo, InjectionPlan
 from .kube import Kube, KubeApiError, configmap_path, workload_path
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
+from .node_fit import GpuNodeMemory, node_fit_problem
 from .options_sources import OptionsSources
 from .policies import Policies
 from .retry import RetryQueue
@@ -70,8 +71,12 @@ class Reconciler:
     policies: Policies = field(init=False)
     """The policy side: cache, node caches, status."""
 
+    node_memory: GpuNodeMemory = field(init=False)
+    """The largest GPU node's allocatable memory, for the pre-pod fit check."""
+
     def __post_init__(self) -> None:
         self.policies = Policies(self.kube, self.defaults, self.metrics, self.retries, self.node_caches)
+        self.node_memory = GpuNodeMemory(self.kube)
 
     # --- workloads -------------------------------------------------------------
 
@@ -196,6 +201,9 @@ class Reconciler:
                 "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
                 reason="unsupported",
             ), state)  # fmt: skip
+        unfit = node_fit_problem(obj, settings, self.node_memory.largest())
+        if unfit:
+            return self._reject(obj, unfit, state)
         plan = self._plan(obj, settings, state)
         if isinstance(plan, str):
             return plan

@@ -1,0 +1,90 @@
+"""Will an injected pod fit on a GPU node? Decided before it is injected, from the nodes' allocatable memory.
+
+A pod whose memory requests (the user's containers plus the cache server with its L1) exceed every
+GPU node's allocatable memory would stay Pending; the operator refuses it with a Warning instead.
+The nodes are listed at most every ``NODES_TTL_S`` (their sizes rarely change).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.policy import PolicyError
+from kvoffload.quantity import format_bytes, kubernetes_bytes
+
+from .containers import cache_server_memory_bytes
+from .kube import Kube, KubeApiError
+from .settings import InjectionSettings
+from .workload_view import GPU_RESOURCE, pod_spec_of
+
+log = logging.getLogger("kvoffload.operator")
+NODES_TTL_S = 30.0
+
+
+def user_memory_requests(workload: Mapping[str, Any]) -> int:
+    """The memory the workload's own containers request (a limit counts where no request is set)."""
+    total = 0
+    for container in pod_spec_of(workload).get("containers") or []:
+        resources = container.get("resources") or {}
+        amount = (resources.get("requests") or {}).get("memory") or (resources.get("limits") or {}).get("memory")
+        if amount is not None:
+            total += kubernetes_bytes(amount) or 0
+    return total
+
+
+def largest_gpu_node_memory(nodes: Iterable[Mapping[str, Any]]) -> int | None:
+    """The largest allocatable memory among nodes offering GPUs; None when no node offers one."""
+    sizes = [
+        kubernetes_bytes((n.get("status") or {}).get("allocatable", {}).get("memory")) or 0
+        for n in nodes
+        if (kubernetes_bytes(((n.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, 0)) or 0) > 0
+    ]
+    return max(sizes) if sizes else None
+
+
+def node_fit_problem(
+    workload: Mapping[str, Any], settings: InjectionSettings, largest: int | None
+) -> PolicyError | None:
+    """Why no GPU node could run the injected pod, or None (also when no GPU node is known)."""
+    if largest is None or settings.backend != "sidecar" or settings.mode != "sidecar":
+        return None
+    needed = user_memory_requests(workload) + cache_server_memory_bytes(settings)
+    if needed <= largest:
+        return None
+    return PolicyError(
+        "cache.l1Size", format_bytes(settings.l1_bytes),
+        f"an L1 that fits a GPU node: the pod would request {format_bytes(needed)} of memory (the engine's "
+        f"requests plus the cache server's L1 and overhead) and the largest GPU node allocates "
+        f"{format_bytes(largest)}, so it would stay Pending",
+        reason="no_node_fits",
+    )  # fmt: skip
+
+
+@dataclass
+class GpuNodeMemory:
+    """The largest GPU node's allocatable memory, listed at most every ``NODES_TTL_S``."""
+
+    kube: Kube
+    _value: int | None = None
+    _listed_at: float = float("-inf")
+    _unreadable_logged: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def largest(self) -> int | None:
+        with self._lock:
+            if time.monotonic() - self._listed_at < NODES_TTL_S:
+                return self._value
+            try:
+                nodes = self.kube.request("GET", "/api/v1/nodes").get("items") or []
+            except KubeApiError as exc:  # no right to list nodes (an older chart): skip the check, say so once
+                if not self._unreadable_logged:
+                    log.warning("node fit not checked: cannot list nodes (%s)", exc)
+                    self._unreadable_logged = True
+                nodes = []
+            self._value, self._listed_at = largest_gpu_node_memory(nodes), time.monotonic()
+            return self._value
