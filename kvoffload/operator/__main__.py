@@ -136,12 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kubeconfig:
         os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
     kube = Kube(load_configuration(kubeconfig))
-    if args.native_sidecars == "auto":
-        native = kube.server_version() >= NATIVE_SIDECAR_MIN
-    elif args.native_sidecars in ("true", "false"):
-        native = args.native_sidecars == "true"
-    else:
-        raise SystemExit(f"{PROG}: --native-sidecars {args.native_sidecars!r}: allowed auto, true, false")
+    native = _native_sidecars(args.native_sidecars, kube)
     if args.node_mode not in ("true", "false"):
         raise SystemExit(f"{PROG}: --node-mode {args.node_mode!r}: allowed true, false")
     node_mode = args.node_mode == "true"
@@ -172,14 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "starting version=%s native_sidecars=%s namespaces=%s leader_election=%s node_mode=%s", __version__, native,
         namespaces or "all", args.leader_election, node_mode,
     )  # fmt: skip
-    stop = threading.Event()
-    leadership = _lead(args, kube, stop)
+    leadership = _lead(args, kube, threading.Event())
     if leadership is False:
         return 0  # asked to stop while waiting for the Lease
-    if leadership is not None:
-        # Lost the Lease: stop as on SIGTERM (kopf's own graceful shutdown). A stop_flag would do
-        # the same, but kopf waits on one with an executor thread that blocks its loop's shutdown.
-        leadership.hold(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
         kopf.run(
             standalone=True,  # one operator acts at a time through the Lease, not kopf peering
@@ -192,6 +182,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if leadership is not None:
             leadership.release()
     return 1 if leadership is not None and leadership.lost else 0
+
+
+def _native_sidecars(flag: str, kube: Kube) -> bool:
+    """``--native-sidecars``: auto asks the apiserver's version (native sidecars from 1.29)."""
+    if flag == "auto":
+        return kube.server_version() >= NATIVE_SIDECAR_MIN
+    if flag in ("true", "false"):
+        return flag == "true"
+    raise SystemExit(f"{PROG}: --native-sidecars {flag!r}: allowed auto, true, false")
 
 
 def _remove_all(kube: Kube, namespaces: tuple[str, ...]) -> int:
@@ -222,7 +221,12 @@ def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leader
     with serve_health_while_waiting(int(args.health_port)):
         held = leadership.acquire(stop)
     signal.signal(signal.SIGTERM, previous)
-    return leadership if held else False
+    if not held:
+        return False
+    # Lost the Lease: stop as on SIGTERM (kopf's own graceful shutdown). A stop_flag would do the
+    # same, but kopf waits on one with an executor thread that blocks its loop's shutdown.
+    leadership.hold(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    return leadership
 
 
 if __name__ == "__main__":

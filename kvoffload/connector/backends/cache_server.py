@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
@@ -233,29 +233,33 @@ class CacheServerBackend(LMCacheMPClient):
         """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
         return self._use_fast_copies and self._shm_identity is not None and int(self._pool.shape[2]) == 2
 
-    def retrieve(self, op: TransferOp) -> int:
-        """Copy ``op``'s chunks from the server into its blocks (skipping ``op.skip_tokens``)."""
-        transfer = self._acquire("retrieve", self._retrieve_timeout_s)
-        start = time.monotonic()
+    def _run_transfer(
+        self, operation: str, timeout_s: float, op: TransferOp, fast: Any, submit: Callable[[Any, Any], Any]
+    ) -> bool:
+        """One store or retrieve: our own copies inside PREPARE/COMMIT where they apply (``fast``),
+        else LMCache's ``submit`` (gather/scatter); a failed call marks the backend down."""
+        transfer = self._acquire(operation, timeout_s)
         try:
-            transfer.engine_driven_context.mq_timeout = self._retrieve_timeout_s
+            transfer.engine_driven_context.mq_timeout = timeout_s
             key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
             if self._fast_copies():
-                ok = self._retrieve_fast(transfer.engine_driven_context, key, op)
-            else:
-                ok = transfer.submit_retrieve(
-                    op.session_id,
-                    key,
-                    {KV_POOL_NAME: self._pool},
-                    [list(op.block_ids)],
-                    transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
-                    self._blocks_per_chunk,
-                    skip_first_n_tokens=op.skip_tokens,
-                ).result(timeout=self._retrieve_timeout_s)
+                return bool(fast(transfer.engine_driven_context, key, op))
+            return bool(submit(transfer, key).result(timeout=timeout_s))
         except Exception as exc:
-            raise self._fail("retrieve", failure_reason(exc), repr(exc)) from exc
+            raise self._fail(operation, failure_reason(exc), repr(exc)) from exc
         finally:
             self._lock.release()
+
+    def retrieve(self, op: TransferOp) -> int:
+        """Copy ``op``'s chunks from the server into its blocks (skipping ``op.skip_tokens``)."""
+        start = time.monotonic()
+        ok = self._run_transfer("retrieve", self._retrieve_timeout_s, op, self._retrieve_fast, lambda transfer, key: (
+            transfer.submit_retrieve(
+                op.session_id, key, {KV_POOL_NAME: self._pool}, [list(op.block_ids)],
+                transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                self._blocks_per_chunk, skip_first_n_tokens=op.skip_tokens,
+            )
+        ))  # fmt: skip
         if not ok:
             timed_out = time.monotonic() - start >= self._retrieve_timeout_s
             raise self._fail("retrieve", "timeout" if timed_out else "miss", f"session={op.session_id}")
@@ -304,25 +308,13 @@ class CacheServerBackend(LMCacheMPClient):
 
     def store(self, op: TransferOp) -> int:
         """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache)."""
-        transfer = self._acquire("store", self._store_timeout_s)
-        try:
-            transfer.engine_driven_context.mq_timeout = self._store_timeout_s
-            key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
-            if self._fast_copies():
-                ok = self._store_fast(transfer.engine_driven_context, key, op)
-            else:
-                ok = transfer.submit_store(
-                    op.session_id,
-                    key,
-                    {KV_POOL_NAME: self._pool},
-                    [list(op.block_ids)],
-                    transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
-                    self._blocks_per_chunk,
-                ).result(timeout=self._store_timeout_s)
-        except Exception as exc:
-            raise self._fail("store", failure_reason(exc), repr(exc)) from exc
-        finally:
-            self._lock.release()
+        ok = self._run_transfer("store", self._store_timeout_s, op, self._store_fast, lambda transfer, key: (
+            transfer.submit_store(
+                op.session_id, key, {KV_POOL_NAME: self._pool}, [list(op.block_ids)],
+                transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                self._blocks_per_chunk,
+            )
+        ))  # fmt: skip
         if not ok:
             raise self._fail("store", "server_error", f"session={op.session_id}")
         return len(op.block_ids) * self._block_bytes
