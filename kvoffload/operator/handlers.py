@@ -59,6 +59,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
             except Exception:
                 log.exception("retries failed")
             _reconciler(memo).policies.flush_status()
+            try:
+                _reconciler(memo).check_options_sources()
+            except Exception:
+                log.exception("options ConfigMap check failed")
             since_node_check += POLICY_STATUS_INTERVAL_S
             if since_node_check >= NODE_CACHE_RECHECK_S:  # a missed pod event must not strand a cache pod
                 since_node_check = 0.0
@@ -107,15 +111,6 @@ def _workload_event(body: kopf.Body, event_type: str | None, memo: Any, kind: st
 @kopf.on.event(c.API_GROUP, c.API_VERSION, c.POLICY_PLURAL)
 def policy_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
     _reconciler(memo).policy_changed(_plain(body), deleted=type == "DELETED")
-
-
-@kopf.on.event("", "v1", "configmaps")
-def configmap_event(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """A ConfigMap changed: if a workload's TensorRT-LLM options come from it, re-render that workload."""
-    meta = body.get("metadata") or {}
-    if (meta.get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
-        return  # our own generated copies
-    _reconciler(memo).options_changed(str(meta.get("namespace")), str(meta.get("name")))
 
 
 def engine_pod_event(body: kopf.Body, memo: Any, **_: Any) -> None:

@@ -134,17 +134,25 @@ class Leadership:
         """Renew in the background; ``on_lost`` runs once if the Lease cannot be kept."""
 
         def renew() -> None:
-            last_ok = _now()
-            while not self._stop.wait(RENEW_INTERVAL_S):
+            interval, last_ok = RENEW_INTERVAL_S, _now()
+            while not self._stop.wait(interval):
+                interval = RENEW_INTERVAL_S
                 try:
                     if self._try():
                         last_ok = _now()
                         continue
                     log.error("leader election: lease %s/%s taken by another operator", self.namespace, self.name)
                 except KubeApiError as exc:
-                    log.warning("leader election: renewal failed: %s", exc)
-                    if (_now() - last_ok).total_seconds() < LEASE_DURATION_S - RENEW_INTERVAL_S:
+                    # Unreachable or failing, the apiserver lets nobody write or take the Lease through it;
+                    # refusals (a 403 while a restarted apiserver warms its RBAC cache) are retried until
+                    # this holder's term would have ended. Every second: once it answers, a Lease another
+                    # operator took meanwhile is seen within that second.
+                    transient = exc.status == 0 or exc.status >= 500
+                    if transient or (_now() - last_ok).total_seconds() < LEASE_DURATION_S:
+                        log.warning("leader election: renewal failed, retrying: %s", exc)
+                        interval = RETRY_INTERVAL_S
                         continue
+                    log.error("leader election: renewal refused past the lease term: %s", exc)
                 self.lost = True
                 on_lost()
                 return

@@ -76,7 +76,7 @@ class Reconciler:
 
     def __post_init__(self) -> None:
         self.policies = Policies(self.kube, self.defaults, self.metrics, self.retries, self.node_caches)
-        self.node_memory = GpuNodeMemory(self.kube)
+        self.node_memory = GpuNodeMemory(self.kube, enabled=not self.namespaces)
 
     # --- workloads -------------------------------------------------------------
 
@@ -249,15 +249,16 @@ class Reconciler:
         plan = plan_for(self.kube, obj, settings, self.cluster, self.options_sources)
         return self._reject(obj, plan, state) if isinstance(plan, PolicyError) else plan
 
-    def options_changed(self, namespace: str, name: str) -> int:
-        """A ConfigMap changed: re-render the workloads whose options file comes from it (one
-        rollout each when the merged file changes); returns how many were reconciled."""
-        refs = self.options_sources.workloads(namespace, name)
-        for kind, workload in refs:
-            current = self.kube.get(workload_path(kind, namespace, workload))
-            if current is not None:
-                self.reconcile({"apiVersion": "apps/v1", "kind": kind, **current}, force=True)
-        return len(refs)
+    def check_options_sources(self) -> int:
+        """Re-render (one rollout each when the merged file changes) the workloads whose options
+        ConfigMap was edited since it was last seen; returns how many ConfigMaps were."""
+        edited = self.options_sources.edited(lambda ns, name: self.kube.get(configmap_path(ns, name)))
+        for namespace, name in edited:
+            for kind, workload in self.options_sources.workloads(namespace, name):
+                current = self.kube.get(workload_path(kind, namespace, workload))
+                if current is not None:
+                    self.reconcile({"apiVersion": "apps/v1", "kind": kind, **current}, force=True)
+        return len(edited)
 
     def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
                          ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip

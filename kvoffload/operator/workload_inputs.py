@@ -26,7 +26,9 @@ def plan_for(
     source = engine.user_options_source
     sources.track(obj, source.configmap if source else None)  # before the fetch: it may not exist yet
     if source is not None:
-        cm = kube.get(configmap_path(str((obj.get("metadata") or {}).get("namespace")), source.configmap))
+        namespace = str((obj.get("metadata") or {}).get("namespace"))
+        cm = kube.get(configmap_path(namespace, source.configmap))
+        sources.saw(namespace, source.configmap, ((cm or {}).get("metadata") or {}).get("resourceVersion"))
         user_options = ((cm or {}).get("data") or {}).get(source.key)
         if user_options is None:
             what = "does not exist" if cm is None else f"has no key {source.key!r}"

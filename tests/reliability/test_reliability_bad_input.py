@@ -30,7 +30,7 @@ BAD_ANNOTATIONS: list[tuple[str, dict[str, str], str]] = [
     ("size-wrong-unit-GB", {c.ANN_CPU_CACHE_SIZE: "20GB"}, c.ANN_CPU_CACHE_SIZE),
     ("size-negative", {c.ANN_CPU_CACHE_SIZE: "-4Gi"}, c.ANN_CPU_CACHE_SIZE),
     ("size-zero", {c.ANN_CPU_CACHE_SIZE: "0"}, c.ANN_CPU_CACHE_SIZE),
-    ("size-tiny", {c.ANN_CPU_CACHE_SIZE: "1Ki"}, "at least 64Mi"),
+    ("size-tiny", {c.ANN_CPU_CACHE_SIZE: "1Ki"}, "from 64Mi to 1Pi"),
     ("enabled-uppercase", {c.ANN_ENABLED: "TRUE"}, '"true" or "false"'),
     ("size-with-space", {c.ANN_CPU_CACHE_SIZE: "20 Gi"}, c.ANN_CPU_CACHE_SIZE),
     ("size-millibytes", {c.ANN_CPU_CACHE_SIZE: "1500m"}, c.ANN_CPU_CACHE_SIZE),
@@ -62,10 +62,8 @@ BAD_ANNOTATIONS: list[tuple[str, dict[str, str], str]] = [
 
 # Policies the schema accepts but the operator must refuse: (case, spec, text in the Event).
 OPERATOR_POLICIES: list[tuple[str, dict[str, Any], str]] = [
-    ("policy-secret-name-invalid", {"l2": {"redis": {"url": "redis://r:6379",
-                                                   "passwordSecretRef": {"name": "Bad_Name!", "key": "pw"}}}},
-     "passwordSecretRef.name"),
-    ("policy-fs-size-millibytes", {"l2": {"fs": {"path": "/l2", "size": "1500m"}}}, "l2.fs.size"),
+    ("policy-lookup-over-default-retrieve", {"connector": {"lookupTimeoutMs": 6000}}, "at most retrieveTimeoutMs"),
+    ("policy-l1-no-gpu-node-holds", {"cache": {"l1Size": "600Gi"}}, "largest GPU node allocates 512Gi"),
     ("policy-resources-garbage", {"sidecar": {"resources": {"limits": {"memory": "lots"}}}}, "sidecar.resources"),
     ("policy-resources-not-resources", {"sidecar": {"resources": {"privileged": True}}}, "sidecar.resources"),
     ("policy-chunk-not-whole-blocks", {"cache": {"chunkSize": 48}}, "tokens_per_block, 32"),
@@ -73,6 +71,13 @@ OPERATOR_POLICIES: list[tuple[str, dict[str, Any], str]] = [
 
 # (case, spec, text of the apiserver's refusal)
 BAD_POLICIES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "secret-name-invalid",
+        {"l2": {"redis": {"url": "redis://r:6379", "passwordSecretRef": {"name": "Bad_Name!", "key": "pw"}}}},
+        "should match",
+    ),
+    ("fs-size-millibytes", {"l2": {"fs": {"path": "/l2", "size": "1500m"}}}, "should match"),
+    ("fs-path-dotdot", {"l2": {"fs": {"path": "/var/../etc", "size": "1Gi"}}}, "must not hold a '..' part"),
     ("l1-negative", {"cache": {"l1Size": "-1Gi"}}, "l1Size must be a quantity"),
     ("l1-wrong-unit", {"cache": {"l1Size": "20GB"}}, "l1Size must be a quantity"),
     ("l1-oversized", {"cache": {"l1Size": "2Pi"}}, "at most 1Pi"),

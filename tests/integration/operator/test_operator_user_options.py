@@ -43,7 +43,7 @@ def test_an_edit_of_the_users_options_configmap_reaches_the_workload_in_seconds_
                     "data": {"extra.yaml": "max_batch_size: 16\n"}})  # fmt: skip
     wait_for(lambda: "max_batch_size: 16" in merged_options(cluster, namespace, "opts"), 15,
              what="the edit merged into the generated options file")  # fmt: skip
-    assert time.monotonic() - edited < 15  # the periodic resync is off in tests: only the watch can do it
+    assert time.monotonic() - edited < 15  # the periodic resync is off in tests: only the 2 s check can do it
     time.sleep(3)
     assert get(cluster, "deployment", "opts", namespace)["metadata"]["generation"] == before + 1, "exactly one rollout"
 
