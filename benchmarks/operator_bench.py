@@ -239,11 +239,12 @@ def _rss_kib(pid: int) -> dict[str, int]:
 @contextlib.contextmanager
 def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any, Api]]:
     """A local control plane, the CRD, the operator's ServiceAccount with the chart's rules, the operator."""
-    import yaml
 
     from hack.localcluster import LocalCluster
+    from tests.support.operator_fixtures import bind_rules
     from tests.support.operator_support import (
         CRD_FILE,
+        LEADER_ELECTION_RULES_FILE,
         OPERATOR_NAMESPACE,
         OPERATOR_SA,
         RULES_FILE,
@@ -268,27 +269,8 @@ def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any,
                 "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE},
             }
         )
-        apply(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRole",
-                "metadata": {"name": "kvoffload-operator-bench"},
-                "rules": yaml.safe_load(RULES_FILE.read_text()),
-            }
-        )
-        apply(
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": "kvoffload-operator-bench"},
-                "roleRef": {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "ClusterRole",
-                    "name": "kvoffload-operator-bench",
-                },
-                "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}],
-            }
-        )
+        bind_rules(cluster, "kvoffload-operator-bench", RULES_FILE)
+        bind_rules(cluster, "kvoffload-operator-bench-leader-election", LEADER_ELECTION_RULES_FILE)
         kubeconfig = cluster.service_account_kubeconfig(
             OPERATOR_NAMESPACE, OPERATOR_SA, workdir / "operator.kubeconfig"
         )
