@@ -11,7 +11,7 @@ import json
 import os
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -166,12 +166,23 @@ def namespaced_path(api: str, plural: str, namespace: str, name: str = "") -> st
     return f"{base}/{quote(name)}" if name else base
 
 
+WORKLOAD_PLURALS = {"Deployment": "deployments", "StatefulSet": "statefulsets"}
+
+
 def workload_path(kind: str, namespace: str = "", name: str = "") -> str:
     """Path of one workload, of a namespace's workloads, or (no namespace) of all of them."""
-    plural = {"Deployment": "deployments", "StatefulSet": "statefulsets"}[kind]
+    plural = WORKLOAD_PLURALS[kind]
     if not namespace:
         return f"/apis/apps/v1/{plural}"
     return namespaced_path("/apis/apps/v1", plural, namespace, name)
+
+
+def list_workloads(kube: Kube, namespaces: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+    """Every Deployment and StatefulSet in ``namespaces`` (all when empty), with kind and apiVersion set."""
+    for kind in WORKLOAD_PLURALS:
+        for namespace in namespaces or ("",):
+            for item in kube.request("GET", workload_path(kind, namespace)).get("items") or []:
+                yield {"apiVersion": "apps/v1", "kind": kind, **item}
 
 
 def configmap_path(namespace: str, name: str = "") -> str:

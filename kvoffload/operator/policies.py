@@ -13,13 +13,12 @@ from typing import Any
 
 from kvoffload import contract as c
 
-from .kube import Kube, KubeApiError, policy_path, workload_path
+from .kube import Kube, KubeApiError, list_workloads, policy_path
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .policy_status import desired_policy_status, keep_transition_times, same_status
 from .retry import RetryQueue
 from .settings import OperatorDefaults, enabled_state, policy_name
-from .workload_view import SUPPORTED_KINDS
 
 log = logging.getLogger("kvoffload.operator")
 
@@ -102,13 +101,9 @@ class Policies:
 
     def workloads_naming(self, namespace: str, name: str) -> Iterable[dict[str, Any]]:
         """The Deployments and StatefulSets whose ``kvoffload.io/policy`` names this policy."""
-        for kind in SUPPORTED_KINDS:
-            listing = self.kube.request("GET", workload_path(kind, namespace))
-            for item in listing.get("items") or []:
-                item.setdefault("apiVersion", "apps/v1")
-                item.setdefault("kind", kind)
-                if ((item.get("metadata") or {}).get("annotations") or {}).get(c.ANN_POLICY) == name:
-                    yield item
+        for item in list_workloads(self.kube, (namespace,)):
+            if ((item.get("metadata") or {}).get("annotations") or {}).get(c.ANN_POLICY) == name:
+                yield item
 
     def touch(self, obj: Mapping[str, Any]) -> None:
         """The workload changed: the status of the policy it names is refreshed at the next flush."""

@@ -21,7 +21,7 @@ from .drift import object_carries
 from .events import EventRecorder
 from .fragment import RenderedInjection, render
 from .injection_plan import ClusterInfo, InjectionPlan
-from .kube import Kube, KubeApiError, configmap_path, workload_path
+from .kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .node_fit import GpuNodeMemory, node_fit_problem
@@ -378,16 +378,9 @@ class Reconciler:
     def resync(self) -> None:
         """Reconcile every opted-in workload and every known policy's node caches regardless of
         the cache (drift in inputs we do not watch, events lost while the watch reconnected)."""
-        for kind in SUPPORTED_KINDS:
-            items: list[dict[str, Any]] = []
-            for namespace in self.namespaces or ("",):
-                items += self.kube.request("GET", workload_path(kind, namespace)).get("items") or []
-            for item in items:
-                item.setdefault("apiVersion", "apps/v1")
-                item.setdefault("kind", kind)
-                annotations = (item.get("metadata") or {}).get("annotations") or {}
-                if c.ANN_ENABLED in annotations:
-                    self.reconcile(item, force=True)
+        for item in list(list_workloads(self.kube, self.namespaces)):
+            if c.ANN_ENABLED in ((item.get("metadata") or {}).get("annotations") or {}):
+                self.reconcile(item, force=True)
         self.policies.recheck_node_caches()
 
 

@@ -13,10 +13,10 @@ from kvoffload import contract as c
 
 from .drift import object_carries
 from .fragment import RemovalPlan, RenderedInjection, render_removal
-from .kube import Kube, KubeApiError, configmap_path, workload_path
+from .kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from .managed_fields import manages_anything
 from .settings import enabled_state
-from .workload_view import SUPPORTED_KINDS, configmap_name
+from .workload_view import configmap_name
 
 LOCKED_APPLY_TRIES = 3
 
@@ -115,12 +115,8 @@ def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tupl
     """Take kvoffload out of every workload in ``namespaces`` (all when empty), as before opting in:
     what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
     results: list[tuple[str, str]] = []
-    for kind in SUPPORTED_KINDS:
-        for namespace in namespaces or ("",):
-            for item in kube.request("GET", workload_path(kind, namespace)).get("items") or []:
-                obj = {"apiVersion": "apps/v1", "kind": kind, **item}
-                if not manages_anything(obj, c.FIELD_MANAGER):
-                    continue
-                meta = obj.get("metadata") or {}
-                results.append((f"{kind}/{meta.get('namespace')}/{meta.get('name')}", remove_injection(kube, obj)))
+    for obj in list(list_workloads(kube, namespaces)):
+        if manages_anything(obj, c.FIELD_MANAGER):
+            meta = obj.get("metadata") or {}
+            results.append((f"{obj['kind']}/{meta.get('namespace')}/{meta.get('name')}", remove_injection(kube, obj)))
     return results
