@@ -101,12 +101,17 @@ def merge_engine_env(ours: list[dict[str, Any]], user_env: Sequence[Mapping[str,
     return result, None
 
 
+def memory_request_bytes(resources: Mapping[str, Any] | None) -> int:
+    """The memory a container's ``resources`` request: its request, else its limit (which Kubernetes
+    then takes as the request), else none."""
+    res = resources or {}
+    amount = (res.get("requests") or {}).get("memory") or (res.get("limits") or {}).get("memory")
+    return (kubernetes_bytes(amount) or 0) if amount is not None else 0
+
+
 def cache_server_memory_bytes(settings: InjectionSettings) -> int:
-    """The memory the cache-server container requests: its L1 and overhead, or the policy's resources."""
-    memory = ((settings.sidecar_resources or {}).get("requests") or {}).get("memory")
-    if memory is None:
-        return settings.l1_bytes + settings.sidecar_memory_overhead_bytes
-    return kubernetes_bytes(memory) or 0
+    """The memory the injected cache-server container requests (the resources it is rendered with)."""
+    return memory_request_bytes(_sidecar_resources(settings))
 
 
 def _sidecar_resources(settings: InjectionSettings) -> dict[str, Any]:

@@ -127,7 +127,7 @@ def _pod_spec_fragment(plan: InjectionPlan, cm_name: str) -> dict[str, Any]:
         pod_spec["initContainers"] = init_containers
     pod_spec["containers"] = containers
     pod_spec["volumes"] = _volumes(plan, cm_name)
-    if plan.share_process_namespace:
+    if plan.uses_sidecar:  # CUDA IPC needs distinct PIDs for engine and cache server: one namespace per pod
         pod_spec["shareProcessNamespace"] = True
     if plan.runtime_class_name:
         pod_spec["runtimeClassName"] = plan.runtime_class_name

@@ -93,7 +93,7 @@ class InjectionPlan:
     """The user's own /dev/shm volume, reused; None: kvoffload provides one."""
     node_cache: NodeCacheWiring | None
     uses_sidecar: bool
-    share_process_namespace: bool
+    """A cache server rides along in the pod (and so the pod shares one PID namespace)."""
     runtime_class_name: str | None
     warnings: tuple[str, ...]
 
@@ -162,8 +162,8 @@ def _options(engine: EngineChoice, settings: InjectionSettings, user_options_yam
 
 
 def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_sidecar: bool
-               ) -> tuple[bool, str | None, list[str]] | PolicyError:  # fmt: skip
-    """(share the PID namespace, runtime class to set, warnings) as the user's pod-level fields allow."""
+               ) -> tuple[str | None, list[str]] | PolicyError:  # fmt: skip
+    """(runtime class to set, warnings) as the user's pod-level fields allow, or why they conflict."""
     spec = pod_spec_of(workload)
     warnings: list[str] = []
     if (
@@ -192,7 +192,7 @@ def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_si
             )
         else:
             runtime_class = settings.runtime_class_name
-    return uses_sidecar, runtime_class, warnings
+    return runtime_class, warnings
 
 
 def plan_injection(
@@ -228,9 +228,9 @@ def plan_injection(
     pod_level = _pod_level(workload, settings, uses_sidecar)
     if isinstance(pod_level, PolicyError):
         return pod_level
-    share_pids, runtime_class, pod_warnings = pod_level
+    runtime_class, pod_warnings = pod_level
     return InjectionPlan(
         workload=workload, settings=settings, cluster=cluster, engine=engine, engine_args=args, engine_env=env,
         options_text=options_text, user_options_yaml=user_options_yaml, user_shm_volume=user_shm, node_cache=node_cache, uses_sidecar=uses_sidecar,
-        share_process_namespace=share_pids, runtime_class_name=runtime_class, warnings=(*warnings, *pod_warnings),
+        runtime_class_name=runtime_class, warnings=(*warnings, *pod_warnings),
     )  # fmt: skip

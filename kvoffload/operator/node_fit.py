@@ -14,10 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes, kubernetes_bytes
 
-from .containers import cache_server_memory_bytes
+from .containers import cache_server_memory_bytes, memory_request_bytes
 from .kube import Kube, KubeApiError
 from .settings import InjectionSettings
 from .workload_view import GPU_RESOURCE, pod_spec_of
@@ -28,13 +29,7 @@ NODES_TTL_S = 30.0
 
 def user_memory_requests(workload: Mapping[str, Any]) -> int:
     """The memory the workload's own containers request (a limit counts where no request is set)."""
-    total = 0
-    for container in pod_spec_of(workload).get("containers") or []:
-        resources = container.get("resources") or {}
-        amount = (resources.get("requests") or {}).get("memory") or (resources.get("limits") or {}).get("memory")
-        if amount is not None:
-            total += kubernetes_bytes(amount) or 0
-    return total
+    return sum(memory_request_bytes(x.get("resources")) for x in pod_spec_of(workload).get("containers") or [])
 
 
 def largest_gpu_node_memory(nodes: Iterable[Mapping[str, Any]]) -> int | None:
@@ -51,7 +46,7 @@ def node_fit_problem(
     workload: Mapping[str, Any], settings: InjectionSettings, largest: int | None
 ) -> PolicyError | None:
     """Why no GPU node could run the injected pod, or None (also when no GPU node is known)."""
-    if largest is None or settings.backend != "sidecar" or settings.mode != "sidecar":
+    if largest is None or settings.backend != c.BACKEND_SIDECAR or settings.mode != "sidecar":
         return None
     needed = user_memory_requests(workload) + cache_server_memory_bytes(settings)
     if needed <= largest:

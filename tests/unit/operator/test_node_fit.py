@@ -49,3 +49,11 @@ def test_without_known_gpu_nodes_or_a_sidecar_nothing_is_refused() -> None:
     assert node_fit_problem(deployment(), settings_with("600Gi"), None) is None
     inprocess = settings_with("600Gi", connector={"backend": "inprocess"})
     assert node_fit_problem(deployment(), inprocess, 512 * 2**30) is None
+
+
+def test_a_policys_own_sidecar_resources_are_what_counts_a_limit_standing_for_the_request() -> None:
+    # 100Gi L1 would fit; the policy's own resources ask 500Gi (limit only: Kubernetes requests the limit)
+    limits_only = settings_with("100Gi", sidecar={"resources": {"limits": {"memory": "500Gi"}}})
+    problem = node_fit_problem(deployment(), limits_only, 512 * 2**30)
+    assert problem is not None and "532Gi" in problem.message, problem
+    assert node_fit_problem(deployment(), settings_with("100Gi"), 512 * 2**30) is None
