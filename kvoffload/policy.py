@@ -184,6 +184,7 @@ def read_quantity(
     span = f"from {minimum} to {maximum}" if minimum else f"greater than 0 and at most {maximum}"
     why = " (LMCache's L1 must hold whole chunks)" if minimum else ""
     allowed = f"a byte quantity {span}{why}, such as 20Gi (suffix Ki, Mi, Gi, Ti, Pi or k, M, G, T, P)"
+    low, high = (parse_bytes(minimum, "minimum") if minimum else 1), parse_bytes(maximum, "maximum")
 
     def read(value: object, name: str) -> int | PolicyError:
         if not isinstance(value, str):
@@ -192,9 +193,7 @@ def read_quantity(
             size = parse_bytes(value, name)
         except QuantityError:
             return PolicyError(name, value, allowed)
-        if not (parse_bytes(minimum, name) if minimum else 1) <= size <= parse_bytes(maximum, name):
-            return PolicyError(name, value, allowed)
-        return size
+        return size if low <= size <= high else PolicyError(name, value, allowed)
 
     return read
 
@@ -260,12 +259,17 @@ def read_redis_url(value: object, name: str) -> str | PolicyError:
     return PolicyError(name, value, f"{REDIS_URL_FORM} ({why})")
 
 
+def is_plain_absolute_path(path: object) -> bool:
+    """An absolute path with no '..' part and no NUL (the CRD's ``FS_PATH_RULES``)."""
+    return isinstance(path, str) and path.startswith("/") and "\x00" not in path and ".." not in path.split("/")
+
+
 def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
     fs = read_mapping(value, name)
     if isinstance(fs, PolicyError):
         return fs
     path = fs.get("path")
-    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
+    if not isinstance(path, str) or not is_plain_absolute_path(path):
         return PolicyError(f"{name}.path", path, "an absolute path without '..'")
     size = read_quantity()(fs.get("size"), f"{name}.size")
     return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)

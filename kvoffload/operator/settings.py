@@ -58,8 +58,8 @@ class InjectionSettings(Policy):
 
     policy_name: str | None = None
     container: str | None = None
-    sidecar_memory_overhead_bytes: int = 2 * 2**30
-    sidecar_cpu_request: str = "1"
+    sidecar_memory_overhead_bytes: int = OperatorDefaults.sidecar_memory_overhead_bytes
+    sidecar_cpu_request: str = OperatorDefaults.sidecar_cpu_request
 
     def policy_document(self) -> dict[str, Any]:
         """The effective policy ``spec`` (camelCase, as in the CRD) the sidecar reads as policy.json."""

@@ -119,10 +119,9 @@ def _port(env: Mapping[str, str], env_name: str, default: int) -> int:
 
 
 def _int(setting: str, raw: object, low: int, high: int, allowed: str) -> int:
-    if isinstance(raw, str) and re.fullmatch(r"\s*[0-9]+\s*", raw):
-        value = int(raw)
-        if low <= value <= high:
-            return value
+    value = _env_int(raw) if isinstance(raw, str) else raw
+    if isinstance(value, int) and low <= value <= high:
+        return value
     raise _fail(setting, raw, f"use {allowed}")
 
 
@@ -132,7 +131,7 @@ def _env_int(raw: str) -> object:
 
 
 def _absolute_path(setting: str, raw: object) -> str:
-    if not isinstance(raw, str) or not raw.startswith("/") or "\x00" in raw or ".." in raw.split("/"):
+    if not isinstance(raw, str) or not pol.is_plain_absolute_path(raw):
         raise _fail(setting, raw, "use an absolute path without '..', e.g. /var/cache/kvoffload")
     return str(PurePosixPath(raw))
 
