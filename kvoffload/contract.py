@@ -223,3 +223,20 @@ ANN_CACHE_NODE: Final = "kvoffload.io/cache-node"
 
 OPERATOR_LEASE_NAME: Final = "kvoffload-operator"
 """The coordination.k8s.io Lease the acting operator holds (in its own namespace)."""
+
+# --- Injection at pod admission (the operator's mutating webhook) ------------
+LABEL_INJECT: Final = "kvoffload.io/inject"
+"""The one field the operator writes into a workload's pod template in admission mode: the hash of
+the injection record its pods are created with. The webhook's objectSelector matches it, and a
+new value rolls the pods exactly once."""
+INJECTION_RECORD_FILE: Final = "injection.json"
+"""Key of the generated ConfigMap holding the injection record the webhook renders pods from."""
+WEBHOOK_PORT: Final = 8443
+WEBHOOK_PATH: Final = "/mutate-pods"
+WEBHOOK_CONFIGURATION_NAME: Final = "kvoffload-pod-injection"
+"""The MutatingWebhookConfiguration the operator keeps (its caBundle, rules and client config)."""
+WEBHOOK_TLS_SECRET: Final = "kvoffload-webhook-tls"
+"""Secret in the operator's namespace holding the webhook's CA and serving certificate."""
+INJECTION_MODES: Final = ("template", "admission")
+M_OPERATOR_ADMISSIONS: Final = "kvoffload_operator_admissions"
+M_OPERATOR_EVICTIONS: Final = "kvoffload_operator_evictions"

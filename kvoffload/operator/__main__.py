@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from typing import Literal
+from urllib.parse import urlparse
 
 import kopf
 import yaml
@@ -30,8 +31,11 @@ from .kube import Kube, load_configuration
 from .leadership import Leadership, serve_health_while_waiting
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
+from .pod_alignment import PodAlignment
 from .reconcile import Reconciler
 from .settings import OperatorDefaults, base_settings
+from .webhook import WebhookServer
+from .webhook_tls import delete_webhook_configuration, ensure_tls, ensure_webhook_configuration, webhook_configuration
 from .workload_writes import remove_every_injection
 
 PROG = "kvoffload-operator"
@@ -80,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--node-mode", "KVOFFLOAD_NODE_MODE", "false",
         "true: keep per-node cache pods for mode: node policies (needs the pod rights of the chart's "
         "nodeMode.enabled); false: such workloads get a KvoffloadInvalid Warning")  # fmt: skip
+    add("--injection", "KVOFFLOAD_INJECTION", "template",
+        "where the injection lands: template (the workload's pod template, by Server-Side Apply) or admission "
+        "(each pod as it is created, by the operator's webhook; the template gets one label)")  # fmt: skip
+    add("--webhook-port", "KVOFFLOAD_WEBHOOK_PORT", str(c.WEBHOOK_PORT), "HTTPS port of the injection webhook")
+    add("--webhook-service", "KVOFFLOAD_WEBHOOK_SERVICE", "",
+        "admission mode: the operator's Service (in its namespace) the apiserver calls")  # fmt: skip
+    add("--webhook-url", "KVOFFLOAD_WEBHOOK_URL", "",
+        "admission mode: an https URL the apiserver calls instead (an operator outside the cluster)")  # fmt: skip
     add("--resync-seconds", "KVOFFLOAD_RESYNC_SECONDS", "600", "full re-reconcile period (0: off)")
     add("--workers", "KVOFFLOAD_OPERATOR_WORKERS", "8", "threads running reconciles")
     add("--kubeconfig", "KUBECONFIG", "", "kubeconfig (empty: in-cluster service account)")
@@ -141,14 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{PROG}: --node-mode {args.node_mode!r}: allowed true, false")
     node_mode = args.node_mode == "true"
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
+    admission = _injection_mode(args) == "admission"
     if args.remove_all:
         return _remove_all(kube, tuple(namespaces))
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
+    events = EventRecorder(kube)
     reconciler = Reconciler(
-        kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native), metrics=metrics,
-        events=EventRecorder(kube), namespaces=tuple(namespaces),
+        kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native, injection=args.injection),
+        metrics=metrics, events=events, namespaces=tuple(namespaces),
         node_caches=NodeCaches(kube, defaults) if node_mode else None,
+        pod_alignment=PodAlignment(kube, events, metrics, tuple(namespaces)) if admission else None,
     )  # fmt: skip
     memo = kopf.Memo(reconciler=reconciler, max_workers=int(args.workers), resync_seconds=float(args.resync_seconds))
 
@@ -156,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if node_mode:
         handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
+    if admission:
+        handlers.register_admission_handlers()
+        _serve_webhook(args, kube, metrics, tuple(namespaces))  # on every replica, the standby too
 
     @kopf.on.login()
     def login(**kwargs: object) -> kopf.ConnectionInfo | None:
@@ -194,13 +212,56 @@ def _native_sidecars(flag: str, kube: Kube) -> bool:
 
 
 def _remove_all(kube: Kube, namespaces: tuple[str, ...]) -> int:
-    """``--remove-all``: one line per workload, exit 1 if any could not be returned to the user's pods."""
+    """``--remove-all``: one line per workload, exit 1 if any could not be returned to the user's pods;
+    then the webhook's registration goes (no pod of the workloads asks for it any more)."""
     results = remove_every_injection(kube, namespaces)
     for ref, result in results:
         print(f"{PROG}: {ref}: {result}", flush=True)
     left = [ref for ref, result in results if result not in ("removed", "noop")]
     print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
+    if not left and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
+        print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
     return 1 if left else 0
+
+
+def _injection_mode(args: argparse.Namespace) -> str:
+    """``--injection`` checked with what admission mode needs: where the apiserver reaches the webhook
+    and a namespace for its certificate's Secret."""
+    if args.injection not in c.INJECTION_MODES:
+        raise SystemExit(f"{PROG}: --injection {args.injection!r}: allowed " + ", ".join(c.INJECTION_MODES))
+    if args.injection == "admission":
+        if bool(args.webhook_service) == bool(args.webhook_url):
+            raise SystemExit(f"{PROG}: --injection admission needs exactly one of --webhook-service and --webhook-url")
+        if args.webhook_url and (
+            urlparse(args.webhook_url).scheme != "https" or not urlparse(args.webhook_url).hostname
+        ):
+            raise SystemExit(f"{PROG}: --webhook-url {args.webhook_url!r}: an https URL is required")
+        if not args.leader_election_namespace:
+            raise SystemExit(f"{PROG}: --injection admission needs --leader-election-namespace (or POD_NAMESPACE): "
+                             "the webhook's certificate is kept in a Secret there")  # fmt: skip
+    return str(args.injection)
+
+
+def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...]
+                   ) -> WebhookServer:  # fmt: skip
+    """Start the webhook's HTTPS server, then register it (its CA as the caBundle)."""
+    namespace = args.leader_election_namespace
+    if args.webhook_url:
+        hosts = [str(urlparse(args.webhook_url).hostname)]
+        client: dict[str, object] = {"url": args.webhook_url}
+    else:
+        service = args.webhook_service
+        hosts = [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
+        client = {"service": {"namespace": namespace, "name": service, "port": int(args.webhook_port),
+                              "path": c.WEBHOOK_PATH}}  # fmt: skip
+    tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
+    server = WebhookServer(kube, metrics, tls, int(args.webhook_port))
+    server.start()
+    ensure_webhook_configuration(
+        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces)
+    )
+    logging.getLogger(__name__).info("injection webhook serving on :%d for %s", server.port, ", ".join(hosts))
+    return server
 
 
 def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leadership | None | Literal[False]:

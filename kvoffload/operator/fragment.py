@@ -134,7 +134,7 @@ def _pod_spec_fragment(plan: InjectionPlan, cm_name: str) -> dict[str, Any]:
     return pod_spec
 
 
-def _configmap(workload: Mapping[str, Any], cm_name: str, data: dict[str, str], digest: str) -> dict[str, Any]:
+def configmap_body(workload: Mapping[str, Any], cm_name: str, data: dict[str, str], digest: str) -> dict[str, Any]:
     meta = workload_meta(workload)
     owner: dict[str, Any] = {
         "apiVersion": SUPPORTED_KINDS[str(workload["kind"])],
@@ -188,7 +188,7 @@ def render(plan: InjectionPlan) -> RenderedInjection:
     if plan.engine_args is not None and not isinstance(plan.engine.options, AlreadyOurs):
         forceable = (conflict_path("containers", plan.engine.name, "args"),)
     return RenderedInjection(
-        workload_apply=body, configmap_apply=_configmap(workload, cm_name, configmap_data, digest), config_hash=digest,
+        workload_apply=body, configmap_apply=configmap_body(workload, cm_name, configmap_data, digest), config_hash=digest,
         engine_container=plan.engine.name, forceable_fields=forceable, warnings=tuple(warnings),
     )  # fmt: skip
 

@@ -17,6 +17,7 @@ import kopf
 
 from kvoffload import contract as c
 
+from .pod_alignment import uninjected
 from .reconcile import Reconciler
 
 log = logging.getLogger("kvoffload.operator")
@@ -70,6 +71,12 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
                     _reconciler(memo).policies.recheck_node_caches()
                 except Exception:
                     log.exception("node cache recheck failed")
+                alignment = _reconciler(memo).pod_alignment
+                if alignment is not None:  # backed-off evictions are due, or a pod event was missed
+                    try:
+                        alignment.align()
+                    except Exception:
+                        log.exception("aligning pods created without the injection failed")
             elapsed += POLICY_STATUS_INTERVAL_S
             if memo.resync_seconds and elapsed >= memo.resync_seconds:
                 elapsed = 0.0
@@ -131,3 +138,16 @@ def register_node_mode_handlers() -> None:
     """Watch engine and cache pods (node mode only: without it the operator has no pod rights)."""
     kopf.on.event("", "v1", "pods", labels={c.LABEL_NODE_CACHE_POLICY: kopf.PRESENT})(engine_pod_event)
     kopf.on.event("", "v1", "pods", labels={c.LABEL_CACHE_POLICY: kopf.PRESENT})(cache_pod_event)
+
+
+def injection_pod_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
+    """A pod of an admission-mode workload changed: evict it (or a sibling) if created uninjected."""
+    alignment = _reconciler(memo).pod_alignment
+    namespace = str((body.get("metadata") or {}).get("namespace"))
+    if alignment is not None and (uninjected(body) or alignment.behind_in(namespace)):
+        alignment.align(namespace)
+
+
+def register_admission_handlers() -> None:
+    """Watch the pods whose template asks for the injection (admission mode only)."""
+    kopf.on.event("", "v1", "pods", labels={c.LABEL_INJECT: kopf.PRESENT})(injection_pod_event)

@@ -47,6 +47,9 @@ class ClusterInfo:
     native_sidecars: bool
     """The apiserver is >= 1.29: the cache server runs as an init container with restartPolicy Always."""
     operator_version: str = __version__
+    injection: str = "template"
+    """Where the injection lands: ``template`` (the workload's pod template, by Server-Side Apply) or
+    ``admission`` (each pod as it is created, by the operator's webhook; the template gets one label)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from kvoffload import contract as c
 RESULTS = ("applied", "unchanged", "removed", "skipped", "error", "conflict")
 """``result`` label of the reconcile counter."""
 KINDS = ("Deployment", "StatefulSet")
+ADMISSION_RESULTS = ("injected", "ignored", "not_injected", "error")
 ERROR_REASONS = (
     "invalid_settings", "policy_missing", "ambiguous_container", "unsupported", "conflict",
     "options_missing", "invalid_options", "api_error", "internal",
@@ -43,6 +44,16 @@ class OperatorMetrics:
             c.M_OPERATOR_RETRY_QUEUE, "Passes that failed on the API and wait for a retry with backoff.",
             registry=self.registry,
         )  # fmt: skip
+        self.admissions = Counter(
+            c.M_OPERATOR_ADMISSIONS, "Pods the injection webhook answered, by result (injected, ignored, "
+            "not_injected, error).", ["result"], registry=self.registry,
+        )  # fmt: skip
+        self.evictions = Counter(
+            c.M_OPERATOR_EVICTIONS, "Pods created without the injection (webhook not reached) evicted to be "
+            "created again.", registry=self.registry,
+        )  # fmt: skip
+        for result in ADMISSION_RESULTS:
+            self.admissions.labels(result=result)
         for kind in KINDS:  # zeros are visible before the first event
             self.injected.labels(kind=kind).set(0)
             for result in RESULTS:

@@ -17,15 +17,18 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
+from .admission import render_for
 from .drift import object_carries
 from .events import EventRecorder
-from .fragment import RenderedInjection, render
+from .fragment import RenderedInjection
 from .injection_plan import ClusterInfo, InjectionPlan
 from .kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
+from .managed_fields import TEMPLATE_META, owned_by
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .node_fit import GpuNodeMemory, node_fit_problem
 from .options_sources import OptionsSources
+from .pod_alignment import PodAlignment
 from .policies import Policies
 from .retry import RetryQueue
 from .settings import (
@@ -70,6 +73,9 @@ class Reconciler:
     """Which workloads merge which of the user's options ConfigMaps (a ConfigMap edit re-renders them)."""
     policies: Policies = field(init=False)
     """The policy side: cache, node caches, status."""
+
+    pod_alignment: PodAlignment | None = None
+    """Admission mode: evicts pods created without the injection (None in template mode)."""
 
     node_memory: GpuNodeMemory = field(init=False)
     """The largest GPU node's allocatable memory, for the pre-pod fit check."""
@@ -207,7 +213,11 @@ class Reconciler:
         plan = self._plan(obj, settings, state)
         if isinstance(plan, str):
             return plan
-        rendered = render(plan)
+        if self.cluster.injection == "admission" and _template_injected(obj):
+            # Injected in the template by an operator in template mode: hand the template back to
+            # the user first (one rollout); the removal's own event brings the label.
+            return self._remove(obj)
+        rendered = render_for(plan)
         answer: Mapping[str, Any] | None = None
         with self._lock:
             first_sight = uid not in self._done
@@ -311,11 +321,11 @@ class Reconciler:
             answer = forced_answer
         changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
         if changed:
-            self.events.post(
-                obj, "Normal", "KvoffloadInjected",
-                f"injected the kvoffload cache sidecar and connector into container {rendered.engine_container} "
-                f"(config hash {rendered.config_hash})", rendered.config_hash,
-            )  # fmt: skip
+            what = (f"its pods are created through the kvoffload webhook with the cache sidecar and the connector "
+                    f"in container {rendered.engine_container}" if self.cluster.injection == "admission" else
+                    f"injected the kvoffload cache sidecar and connector into container {rendered.engine_container}")  # fmt: skip
+            self.events.post(obj, "Normal", "KvoffloadInjected", f"{what} (config hash {rendered.config_hash})",
+                             rendered.config_hash)  # fmt: skip
             log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
         return ("applied" if changed else "unchanged"), answer
 
@@ -382,6 +392,11 @@ class Reconciler:
             if c.ANN_ENABLED in ((item.get("metadata") or {}).get("annotations") or {}):
                 self.reconcile(item, force=True)
         self.policies.recheck_node_caches()
+
+
+def _template_injected(obj: Mapping[str, Any]) -> bool:
+    """Whether the operator owns the injection inside the pod template (template mode's mark)."""
+    return owned_by(obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECTED}"), c.FIELD_MANAGER)
 
 
 def _ref(obj: Mapping[str, Any]) -> str:

@@ -8,12 +8,12 @@ value naming the field, the bad value and what is allowed, never as an exception
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from kvoffload import contract as c
 from kvoffload import policy as pol
-from kvoffload.policy import Policy, PolicyError, parse_policy
+from kvoffload.policy import FsTier, Policy, PolicyError, RedisTier, parse_policy
 from kvoffload.quantity import format_bytes
 
 ENABLED_VALUES = ("true", "false")
@@ -64,6 +64,20 @@ class InjectionSettings(Policy):
     def policy_document(self) -> dict[str, Any]:
         """The effective policy ``spec`` (camelCase, as in the CRD) the sidecar reads as policy.json."""
         return self.document()
+
+    def as_record(self) -> dict[str, Any]:
+        """Every field as JSON-ready data (the injection record the webhook renders pods from)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> InjectionSettings:
+        """The settings :meth:`as_record` wrote; fields it does not name keep their defaults."""
+        values = {f.name: record[f.name] for f in fields(cls) if f.name in record}
+        if values.get("fs_tier"):
+            values["fs_tier"] = FsTier(**values["fs_tier"])
+        if values.get("redis_tier"):
+            values["redis_tier"] = RedisTier(**values["redis_tier"])
+        return cls(**values)
 
 
 def enabled_state(annotations: Mapping[str, str] | None) -> bool | PolicyError:

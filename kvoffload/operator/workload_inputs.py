@@ -7,7 +7,8 @@ from typing import Any
 
 from kvoffload.policy import PolicyError
 
-from .fragment import RenderedInjection, render
+from .admission import render_for
+from .fragment import RenderedInjection
 from .injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
 from .kube import Kube, configmap_path
 from .node_mode import node_cache_wiring
@@ -48,4 +49,4 @@ def replan(answer: Mapping[str, Any], plan: InjectionPlan) -> RenderedInjection 
     if isinstance(engine, PolicyError):
         return engine
     again = plan_injection(answer, plan.settings, plan.cluster, engine, plan.user_options_yaml, plan.node_cache)
-    return again if isinstance(again, PolicyError) else render(again)
+    return again if isinstance(again, PolicyError) else render_for(again)

@@ -1,0 +1,183 @@
+"""The webhook's TLS and registration: a CA and serving certificate kept in one Secret in the
+operator's namespace (every replica serves with the same one), and the MutatingWebhookConfiguration
+that sends opted-in pods to it, with that CA as its caBundle.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import ipaddress
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvoffload import contract as c
+
+from .kube import Kube, KubeApiError, namespaced_path
+
+log = logging.getLogger("kvoffload.operator")
+CA_DAYS = 3650
+SERVING_DAYS = 365
+RENEW_BEFORE_DAYS = 30
+WEBHOOK_TIMEOUT_S = 5
+MWC_PATH = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    ca_pem: bytes
+    ca_key_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())  # fmt: skip
+
+
+def _san(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def issue(hosts: Sequence[str], ca_pem: bytes | None = None, ca_key_pem: bytes | None = None,
+          now: datetime.datetime | None = None) -> TlsMaterial:  # fmt: skip
+    """A serving certificate for ``hosts``, signed by the given CA or a new one."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if ca_pem is None or ca_key_pem is None:
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvoffload-webhook-ca")])
+        ca_cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+        ca_pem, ca_key_pem = ca_cert.public_bytes(serialization.Encoding.PEM), _key_pem(ca_key)
+    ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    ca_key_loaded = serialization.load_pem_private_key(ca_key_pem, password=None)
+    assert isinstance(ca_key_loaded, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=SERVING_DAYS))
+        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key_loaded, hashes.SHA256())
+    )  # fmt: skip
+    return TlsMaterial(ca_pem, ca_key_pem, cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def still_good(material: TlsMaterial, hosts: Sequence[str], now: datetime.datetime | None = None) -> bool:
+    """Whether the serving certificate covers ``hosts`` and is not due for renewal."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    cert = x509.load_pem_x509_certificate(material.cert_pem)
+    if cert.not_valid_after_utc - now < datetime.timedelta(days=RENEW_BEFORE_DAYS):
+        return False
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    covered = {str(n.value) for n in names}
+    return all(h in covered for h in hosts)
+
+
+_SECRET_KEYS = ("ca.crt", "ca.key", "tls.crt", "tls.key")
+
+
+def _from_secret(secret: Mapping[str, Any] | None) -> TlsMaterial | None:
+    data = (secret or {}).get("data") or {}
+    if not all(k in data for k in _SECRET_KEYS):
+        return None
+    return TlsMaterial(*(base64.b64decode(data[k]) for k in _SECRET_KEYS))
+
+
+def _secret_body(namespace: str, name: str, material: TlsMaterial) -> dict[str, Any]:
+    values = (material.ca_pem, material.ca_key_pem, material.cert_pem, material.key_pem)
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": name, "namespace": namespace, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
+        "data": {k: base64.b64encode(v).decode() for k, v in zip(_SECRET_KEYS, values, strict=True)},
+    }  # fmt: skip
+
+
+def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str]) -> TlsMaterial:
+    """The Secret's material, issued (or renewed, keeping its CA) when missing, stale or for other hosts.
+    Replicas racing to create it agree on whichever lands first."""
+    path = namespaced_path("/api/v1", "secrets", namespace, name)
+    secret = kube.get(path)
+    current = _from_secret(secret)
+    if current is not None and still_good(current, hosts):
+        return current
+    material = issue(hosts, current.ca_pem if current else None, current.ca_key_pem if current else None)
+    body = _secret_body(namespace, name, material)
+    try:
+        if secret is None:
+            kube.create(namespaced_path("/api/v1", "secrets", namespace), body)
+        else:
+            body["metadata"]["resourceVersion"] = (secret.get("metadata") or {}).get("resourceVersion")
+            kube.request("PUT", path, body=body)
+    except KubeApiError as exc:
+        if exc.status != 409:
+            raise
+        winner = _from_secret(kube.get(path))  # another replica wrote it first: use theirs
+        if winner is None:
+            raise
+        return winner
+    log.info("webhook certificate issued for %s", ", ".join(hosts))
+    return material
+
+
+def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], namespaces: Sequence[str]
+                          ) -> dict[str, Any]:  # fmt: skip
+    """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
+    sent, at creation; a webhook that cannot be reached admits them as the user wrote them."""
+    hook: dict[str, Any] = {
+        "name": "pods.kvoffload.io",
+        "admissionReviewVersions": ["v1"],
+        "sideEffects": "None",
+        "failurePolicy": "Ignore",
+        "reinvocationPolicy": "Never",
+        "matchPolicy": "Equivalent",
+        "timeoutSeconds": WEBHOOK_TIMEOUT_S,
+        "objectSelector": {"matchExpressions": [{"key": c.LABEL_INJECT, "operator": "Exists"}]},
+        "rules": [
+            {
+                "operations": ["CREATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ],
+        "clientConfig": {**client, "caBundle": base64.b64encode(ca_pem).decode()},
+    }
+    if namespaces:
+        hook["namespaceSelector"] = {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]}  # fmt: skip
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
+        "webhooks": [hook],
+    }  # fmt: skip
+
+
+def ensure_webhook_configuration(kube: Kube, body: Mapping[str, Any]) -> None:
+    kube.apply(f"{MWC_PATH}/{body['metadata']['name']}", body, c.FIELD_MANAGER, force=True)
+
+
+def delete_webhook_configuration(kube: Kube, name: str) -> bool:
+    return kube.delete(f"{MWC_PATH}/{name}")

@@ -1,0 +1,264 @@
+"""Injection at pod admission on the real apiserver, which calls the operator's webhook on
+127.0.0.1 over TLS: the GitOps matrix (client-side apply, server-side apply under the GitOps tool's
+own manager, and forced) × (re-apply, image change, opt-in, opt-out), each with its rollouts and the
+operator's writes counted; pods created while the webhook is down are brought in line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hack.localcluster import LocalCluster, free_port
+from hack.workloads import get, list_objects, trtllm_deployment, wait_for
+from kvoffload import contract as c
+from tests.support.operator_fixtures import assert_no_internal_errors, bind_rules
+from tests.support.operator_support import (
+    ADMISSION_NAMESPACE_RULES_FILE,
+    ADMISSION_RULES_FILE,
+    OperatorProcess,
+    events_for,
+)
+
+pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
+GITOPS_MANAGER = "argocd-controller"
+REVISION = "deployment.kubernetes.io/revision"
+SETTLE_S = 4.0
+"""After the expected state is reached, how long nothing more may happen (2 background ticks)."""
+
+
+@pytest.fixture(scope="module")
+def admission_operator(
+    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator with ``--injection admission`` and the chart's admission rules, its webhook on
+    127.0.0.1 (``--webhook-url``); the session operator is stopped meanwhile."""
+    bind_rules(cluster, "kvoffload-operator-test-admission", ADMISSION_RULES_FILE)
+    bind_rules(cluster, "kvoffload-operator-test-admission-ns", ADMISSION_NAMESPACE_RULES_FILE)
+    operator.stop()
+    port = free_port()
+    proc = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=tmp_path_factory.mktemp("admission-operator"),
+                           extra_args=["--injection", "admission", "--webhook-port", str(port),
+                                       "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"])  # fmt: skip
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
+        for name in ("kvoffload-operator-test-admission", "kvoffload-operator-test-admission-ns"):
+            cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
+    assert_no_internal_errors(proc)
+
+
+def manifest(name: str, namespace: str, image: str, opted_in: bool) -> dict[str, Any]:
+    """The user's manifest as it sits in git (no status, no server fields)."""
+    body = trtllm_deployment(name, namespace, replicas=2, annotations={c.ANN_ENABLED: "true"} if opted_in else {})
+    body["spec"]["template"]["spec"]["containers"][0]["image"] = image
+    body["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return body
+
+
+def gitops_apply(cluster: LocalCluster, method: str, body: dict[str, Any]) -> None:
+    """Apply ``body`` the way a GitOps tool does: client-side (Argo CD's default), server-side under
+    its own field manager, or server-side forced."""
+    args = ["apply", "-f", "-"]
+    if method != "client-side":
+        args += ["--server-side", f"--field-manager={GITOPS_MANAGER}"]
+    if method == "server-side-force":
+        args.append("--force-conflicts")
+    cluster.kubectl(*args, input=json.dumps(body))
+
+
+def gitops_diff(cluster: LocalCluster, method: str, body: dict[str, Any]) -> str:
+    """``kubectl diff`` of the manifest, as the same tool would run it; empty when in sync."""
+    args = ["diff", "-f", "-"]
+    if method != "client-side":
+        args += ["--server-side", f"--field-manager={GITOPS_MANAGER}"]
+    if method == "server-side-force":
+        args.append("--force-conflicts")
+    result = cluster.kubectl(*args, input=json.dumps(body), check=False)
+    assert result.returncode in (0, 1), result.stderr
+    return str(result.stdout)
+
+
+def revision(cluster: LocalCluster, name: str, namespace: str) -> int:
+    """The Deployment's rollout count (its revision: +1 for every new pod template it rolls to)."""
+    return int(get(cluster, "deployment", name, namespace)["metadata"].get("annotations", {}).get(REVISION, "0"))
+
+
+def live(cluster: LocalCluster, name: str, namespace: str) -> dict[str, Any]:
+    """The Deployment with its managedFields."""
+    out = cluster.kubectl("get", "deployment", name, "-n", namespace, "-o", "json", "--show-managed-fields")
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def operator_writes(obj: dict[str, Any]) -> list[Any]:
+    """The operator's managedFields entries on the object (time and fields): they change exactly
+    when one of its writes changed the object."""
+    return [(m.get("time"), m.get("fieldsV1")) for m in obj["metadata"].get("managedFields", [])
+            if m.get("manager") == c.FIELD_MANAGER]  # fmt: skip
+
+
+def pods(cluster: LocalCluster, name: str, namespace: str) -> list[dict[str, Any]]:
+    return [p for p in list_objects(cluster, "pods", namespace, f"app={name}")
+            if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+
+
+def settled(cluster: LocalCluster, name: str, namespace: str, injected: bool, image: str) -> list[dict[str, Any]]:
+    """Wait until the workload runs 2 pods, all on ``image``, all with or all without the injection."""
+
+    def ready() -> list[dict[str, Any]] | None:
+        current = pods(cluster, name, namespace)
+        good = [
+            p for p in current
+            if p.get("status", {}).get("phase") == "Running"
+            and (p["metadata"].get("labels", {}).get(c.LABEL_INJECTED) == "true") == injected
+            and next(x for x in p["spec"]["containers"] if x["name"] == "trtllm")["image"] == image
+        ]  # fmt: skip
+        return good if len(current) == 2 and len(good) == 2 else None
+
+    found = wait_for(ready, 120, what=f"{name}: 2 pods on {image}, injected={injected}")
+    return found  # type: ignore[no-any-return]
+
+
+def assert_injected_pod(pod: dict[str, Any]) -> None:
+    spec = pod["spec"]
+    names = [x["name"] for x in [*spec.get("initContainers", []), *spec["containers"]]]
+    assert c.SIDECAR_CONTAINER in names and c.BUNDLE_INIT_CONTAINER in names, names
+    engine = next(x for x in spec["containers"] if x["name"] == "trtllm")
+    assert engine["args"].count("--extra_llm_api_options") == 1
+    assert any(e["name"].startswith("KVOFFLOAD_") for e in engine["env"]), engine["env"]
+    assert any(v["name"] == c.VOLUME_TRTLLM_OPTIONS for v in spec["volumes"])
+    assert spec.get("shareProcessNamespace") is True
+
+
+@pytest.mark.parametrize("method", ["client-side", "server-side", "server-side-force"])
+def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, method: str
+) -> None:
+    name = f"gitops-{method}"
+    gitops_apply(cluster, method, manifest(name, namespace, "trtllm:1.2.0", opted_in=False))
+    settled(cluster, name, namespace, injected=False, image="trtllm:1.2.0")
+    counts: dict[str, int] = {}
+
+    # opt-in from git: one rollout, to pods the webhook injected; the template gets only the label
+    start = revision(cluster, name, namespace)
+    opted_in = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    gitops_apply(cluster, method, opted_in)
+    for pod in settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0"):
+        assert_injected_pod(pod)
+    time.sleep(SETTLE_S)
+    counts["opt-in"] = revision(cluster, name, namespace) - start
+    dep = live(cluster, name, namespace)
+    template = dep["spec"]["template"]
+    assert set(template["metadata"]["labels"]) == {"app", c.LABEL_INJECT}, template["metadata"]
+    assert [x["name"] for x in template["spec"]["containers"]] == ["trtllm"]
+    assert "initContainers" not in template["spec"] and not template["spec"].get("volumes")
+    writes = operator_writes(dep)
+    assert len(writes) == 1, writes
+    assert gitops_diff(cluster, method, opted_in) == "", "kubectl diff of the user's manifest must be empty"
+
+    # re-apply of the same manifest: nothing changes, nobody writes
+    configmap = get(cluster, "configmap", name + c.GENERATED_CONFIGMAP_SUFFIX, namespace)
+    start = revision(cluster, name, namespace)
+    gitops_apply(cluster, method, opted_in)
+    time.sleep(SETTLE_S)
+    counts["re-apply"] = revision(cluster, name, namespace) - start
+    dep = live(cluster, name, namespace)
+    assert operator_writes(dep) == writes, "the operator wrote after a re-apply"
+    assert get(cluster, "configmap", name + c.GENERATED_CONFIGMAP_SUFFIX, namespace)["metadata"]["resourceVersion"] \
+        == configmap["metadata"]["resourceVersion"]  # fmt: skip
+    assert gitops_diff(cluster, method, opted_in) == ""
+
+    # image change from git: exactly one rollout, the new pods injected, still no operator write
+    start = revision(cluster, name, namespace)
+    upgraded = manifest(name, namespace, "trtllm:1.2.1", opted_in=True)
+    gitops_apply(cluster, method, upgraded)
+    for pod in settled(cluster, name, namespace, injected=True, image="trtllm:1.2.1"):
+        assert_injected_pod(pod)
+    time.sleep(SETTLE_S)
+    counts["image change"] = revision(cluster, name, namespace) - start
+    assert operator_writes(live(cluster, name, namespace)) == writes
+    assert gitops_diff(cluster, method, upgraded) == ""
+
+    # opt-out from git: one rollout back to the user's own pods; the template is the manifest's again
+    start = revision(cluster, name, namespace)
+    opted_out = manifest(name, namespace, "trtllm:1.2.1", opted_in=False)
+    gitops_apply(cluster, method, opted_out)
+    for pod in settled(cluster, name, namespace, injected=False, image="trtllm:1.2.1"):
+        assert not any(x["name"].startswith("kvoffload-") for x in pod["spec"]["containers"])
+        assert "--extra_llm_api_options" not in next(x for x in pod["spec"]["containers"])["args"]
+    time.sleep(SETTLE_S)
+    counts["opt-out"] = revision(cluster, name, namespace) - start
+    dep = live(cluster, name, namespace)
+    assert operator_writes(dep) == [], "the operator's label must be gone"
+    assert c.LABEL_INJECT not in dep["spec"]["template"]["metadata"]["labels"]
+    wait_for(lambda: not list_objects(cluster, "configmap", namespace, f"{c.LABEL_MANAGED_BY}={c.LABEL_MANAGED_BY_VALUE}"),
+             30, what="the generated ConfigMap deleted")  # fmt: skip
+    assert gitops_diff(cluster, method, opted_out) == ""
+    print(f"gitops matrix [{method}] rollouts: {counts}")
+    assert counts == {"opt-in": 1, "re-apply": 0, "image change": 1, "opt-out": 1}, counts
+
+
+def test_pods_created_while_the_webhook_is_down_start_as_written_and_are_evicted_once_it_is_back(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    name = "webhook-down"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", opted_in=True)))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    admission_operator.stop()
+    try:
+        victim = pods(cluster, name, namespace)[0]["metadata"]["name"]
+        cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+        # failurePolicy Ignore: the replacement is the user's own pod, which starts
+        stray = wait_for(lambda: [p for p in pods(cluster, name, namespace)
+                                  if p["metadata"].get("labels", {}).get(c.LABEL_INJECTED) != "true"
+                                  and p.get("status", {}).get("phase") == "Running"], 60,
+                         what="a replacement pod admitted without the injection")  # fmt: skip
+        stray_name = stray[0]["metadata"]["name"]
+        assert not any(x["name"].startswith("kvoffload-") for x in stray[0]["spec"]["containers"])
+        time.sleep(3)
+        assert any(p["metadata"]["name"] == stray_name for p in pods(cluster, name, namespace))
+    finally:
+        admission_operator.start()
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    assert all(p["metadata"]["name"] != stray_name for p in pods(cluster, name, namespace))
+    assert admission_operator.metric_sum(c.M_OPERATOR_EVICTIONS + "_total") == 1, "one eviction (restarted operator)"
+    wait_for(lambda: any(stray_name in e["message"] for e in events_for(cluster, namespace, name, "KvoffloadNotInjected")),
+             30, what="a KvoffloadNotInjected Event naming the pod")  # fmt: skip
+
+
+def test_a_webhook_pod_equals_the_template_modes_injection(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """The webhook renders the same injection template mode writes (same renderer, applied to the pod)."""
+    from kvoffload.operator.fragment import render_injection_fragment
+    from kvoffload.operator.injection_plan import ClusterInfo
+    from kvoffload.operator.settings import resolve_settings
+    from tests.support.operator_support import operator_defaults
+
+    name = "same-as-template"
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    pod = settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")[0]
+    settings = resolve_settings(body["metadata"]["annotations"], None, operator_defaults(), namespace)
+    rendered = render_injection_fragment(copy.deepcopy(body), settings, ClusterInfo(native_sidecars=True))  # type: ignore[arg-type]
+    assert not isinstance(rendered, type(None))
+    fragment = rendered.workload_apply["spec"]["template"]["spec"]  # type: ignore[union-attr]
+    assert contains(fragment, pod["spec"]), "the webhook's pod lacks part of template mode's injection"
+    assert contains(rendered.workload_apply["spec"]["template"]["metadata"]["labels"],  # type: ignore[union-attr]
+                    pod["metadata"]["labels"])  # fmt: skip
+
+
+def contains(wanted: Any, got: Any) -> bool:
+    """Whether ``got`` holds everything in ``wanted`` (the apiserver adds its defaults beside it)."""
+    if isinstance(wanted, dict):
+        return isinstance(got, dict) and all(k in got and contains(v, got[k]) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(got, list) and all(any(contains(w, g) for g in got) for w in wanted)
+    return bool(wanted == got)
