@@ -1,6 +1,6 @@
 """Injection at pod admission on the real apiserver, which calls the operator's webhook on
 127.0.0.1 over TLS: the GitOps matrix (client-side apply, server-side apply under the GitOps tool's
-own manager, and forced) × (re-apply, image change, opt-in, opt-out), each with its rollouts and the
+own manager, and forced) by (re-apply, image change, opt-in, opt-out), each with its rollouts and the
 operator's writes counted; pods created while the webhook is down are brought in line."""
 
 from __future__ import annotations
