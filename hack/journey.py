@@ -114,10 +114,14 @@ class Journey:
         self.kubectl("create", "namespace", RELEASE_NAMESPACE, check=False)
         self.kubectl("label", "namespace", RELEASE_NAMESPACE, "pod-security.kubernetes.io/enforce=restricted",
                      "--overwrite")  # fmt: skip
-        # A small L1 for a laptop-sized demo: LMCache allocates all of it up front in /dev/shm.
+        # A small L1 for a laptop-sized demo: LMCache allocates all of it up front in /dev/shm. The
+        # operator runs here, outside the cluster: the apiserver calls its webhook on 127.0.0.1.
+        port = free_port()
         notes = self.helm(
             "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
             "--set", f"defaults.cache.l1Size={self.l1_size}", "--set", "defaults.shmSize=256Mi",
+            "--set", f"injection.webhookPort={port}",
+            "--set", f"injection.webhookUrl=https://127.0.0.1:{port}{contract.WEBHOOK_PATH}",
         )  # fmt: skip
         self.installed = True
         self.say(f"helm install {RELEASE} charts/kvoffload -n {RELEASE_NAMESPACE}: CRD, RBAC, operator Deployment")
@@ -189,13 +193,14 @@ class Journey:
         self.kubectl("annotate", "deployment", self.workload, "-n", self.namespace, f"{contract.ANN_ENABLED}=true")
         self.say(f"kubectl annotate deployment {self.workload} {contract.ANN_ENABLED}=true")
         pod = wait_until(lambda: self.running_pods(injected=True), 120, "an injected pod Running")[0]
-        template = self.deployment()["spec"]["template"]
         injected = sorted(
             c["name"]
-            for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]
+            for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
             if c["name"].startswith("kvoffload")
         )
-        self.say(f"new ReplicaSet rolled out; pod {pod['metadata']['name']} Running with {', '.join(injected)}")
+        label = self.deployment()["spec"]["template"]["metadata"]["labels"].get(contract.LABEL_INJECT)
+        self.say(f"the template got one label ({contract.LABEL_INJECT}={label}); new ReplicaSet rolled out; "
+                 f"pod {pod['metadata']['name']} Running with {', '.join(injected)} (added by the webhook)")  # fmt: skip
         return pod  # type: ignore[no-any-return]
 
     # --- 4. run the pod for real -----------------------------------------------

@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
     admission = _injection_mode(args) == "admission"
     if args.remove_all:
-        return _remove_all(kube, tuple(namespaces))
+        return _remove_all(kube, tuple(namespaces), admission)
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
     events = EventRecorder(kube)
@@ -211,7 +211,7 @@ def _native_sidecars(flag: str, kube: Kube) -> bool:
     raise SystemExit(f"{PROG}: --native-sidecars {flag!r}: allowed auto, true, false")
 
 
-def _remove_all(kube: Kube, namespaces: tuple[str, ...]) -> int:
+def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool) -> int:
     """``--remove-all``: one line per workload, exit 1 if any could not be returned to the user's pods;
     then the webhook's registration goes (no pod of the workloads asks for it any more)."""
     results = remove_every_injection(kube, namespaces)
@@ -219,7 +219,7 @@ def _remove_all(kube: Kube, namespaces: tuple[str, ...]) -> int:
         print(f"{PROG}: {ref}: {result}", flush=True)
     left = [ref for ref, result in results if result not in ("removed", "noop")]
     print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
-    if not left and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
+    if not left and admission and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
         print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
     return 1 if left else 0
 
@@ -229,7 +229,7 @@ def _injection_mode(args: argparse.Namespace) -> str:
     and a namespace for its certificate's Secret."""
     if args.injection not in c.INJECTION_MODES:
         raise SystemExit(f"{PROG}: --injection {args.injection!r}: allowed " + ", ".join(c.INJECTION_MODES))
-    if args.injection == "admission":
+    if args.injection == "admission" and not args.remove_all:
         if bool(args.webhook_service) == bool(args.webhook_url):
             raise SystemExit(f"{PROG}: --injection admission needs exactly one of --webhook-service and --webhook-url")
         if args.webhook_url and (

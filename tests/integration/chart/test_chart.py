@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
 NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
+ADMISSION_RULES_FILE = CHART / "files" / "operator-admission-rules.yaml"
 
 
 def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -115,16 +116,32 @@ def operator_args(docs: list[dict[str, Any]]) -> list[str]:
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
 
 
-def test_cluster_role_is_exactly_the_shared_rules_file_and_grants_no_pods() -> None:
+def test_cluster_role_is_exactly_the_shared_rules_files_and_never_writes_pods() -> None:
     docs = render()
     role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(ADMISSION_RULES_FILE.read_text())
+    pod_rules = [r for r in role["rules"] if {"pods", "services"} & set(r["resources"])]
+    assert pod_rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert "--node-mode=false" in operator_args(docs) and "--injection=admission" in operator_args(docs)
+    template_mode = render("injection.mode=template")
+    role = next(d for d in template_mode if d["kind"] == "ClusterRole")
     assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
-    assert not [r for r in role["rules"] if {"pods", "services"} & set(r["resources"])]
-    assert "--node-mode=false" in operator_args(docs)
+    assert not [d for d in template_mode if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
+    assert "--injection=template" in operator_args(template_mode)
+
+
+def test_admission_mode_passes_the_webhook_service_or_the_url_given() -> None:
+    args = operator_args(render())
+    assert "--webhook-service=kvo-kvoffload-operator-webhook" in args
+    url = "https://127.0.0.1:9443/mutate-pods"
+    docs = render(f"injection.webhookUrl={url}")
+    assert f"--webhook-url={url}" in operator_args(docs)
+    assert not any(a.startswith("--webhook-service") for a in operator_args(docs))
+    assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
 
 
 def test_node_mode_adds_exactly_its_rules_file_and_turns_the_operator_flag_on() -> None:
-    docs = render("nodeMode.enabled=true", "defaults.mode=node")
+    docs = render("nodeMode.enabled=true", "defaults.mode=node", "injection.mode=template")
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(NODE_MODE_RULES_FILE.read_text())
     assert "--node-mode=true" in operator_args(docs)
@@ -181,7 +198,7 @@ def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) 
     crd = json.loads(cluster.kubectl("get", "crd", "kvcachepolicies.kvoffload.io", "-o", "json").stdout)
     assert crd["spec"]["names"]["kind"] == "KVCachePolicy"
     role = json.loads(cluster.kubectl("get", "clusterrole", "kvo-kvoffload-operator", "-o", "json").stdout)
-    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(ADMISSION_RULES_FILE.read_text())
 
     # The operator's pods pass PodSecurity "restricted": the ReplicaSet creates them.
     def operator_pods() -> list[dict[str, Any]]:
@@ -219,12 +236,18 @@ def test_watch_namespaces_bind_the_rules_in_those_namespaces_only() -> None:
     assert {"--namespace=team-a", "--namespace=team-b"} <= set(operator_args(docs))
 
 
-def test_the_leader_election_lease_is_granted_in_the_release_namespace_only() -> None:
+def test_the_lease_and_the_webhook_secret_are_granted_in_the_release_namespace_only() -> None:
     docs = render()
     role = next(d for d in docs if d["kind"] == "Role")
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "Role")
-    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                              "verbs": ["get", "create", "update"]}]  # fmt: skip
+    lease = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+    assert role["rules"] == lease + [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [contract.WEBHOOK_TLS_SECRET],
+         "verbs": ["get", "update"]},
+    ]  # fmt: skip
+    template_mode = next(d for d in render("injection.mode=template") if d["kind"] == "Role")
+    assert template_mode["rules"] == lease
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == RELEASE_NAMESPACE
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert {"--leader-election=true", f"--leader-election-namespace={RELEASE_NAMESPACE}"} <= set(operator_args(docs))
