@@ -227,7 +227,14 @@ def test_watch_namespaces_bind_the_rules_in_those_namespaces_only() -> None:
     docs = render("operator.watchNamespaces[0]=team-a", "operator.watchNamespaces[1]=team-b")
     bindings = [
         d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding") and d["roleRef"]["kind"] != "Role"
+        and not d["metadata"]["name"].endswith("-webhook")
+    ]  # fmt: skip
+    # the webhook's registration is cluster-scoped: its own ClusterRole, bound cluster-wide, and nothing else
+    (webhook,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    (webhook_role,) = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == webhook["roleRef"]["name"]
     ]
+    assert {r["resources"][0] for r in webhook_role["rules"]} == {"mutatingwebhookconfigurations"}
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [
         ("RoleBinding", "team-a"), ("RoleBinding", "team-b")
     ]  # fmt: skip
@@ -241,7 +248,8 @@ def test_the_lease_and_the_webhook_secret_are_granted_in_the_release_namespace_o
     role = next(d for d in docs if d["kind"] == "Role")
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "Role")
     lease = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
-    assert role["rules"] == lease + [
+    assert role["rules"] == [
+        *lease,
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [contract.WEBHOOK_TLS_SECRET],
          "verbs": ["get", "update"]},

@@ -20,6 +20,7 @@ from tests.support.operator_fixtures import assert_no_internal_errors, bind_rule
 from tests.support.operator_support import (
     ADMISSION_NAMESPACE_RULES_FILE,
     ADMISSION_RULES_FILE,
+    ADMISSION_WEBHOOK_RULES_FILE,
     OperatorProcess,
     events_for,
 )
@@ -39,6 +40,7 @@ def admission_operator(
     127.0.0.1 (``--webhook-url``); the session operator is stopped meanwhile."""
     bind_rules(cluster, "kvoffload-operator-test-admission", ADMISSION_RULES_FILE)
     bind_rules(cluster, "kvoffload-operator-test-admission-ns", ADMISSION_NAMESPACE_RULES_FILE)
+    bind_rules(cluster, "kvoffload-operator-test-admission-webhook", ADMISSION_WEBHOOK_RULES_FILE)
     operator.stop()
     port = free_port()
     proc = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=tmp_path_factory.mktemp("admission-operator"),
@@ -50,7 +52,11 @@ def admission_operator(
     finally:
         proc.stop()
         cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
-        for name in ("kvoffload-operator-test-admission", "kvoffload-operator-test-admission-ns"):
+        for name in (
+            "kvoffload-operator-test-admission",
+            "kvoffload-operator-test-admission-ns",
+            "kvoffload-operator-test-admission-webhook",
+        ):
             cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
     assert_no_internal_errors(proc)
 
