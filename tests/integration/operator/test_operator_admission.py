@@ -143,6 +143,21 @@ def assert_injected_pod(pod: dict[str, Any]) -> None:
     assert spec.get("shareProcessNamespace") is True
 
 
+def roll(cluster: LocalCluster, method: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """Apply ``body`` as the GitOps tool; wait for its pods (injected iff opted in, every injected
+    pod checked) and a settling time; (rollouts it caused, the pods)."""
+    meta = body["metadata"]
+    start = revision(cluster, meta["name"], meta["namespace"])
+    gitops_apply(cluster, method, body)
+    opted_in = c.ANN_ENABLED in meta["annotations"]
+    image = body["spec"]["template"]["spec"]["containers"][0]["image"]
+    found = settled(cluster, meta["name"], meta["namespace"], injected=opted_in, image=image)
+    for pod in found if opted_in else []:
+        assert_injected_pod(pod)
+    time.sleep(SETTLE_S)
+    return revision(cluster, meta["name"], meta["namespace"]) - start, found
+
+
 @pytest.mark.parametrize("method", ["client-side", "server-side", "server-side-force"])
 def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
     cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, method: str
@@ -153,13 +168,8 @@ def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
     counts: dict[str, int] = {}
 
     # opt-in from git: one rollout, to pods the webhook injected; the template gets only the label
-    start = revision(cluster, name, namespace)
     opted_in = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
-    gitops_apply(cluster, method, opted_in)
-    for pod in settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0"):
-        assert_injected_pod(pod)
-    time.sleep(SETTLE_S)
-    counts["opt-in"] = revision(cluster, name, namespace) - start
+    counts["opt-in"], _ = roll(cluster, method, opted_in)
     dep = live(cluster, name, namespace)
     template = dep["spec"]["template"]
     assert set(template["metadata"]["labels"]) == {"app", c.LABEL_INJECT}, template["metadata"]
@@ -182,25 +192,17 @@ def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
     assert gitops_diff(cluster, method, opted_in) == ""
 
     # image change from git: exactly one rollout, the new pods injected, still no operator write
-    start = revision(cluster, name, namespace)
     upgraded = manifest(name, namespace, "trtllm:1.2.1", opted_in=True)
-    gitops_apply(cluster, method, upgraded)
-    for pod in settled(cluster, name, namespace, injected=True, image="trtllm:1.2.1"):
-        assert_injected_pod(pod)
-    time.sleep(SETTLE_S)
-    counts["image change"] = revision(cluster, name, namespace) - start
+    counts["image change"], _ = roll(cluster, method, upgraded)
     assert operator_writes(live(cluster, name, namespace)) == writes
     assert gitops_diff(cluster, method, upgraded) == ""
 
     # opt-out from git: one rollout back to the user's own pods; the template is the manifest's again
-    start = revision(cluster, name, namespace)
     opted_out = manifest(name, namespace, "trtllm:1.2.1", opted_in=False)
-    gitops_apply(cluster, method, opted_out)
-    for pod in settled(cluster, name, namespace, injected=False, image="trtllm:1.2.1"):
+    counts["opt-out"], user_pods = roll(cluster, method, opted_out)
+    for pod in user_pods:
         assert not any(x["name"].startswith("kvoffload-") for x in pod["spec"]["containers"])
         assert "--extra_llm_api_options" not in next(x for x in pod["spec"]["containers"])["args"]
-    time.sleep(SETTLE_S)
-    counts["opt-out"] = revision(cluster, name, namespace) - start
     dep = live(cluster, name, namespace)
     assert operator_writes(dep) == [], "the operator's label must be gone"
     assert c.LABEL_INJECT not in dep["spec"]["template"]["metadata"]["labels"]
