@@ -180,10 +180,11 @@ class Tracker:
         from tests.support.operator_support import is_injected
 
         name = obj["metadata"]["name"]
+        labels = ((obj["spec"]["template"].get("metadata") or {}).get("labels")) or {}
         with self.cond:
             if name not in self.annotated_at and (obj["metadata"].get("annotations") or {}).get(c.ANN_ENABLED):
                 self.annotated_at[name] = now
-            if name not in self.injected_at and is_injected(obj):
+            if name not in self.injected_at and (is_injected(obj) or c.LABEL_INJECT in labels):
                 self.injected_at[name] = now
             self.cond.notify_all()
 
@@ -237,12 +238,26 @@ def _rss_kib(pid: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any, Api]]:
+def _operator_args(injection: str, resync_s: int, webhook_port: int) -> list[str]:
+    """The operator's flags: its resync period and, in admission mode, its webhook on 127.0.0.1."""
+    from kvoffload import contract as c
+
+    args = ["--resync-seconds", str(resync_s), "--log-level", "warning", "--injection", injection]
+    if injection == "admission":
+        url = f"https://127.0.0.1:{webhook_port}{c.WEBHOOK_PATH}"
+        args += ["--webhook-port", str(webhook_port), "--webhook-url", url]
+    return args
+
+
+def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template") -> Iterator[tuple[Any, Any, Api]]:
     """A local control plane, the CRD, the operator's ServiceAccount with the chart's rules, the operator."""
 
-    from hack.localcluster import LocalCluster
+    from hack.localcluster import LocalCluster, free_port
     from tests.support.operator_fixtures import bind_rules
     from tests.support.operator_support import (
+        ADMISSION_NAMESPACE_RULES_FILE,
+        ADMISSION_RULES_FILE,
+        ADMISSION_WEBHOOK_RULES_FILE,
         CRD_FILE,
         LEADER_ELECTION_RULES_FILE,
         OPERATOR_NAMESPACE,
@@ -271,6 +286,10 @@ def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any,
         )
         bind_rules(cluster, "kvoffload-operator-bench", RULES_FILE)
         bind_rules(cluster, "kvoffload-operator-bench-leader-election", LEADER_ELECTION_RULES_FILE)
+        if injection == "admission":
+            for suffix, rules in (("admission", ADMISSION_RULES_FILE), ("admission-ns", ADMISSION_NAMESPACE_RULES_FILE),
+                                  ("admission-webhook", ADMISSION_WEBHOOK_RULES_FILE)):  # fmt: skip
+                bind_rules(cluster, f"kvoffload-operator-bench-{suffix}", rules)
         kubeconfig = cluster.service_account_kubeconfig(
             OPERATOR_NAMESPACE, OPERATOR_SA, workdir / "operator.kubeconfig"
         )
@@ -278,7 +297,7 @@ def _operator_cluster(workdir: Path, gpu_nodes: int) -> Iterator[tuple[Any, Any,
         operator = OperatorProcess(
             kubeconfig=kubeconfig,
             workdir=workdir / "operator",
-            extra_args=["--resync-seconds", "600", "--log-level", "warning"],
+            extra_args=_operator_args(injection, 600, free_port()),
         )
         operator.start()
         yield cluster, operator, Api(cluster.server, cluster.pki)
@@ -368,7 +387,13 @@ class Scrapes:
 
 
 def operator_benchmark(
-    n_fleet: int, n_latency: int, n_pods: int, window_s: float, resync_s: int, quiet_s: float = 3.0
+    n_fleet: int,
+    n_latency: int,
+    n_pods: int,
+    window_s: float,
+    resync_s: int,
+    quiet_s: float = 3.0,
+    injection: str = "template",
 ) -> dict[str, Any]:
     """All operator phases on one fresh control plane; see the module docstring."""
     workdir = Path(tempfile.mkdtemp(prefix="kvo-opbench-"))
@@ -380,10 +405,11 @@ def operator_benchmark(
         "window_s": window_s,
         "resync_s": resync_s,
         "gpu_nodes": gpu_nodes,
+        "injection": injection,
     }
     stop = threading.Event()
     try:
-        with _operator_cluster(workdir, gpu_nodes) as (cluster, operator, api):
+        with _operator_cluster(workdir, gpu_nodes, injection) as (cluster, operator, api):
             pid = operator.popen.pid
             started_operator = time.monotonic()
             scrapes = Scrapes(cluster, quiet_s)
@@ -514,7 +540,12 @@ def operator_benchmark(
             templates_before = _templates(api, "bench-fleet-annotated")
             operator.stop()
             before = scrapes.requests()
-            operator.extra_args = ["--resync-seconds", str(resync_s), "--log-level", "warning"]
+            port = (
+                operator.extra_args[operator.extra_args.index("--webhook-port") + 1]
+                if injection == "admission"
+                else "0"
+            )
+            operator.extra_args = _operator_args(injection, resync_s, int(port))
             t0 = time.monotonic()
             operator.start()
             pid = operator.popen.pid

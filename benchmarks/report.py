@@ -239,7 +239,14 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "kube-apiserver, controller-manager and scheduler v1.36.3, etcd 3.6, kwok (fake GPU nodes: "
         f"{o['gpu_nodes']}), the operator as a process with its ServiceAccount bound to the chart's RBAC rules, "
         "chart defaults (resync 600 s) unless stated. The benchmark driver follows objects with its own "
-        "watches and stamps each change when the apiserver announces it.",
+        "watches and stamps each change when the apiserver announces it. "
+        + (
+            "Injection at admission (`--injection admission`, the chart's default): the apiserver calls the "
+            'operator\'s webhook on 127.0.0.1 over TLS; "the injected template" below is the template '
+            "carrying the `kvoffload.io/inject` label, and the pods carry the injection."
+            if o.get("injection") == "admission"
+            else "Injection in the pod template (`--injection template`)."
+        ),
         "",
         "### Latency, one workload at a time",
         "",

@@ -63,6 +63,8 @@ QUICK = Counts(20, 2, (256, 1024, 4096), 2, 256, 20, 10, 1, 5.0, 5, 2.0)
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=GROUPS, action="append", help="run only this group (repeatable)")
+    parser.add_argument("--injection", choices=("admission", "template"), default="admission",
+                        help="the operator's injection mode (admission: the chart's default)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="small counts (3-4 minutes on 2 shared cores)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="where JSON results and plots go")
     parser.add_argument("--docs", type=Path, default=DOCS_FILE, help="summary file to (re)write")
@@ -76,7 +78,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_group(name: str, counts: Counts) -> dict[str, Any]:
+def run_group(name: str, counts: Counts, injection: str = "admission") -> dict[str, Any]:
     """Run one benchmark group with ``counts``."""
     if name == "connector":
         from benchmarks.connector_bench import connector_overhead
@@ -96,6 +98,7 @@ def run_group(name: str, counts: Counts) -> dict[str, Any]:
             counts.window_s,
             counts.resync_s,
             counts.quiet_s,
+            injection,
         )
     raise ValueError(f"unknown group {name!r}; allowed: {', '.join(GROUPS)}")
 
@@ -146,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== {name} ({'quick' if args.quick else 'full'})", flush=True)
         t0 = time.monotonic()
         try:
-            results["groups"][name] = run_group(name, counts)
+            results["groups"][name] = run_group(name, counts, args.injection)
             results["groups"][name]["duration_s"] = time.monotonic() - t0
         except Exception as exc:  # one broken group must not lose the others' numbers
             traceback.print_exc()

@@ -270,3 +270,50 @@ def contains(wanted: Any, got: Any) -> bool:
     if isinstance(wanted, list):
         return isinstance(got, list) and all(any(contains(w, g) for g in got) for w in wanted)
     return bool(wanted == got)
+
+
+def sidecar_l1(pod: dict[str, Any]) -> str:
+    sidecar = next(x for x in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]
+                   if x["name"] == c.SIDECAR_CONTAINER)  # fmt: skip
+    return str(next(e["value"] for e in sidecar["env"] if e["name"] == c.ENV_L1_SIZE))
+
+
+def admission_process(base: OperatorProcess, workdir: Any, *extra: str) -> OperatorProcess:
+    """Another operator in admission mode (its own webhook port), allowed to overlap a running one."""
+    port = free_port()
+    workdir.mkdir()
+    return OperatorProcess(kubeconfig=base.kubeconfig, workdir=workdir, overlap_allowed=True,
+                           extra_args=["--injection", "admission", "--webhook-port", str(port),
+                                       "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}", *extra])  # fmt: skip
+
+
+def test_overlapping_admission_operators_roll_each_workload_once_per_upgrade_and_rollback(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Any
+) -> None:
+    names = ["upgrade-0", "upgrade-1"]
+    for name in names:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", opted_in=True)))
+    for name in names:
+        assert {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.0")} == {"4Gi"}
+    upgraded = admission_process(admission_operator, tmp_path / "upgraded", "--default-l1-size", "5Gi")
+    rolled_back = admission_process(admission_operator, tmp_path / "rolled-back")
+    counts = []
+    try:
+        for old, new, l1 in ((admission_operator, upgraded, "5Gi"), (upgraded, rolled_back, "4Gi")):
+            before = {n: revision(cluster, n, namespace) for n in names}
+            new.start()  # a standby: serves the webhook (the registration now points at it), writes nothing
+            time.sleep(8)
+            assert {n: revision(cluster, n, namespace) for n in names} == before, "the standby wrote"
+            old.stop()
+            for name in names:
+                wait_for(lambda n=name, want=l1: {sidecar_l1(p) for p in settled(cluster, n, namespace, True,
+                                                                                 "trtllm:1.2.0")} == {want},
+                         120, what=f"{name}'s pods on L1 {l1}")  # fmt: skip
+            time.sleep(SETTLE_S)
+            counts.append({n: revision(cluster, n, namespace) - before[n] for n in names})
+    finally:
+        upgraded.stop()
+        rolled_back.stop()
+        admission_operator.start()
+    print(f"overlapping admission operators, rollouts per workload (upgrade, rollback): {counts}")
+    assert counts == [dict.fromkeys(names, 1), dict.fromkeys(names, 1)], counts
