@@ -237,7 +237,6 @@ def _rss_kib(pid: int) -> dict[str, int]:
     return out
 
 
-@contextlib.contextmanager
 def _operator_args(injection: str, resync_s: int, webhook_port: int) -> list[str]:
     """The operator's flags: its resync period and, in admission mode, its webhook on 127.0.0.1."""
     from kvoffload import contract as c
@@ -249,6 +248,7 @@ def _operator_args(injection: str, resync_s: int, webhook_port: int) -> list[str
     return args
 
 
+@contextlib.contextmanager
 def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template") -> Iterator[tuple[Any, Any, Api]]:
     """A local control plane, the CRD, the operator's ServiceAccount with the chart's rules, the operator."""
 
