@@ -1,0 +1,175 @@
+"""Injection at admission, pure parts: the record, the pod the webhook admits, its patch, the
+owner it reads, and which uninjected pods are evicted."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from hack.workloads import trtllm_deployment
+from kvoffload import contract as c
+from kvoffload.operator.admission import (
+    InjectionRecord,
+    admission_response,
+    admit,
+    injected_pod,
+    json_patch,
+    merge_pod_spec,
+    pod_owner,
+    record_from_configmap,
+    render_admission,
+)
+from kvoffload.operator.fragment import render
+from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
+from kvoffload.operator.pod_alignment import evictions
+from kvoffload.operator.settings import InjectionSettings
+from kvoffload.policy import FsTier, RedisTier
+
+
+def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True) -> Any:
+    settings = settings or InjectionSettings()
+    cluster = ClusterInfo(native_sidecars=True, injection="admission" if admission else "template")
+    engine = choose_engine(workload, settings)
+    return plan_injection(workload, settings, cluster, engine)  # type: ignore[arg-type]
+
+
+def pod_of(workload: dict[str, Any], template_hash: str = "5d8f7c9b4") -> dict[str, Any]:
+    """What the ReplicaSet controller creates from the template."""
+    template = copy.deepcopy(workload["spec"]["template"])
+    labels = {**template["metadata"]["labels"], "pod-template-hash": template_hash}
+    name = workload["metadata"]["name"]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"generateName": f"{name}-{template_hash}-", "namespace": workload["metadata"]["namespace"],
+                     "labels": labels, "ownerReferences": [{"kind": "ReplicaSet", "name": f"{name}-{template_hash}",
+                                                            "controller": True}]},
+        "spec": template["spec"],
+    }  # fmt: skip
+
+
+def test_the_record_round_trips_every_setting() -> None:
+    settings = InjectionSettings(fs_tier=FsTier("/cache", 2**30), redis_tier=RedisTier("redis://r:6379", "s", "k"),
+                                 container="trtllm", sidecar_resources={"limits": {"memory": "9Gi"}})  # fmt: skip
+    record = InjectionRecord(settings, "max_batch_size: 8\n", None, "0.1.0", True)
+    assert InjectionRecord.from_json(record.to_json()) == record
+    assert "not readable" in str(InjectionRecord.from_json("{"))
+
+
+def test_admission_mode_writes_one_template_label_and_the_record() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    rendered = render_admission(plan_of(workload))
+    assert rendered.workload_apply["spec"] == {
+        "template": {"metadata": {"labels": {c.LABEL_INJECT: rendered.config_hash}}}
+    }
+    data = rendered.configmap_apply["data"]
+    assert set(data) == {c.TRTLLM_OPTIONS_FILE, c.POLICY_FILE, c.INJECTION_RECORD_FILE}
+    assert rendered.forceable_fields == ()
+    other = render_admission(plan_of(workload, InjectionSettings(l1_bytes=5 * 2**30)))
+    assert other.config_hash != rendered.config_hash, "a settings change must roll the pods"
+    image = copy.deepcopy(workload)
+    image["spec"]["template"]["spec"]["containers"][0]["image"] = "trtllm:next"
+    assert render_admission(plan_of(image)).config_hash == rendered.config_hash, (
+        "an image change is the user's one rollout"
+    )
+
+
+def test_the_webhook_pod_is_the_template_modes_injection_applied_to_the_pod() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    record = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True)
+    pod = pod_of(workload)
+    new = injected_pod(pod, "Deployment", "llm", "ns", record)
+    assert not isinstance(new, type(None)) and isinstance(new, dict)
+    fragment = render(plan_of(workload, admission=False)).workload_apply["spec"]["template"]
+    assert merge_pod_spec(pod["spec"], fragment["spec"]) == new["spec"]
+    assert new["metadata"]["labels"][c.LABEL_INJECTED] == "true"
+    assert new["metadata"]["labels"]["pod-template-hash"] == "5d8f7c9b4", "the pod's own labels stay"
+    engine = next(x for x in new["spec"]["containers"] if x["name"] == "trtllm")
+    assert (
+        engine["args"].count("--extra_llm_api_options") == 1
+        and engine["image"] == pod["spec"]["containers"][0]["image"]
+    )
+
+
+def test_merging_keeps_the_users_list_items_and_replaces_ours_by_key() -> None:
+    spec = {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["u"]}],
+            "volumes": [{"name": "v", "emptyDir": {}}]}  # fmt: skip
+    fragment = {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["u", "ours"]},
+                               {"name": "side"}], "volumes": [{"name": "w", "emptyDir": {}}],
+                "shareProcessNamespace": True}  # fmt: skip
+    merged = merge_pod_spec(spec, fragment)
+    assert merged["containers"][0] == {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}],
+                                       "args": ["u", "ours"]}  # fmt: skip
+    assert [x["name"] for x in merged["containers"]] == ["a", "side"]
+    assert [v["name"] for v in merged["volumes"]] == ["v", "w"] and merged["shareProcessNamespace"] is True
+    assert spec["containers"][0]["args"] == ["u"], "the input is not changed"
+
+
+def test_the_patch_turns_the_pod_into_the_injected_one() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    pod = pod_of(workload)
+    new = injected_pod(pod, "Deployment", "llm", "ns", InjectionRecord(InjectionSettings(), None, None, "0.1.0", True))
+    assert isinstance(new, dict)
+    patched = copy.deepcopy(pod)
+    for op in json_patch(pod, new):
+        assert op["op"] == "add"
+        _, part, key = op["path"].split("/")
+        patched[part][key] = op["value"]
+    assert patched == new
+
+
+@pytest.mark.parametrize(
+    ("owner", "labels", "expected"),
+    [
+        ({"kind": "ReplicaSet", "name": "my-llm-7f9c", "controller": True}, {"pod-template-hash": "7f9c"},
+         ("Deployment", "my-llm")),
+        ({"kind": "StatefulSet", "name": "db", "controller": True}, {}, ("StatefulSet", "db")),
+        ({"kind": "Job", "name": "j", "controller": True}, {}, None),
+        ({"kind": "ReplicaSet", "name": "x-1", "controller": False}, {}, None),
+    ],
+)  # fmt: skip
+def test_the_owner_is_the_workload_whose_controller_made_the_pod(
+    owner: dict[str, Any], labels: dict[str, str], expected: tuple[str, str] | None
+) -> None:
+    assert pod_owner({"metadata": {"ownerReferences": [owner], "labels": labels}}) == expected
+
+
+def test_a_pod_without_a_usable_record_is_admitted_as_written_with_a_warning() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    pod = pod_of(workload)
+    pod["metadata"]["labels"][c.LABEL_INJECT] = "abc"
+    missing = admit(pod, "ns", record_from_configmap(None, "Deployment", "llm"), ("Deployment", "llm"))
+    assert missing.patch == [] and missing.result == "not_injected" and "has not injected" in missing.warnings[0]
+    foreign = {"metadata": {"ownerReferences": [{"kind": "Deployment", "name": "other"}]}, "data": {}}
+    assert "not the one" in str(record_from_configmap(foreign, "Deployment", "llm"))
+    unlabelled = admit(pod_of(workload), "ns", None, ("Deployment", "llm"))
+    assert unlabelled.result == "ignored" and unlabelled.patch == []
+    record = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True)
+    answer = admission_response("uid-1", admit(pod, "ns", record, ("Deployment", "llm")))
+    assert answer["response"]["allowed"] is True and answer["response"]["uid"] == "uid-1"
+    assert json.loads(base64.b64decode(answer["response"]["patch"]))
+
+
+def _pod(name: str, created: str, injected: bool, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
+    labels = {c.LABEL_INJECT: "h", "pod-template-hash": "abc"}
+    if injected:
+        labels[c.LABEL_INJECTED] = "true"
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "creationTimestamp": created, "labels": labels,
+                            "ownerReferences": [{"kind": "ReplicaSet", "name": "llm-abc", "controller": True}]}  # fmt: skip
+    if deleting:
+        meta["deletionTimestamp"] = created
+    return {"metadata": meta, "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_uninjected_pods_are_evicted_oldest_first_one_at_a_time_per_workload() -> None:
+    pods = [_pod("a", "2026-01-01T00:00:02Z", False), _pod("b", "2026-01-01T00:00:01Z", False),
+            _pod("c", "2026-01-01T00:00:00Z", True)]  # fmt: skip
+    assert [(key, p["metadata"]["name"]) for key, p in evictions(pods)] == [(("ns", "Deployment", "llm"), "b")]
+    starting = [*pods, _pod("d", "2026-01-01T00:00:03Z", True, ready=False)]
+    assert evictions(starting) == [], "none while a replacement is starting"
+    terminating = [*pods, _pod("e", "2026-01-01T00:00:03Z", False, deleting=True)]
+    assert evictions(terminating) == [], "none while one is terminating"
+    assert evictions([_pod("c", "2026-01-01T00:00:00Z", True)]) == []
