@@ -171,6 +171,20 @@ M_STORE_BYTES: Final = "kvoffload_connector_store_bytes"
 M_STORE_SECONDS: Final = "kvoffload_connector_store_duration_seconds"
 M_CONNECTOR_ERRORS: Final = "kvoffload_connector_errors"
 M_BACKEND_UP: Final = "kvoffload_connector_backend_up"
+M_PROMPT_TOKENS: Final = "kvoffload_connector_prompt_tokens"
+"""Prompt tokens the engine scheduled, by ``source`` (PROMPT_TOKEN_SOURCES) and, for computed ones,
+the ``reason`` they were not reused (COMPUTED_REASONS; ``none`` for the other sources)."""
+PROMPT_TOKEN_SOURCES: Final = ("device", "cache", "computed")
+"""device: TensorRT-LLM's own block reuse matched them; cache: loaded from kvoffload's cache server
+(its L1, after an L2 prefetch where the server had to: LMCache's own counters split that);
+computed: the engine computed them."""
+COMPUTED_REASONS: Final = (
+    "not_cached", "partial_chunk", "final_block", "declined", "lookup_timeout", "cache_unavailable", "no_lookup",
+)  # fmt: skip
+"""Why prompt tokens were computed: the cache server held no KV for them; they lie past the last
+whole cache chunk (LMCache keeps whole chunks); they are the prompt's final block, which the engine
+computes for its logits even on a hit; a hit whose load could not be secured; the lookup timed
+out; the cache server was unreachable or failed; the request was never looked up."""
 
 # Sidecar.
 M_SIDECAR_SERVER_RESTARTS: Final = "kvoffload_sidecar_server_restarts"

@@ -33,7 +33,12 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 OPERATIONS = ("lookup", "retrieve", "store", "register", "heartbeat")
 REASONS = ("timeout", "unavailable", "server_error", "miss", "blocks_reused", "error")
 FLUSH_INTERVAL_S = 0.5
-_LOOKUP, _RETRIEVE, _STORE = 0, 1, 2
+_LOOKUP, _RETRIEVE, _STORE, _PROMPT = 0, 1, 2, 3
+PROMPT_SERIES: tuple[tuple[str, str], ...] = (
+    ("device", "none"), ("cache", "none"), *(("computed", r) for r in contract.COMPUTED_REASONS),
+)  # fmt: skip
+"""Every (source, reason) of the prompt-token counter, bound up front (their zeros are visible)."""
+PROMPT_SERIES_INDEX = {series: i for i, series in enumerate(PROMPT_SERIES)}
 
 
 class _Noop:
@@ -81,6 +86,7 @@ class ConnectorMetrics:
             self.store_requests = self.store_tokens = self.store_bytes = self.store_seconds = _NOOP
             self.backend_up = _NOOP
             self._errors: dict[tuple[str, str], Any] = {}
+            self._prompt_tokens: list[Any] = [_NOOP] * len(PROMPT_SERIES)
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -129,6 +135,14 @@ class ConnectorMetrics:
         self._errors = {
             (op, reason): errors.labels(model, backend, op, reason) for op in OPERATIONS for reason in REASONS
         }
+        prompt = Counter(
+            contract.M_PROMPT_TOKENS,
+            "Prompt tokens the engine scheduled, by where their KV came from (device reuse, the cache server, "
+            "computed) and why computed ones were not reused.",
+            (*labels, "source", "reason"),
+            registry=self.registry,
+        )
+        self._prompt_tokens = [prompt.labels(model, backend, src, why) for src, why in PROMPT_SERIES]
 
     def record_lookup(self, seconds: float, queried_tokens: int, hit_tokens: int) -> None:
         """Hot path: one successful lookup (applied to prometheus_client by the flusher)."""
@@ -145,6 +159,12 @@ class ConnectorMetrics:
         if self.enabled:
             self._pending.append((_STORE, seconds, tokens, nbytes))
 
+    def record_prompt_tokens(self, source: str, reason: str, tokens: int) -> None:
+        """Hot path: ``tokens`` prompt tokens the engine scheduled came from ``source`` (``reason``:
+        why computed ones were not reused; ``none`` otherwise)."""
+        if self.enabled and tokens > 0:
+            self._pending.append((_PROMPT, 0.0, PROMPT_SERIES_INDEX[source, reason], tokens))
+
     def flush(self) -> None:
         """Apply recorded operations to the prometheus_client children (off the hot path)."""
         if not self.enabled:
@@ -152,8 +172,12 @@ class ConnectorMetrics:
         with self._flush_lock:
             pending = self._pending
             sums = [[0, 0, 0], [0, 0, 0], [0, 0, 0]]
+            prompt = [0] * len(PROMPT_SERIES)
             while pending:
                 kind, seconds, a, b = pending.popleft()
+                if kind == _PROMPT:
+                    prompt[a] += b
+                    continue
                 (self.lookup_seconds, self.retrieve_seconds, self.store_seconds)[kind].observe(seconds)
                 acc = sums[kind]
                 acc[0] += 1
@@ -172,6 +196,9 @@ class ConnectorMetrics:
                     requests.inc(count)
                     first.inc(a)
                     second.inc(b)
+            for child, tokens in zip(self._prompt_tokens, prompt, strict=True):
+                if tokens:
+                    child.inc(tokens)
 
     def error(self, operation: str, reason: str) -> None:
         """Count one failed operation; unknown operation/reason pairs count as ``error``."""

@@ -222,3 +222,52 @@ class RequestState:
     secured: SecuredLoad | None = None
     """The promised load's chunks until ``build_connector_meta`` hands them to the workers."""
     saves_issued: int = 0
+    lookup_hit: int | None = None
+    """LMCache's hit at the lookup (None: not looked up, or the lookup failed)."""
+    lookup_failure: str | None = None
+    """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``), if it did."""
+    computed_why: tuple[tuple[int, int, str], ...] = ()
+    """:func:`computed_reasons` of the scheduled prompt, set when the engine first schedules it."""
+
+
+def computed_reasons(
+    num_prompt_tokens: int,
+    first_computed: int,
+    hit_tokens: int | None,
+    tokens_per_block: int,
+    chunk_size: int,
+    failure: str | None = None,
+) -> tuple[tuple[int, int, str], ...]:
+    """Why each prompt token from ``first_computed`` on is computed: ordered ``(start, end, reason)``
+    ranges covering ``[first_computed, num_prompt_tokens)`` (reasons: ``contract.COMPUTED_REASONS``).
+
+    ``hit_tokens`` is LMCache's hit (None: no lookup was made); ``failure`` the reason a lookup
+    failed (``lookup_timeout`` or ``cache_unavailable``).
+    """
+    ranges: list[tuple[int, int, str]] = []
+    at = first_computed
+
+    def upto(end: int, reason: str) -> None:
+        nonlocal at
+        if end > at:
+            ranges.append((at, end, reason))
+            at = end
+
+    whole_chunks = chunk_floor(num_prompt_tokens, chunk_size)
+    if failure is not None:
+        upto(whole_chunks, failure)
+    elif hit_tokens is None:
+        upto(whole_chunks, "no_lookup")
+    else:
+        hit = chunk_floor(min(hit_tokens, num_prompt_tokens), chunk_size)
+        cap = ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block if num_prompt_tokens > 0 else 0
+        upto(min(hit, cap), "declined")  # loadable, yet not loaded (first_computed is past it otherwise)
+        upto(hit, "final_block")
+        upto(whole_chunks, "not_cached")
+    upto(num_prompt_tokens, "partial_chunk")
+    return tuple(ranges)
+
+
+def split_computed(reasons: tuple[tuple[int, int, str], ...], start: int, end: int) -> list[tuple[str, int]]:
+    """The tokens of ``[start, end)`` per reason (a step's computed prompt tokens)."""
+    return [(reason, min(b, end) - max(a, start)) for a, b, reason in reasons if min(b, end) > max(a, start)]

@@ -76,8 +76,10 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         state = self._state_for(request, len(tokens))
         state.tokens = tokens
         state.load = planning.NO_LOAD  # only this call's promise may turn into a load
+        state.lookup_hit, state.lookup_failure = None, None
         end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
         if end == 0:
+            state.lookup_hit = 0  # nothing past the device's prefix fills a whole chunk
             return 0, False
         token_ids = tuple(tokens)
         m = self._metrics
@@ -85,10 +87,12 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         try:
             hit = self._backend.lookup(state.session_id, token_ids, end, state.salt)
         except BackendError as exc:
+            state.lookup_failure = "lookup_timeout" if exc.reason == "timeout" else "cache_unavailable"
             count_skip(self._metrics, exc)
             logger.debug("event=lookup_failed request=%d reason=%s", state.request_id, exc.reason)
             return 0, False
         m.record_lookup(time.perf_counter() - t0, end, hit)
+        state.lookup_hit = hit
         decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
         if decision.loads:
             # Promise only what is secured: once the server handed out and locked the chunks, the
@@ -175,9 +179,12 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
                 load = state.load
                 loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
                 state.secured = None  # the workers copy it; rank 0 releases it after the iteration
-            state.tokens_with_kv = planning.tokens_with_kv_after_step(
-                before, req.num_scheduled_tokens, len(state.tokens)
+            self._metrics.record_prompt_tokens("device", "none", req.computed_position)
+            self._metrics.record_prompt_tokens("cache", "none", state.load.matched_tokens)
+            state.computed_why = planning.computed_reasons(
+                state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
             )
+            self._step_computed(state, before, req.num_scheduled_tokens)
             self._plan_save(state, saves)
         for req in scheduler_output.cached_requests:
             rid = int(req.request_id)
@@ -189,11 +196,17 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             state.tokens.extend(req.new_tokens)
             state.block_ids.extend(req.new_block_ids)
             self._hold(rid, list(req.new_block_ids))
-            state.tokens_with_kv = planning.tokens_with_kv_after_step(
-                state.tokens_with_kv, req.num_scheduled_tokens, len(state.tokens)
-            )
+            self._step_computed(state, state.tokens_with_kv, req.num_scheduled_tokens)
             self._plan_save(state, saves)
         return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves), fresh_blocks=frozenset(fresh))
+
+    def _step_computed(self, state: planning.RequestState, before: int, num_scheduled_tokens: int) -> None:
+        """Advance the request's KV by this step's forward pass; count the prompt tokens it computes."""
+        state.tokens_with_kv = planning.tokens_with_kv_after_step(before, num_scheduled_tokens, len(state.tokens))
+        if before < state.num_prompt_tokens:
+            end = min(state.tokens_with_kv, state.num_prompt_tokens)
+            for reason, tokens in planning.split_computed(state.computed_why, before, end):
+                self._metrics.record_prompt_tokens("computed", reason, tokens)
 
     def _plan_save(self, state: planning.RequestState, saves: list[planning.TransferOp]) -> None:
         span = planning.plan_save(
