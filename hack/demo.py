@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hack.journey import Journey, shared_prefix_prompts, strip_server_fields, wait_until
 from hack.localcluster import LocalCluster, missing_binaries
+from kvoffload import contract
 
 STEP = 0
 T0 = time.monotonic()
@@ -26,6 +27,22 @@ def say(message: str) -> None:
     global STEP
     STEP += 1
     print(f"[{time.monotonic() - T0:6.1f}s] {STEP:2d}. {message}", flush=True)
+
+
+def token_source_lines(sources: dict[tuple[str, str], float], l2_hits: float, lookup_hits: float) -> list[str]:
+    """Where the run's prompt tokens came from (device / L1 / L2 / computed by reason), from PromQL."""
+    total = sum(sources.values()) or 1.0
+    device = sum(v for (s, _), v in sources.items() if s == "device")
+    cache = sum(v for (s, _), v in sources.items() if s == "cache")
+    from_l2 = cache * (l2_hits / lookup_hits) if lookup_hits else 0.0  # LMCache's per-pod share of L2-served hits
+    computed = {r: v for (s, r), v in sources.items() if s == "computed"}
+    why = ", ".join(f"{r} {v:.0f}" for r, v in sorted(computed.items(), key=lambda kv: -kv[1]))
+    return [
+        f"  tokens:     {total:.0f} prompt tokens scheduled (PromQL, {contract.M_PROMPT_TOKENS}_total):",
+        f"              device {device:.0f} ({device / total:.0%}), L1 {cache - from_l2:.0f} "
+        f"({(cache - from_l2) / total:.0%}), L2 {from_l2:.0f} ({from_l2 / total:.0%}), "
+        f"computed {sum(computed.values()):.0f} ({sum(computed.values()) / total:.0%}: {why or 'none'})",
+    ]
 
 
 def walk(journey: Journey, cluster: LocalCluster, workdir: Path, requests: int, keep: bool) -> int:
@@ -52,6 +69,9 @@ def walk(journey: Journey, cluster: LocalCluster, workdir: Path, requests: int, 
     queried = journey.promql("sum(kvoffload_connector_lookup_queried_tokens_total)") or 0.0
     retrieved = journey.promql("sum(kvoffload_connector_retrieve_bytes_total)") or 0.0
     say(f"PromQL: lookup hit tokens {hit:.0f} of {queried:.0f} queried; retrieved {retrieved / 2**20:.1f} MiB")
+    sources = wait_until(journey.token_sources, 30, "prompt-token sources")
+    l2 = journey.promql("sum(lmcache_mp_lookup_hit_l2_tokens_total)") or 0.0
+    lookup_hits = journey.promql("sum(lmcache_mp_lookup_hit_tokens_total)") or 0.0
     before = journey.original_template
     after = journey.remove_annotation()
     same = strip_server_fields(after) == strip_server_fields(before)
@@ -59,7 +79,8 @@ def walk(journey: Journey, cluster: LocalCluster, workdir: Path, requests: int, 
     print("\nSummary")
     print("  injected:   kvoffload-cache (LMCache server, native sidecar), kvoffload-connector-bundle (init),")
     print("              /dev/shm + metrics volumes, connector env, TensorRT-LLM options with kv_connector_config")
-    print(f"  hit rate:   {hit / queried:.0%} of looked-up tokens were found in the cache" if queried else "")
+    for line in token_source_lines(sources, l2, lookup_hits):
+        print(line)
     print(f"  recompute:  later requests computed {computed} of {prompt_tokens} prompt tokens")
     print(
         f"  removal:    template identical to the original: {same}; objects left after uninstall: {leftovers or 'none'}"

@@ -309,10 +309,26 @@ class Journey:
         result = json.loads(body)["data"]["result"]
         return float(result[0]["value"][1]) if result else None
 
+    def promql_vector(self, query: str) -> list[tuple[dict[str, str], float]]:
+        """Every (labels, value) of an instant query."""
+        status, body = http_get(self.prom_url("/api/v1/query?" + urllib.parse.urlencode({"query": query})))
+        if status != 200:
+            raise JourneyError(f"PromQL {query!r} failed: {body[:300]}")
+        return [(r["metric"], float(r["value"][1])) for r in json.loads(body)["data"]["result"]]
+
+    def token_sources(self) -> dict[tuple[str, str], float]:
+        """Prompt tokens by (source, reason), as Prometheus scraped the connector's counter."""
+        query = f"sum by (source, reason) ({contract.M_PROMPT_TOKENS}_total)"
+        return {(m["source"], m["reason"]): v for m, v in self.promql_vector(query) if v > 0}
+
     def loaded_alert_rules(self) -> set[str]:
         _, body = http_get(self.prom_url("/api/v1/rules"))
         groups = json.loads(body)["data"]["groups"]
         return {r["name"] for g in groups for r in g["rules"]}
+
+    def rule_groups(self) -> dict[str, Any]:
+        """The chart's rule groups as this Prometheus loaded them (the file it was given)."""
+        return yaml.safe_load((self.workdir / "prometheus" / "rules.yaml").read_text())  # type: ignore[no-any-return]
 
     # --- 7. remove the annotation -------------------------------------------------
     def remove_annotation(self) -> dict[str, Any]:

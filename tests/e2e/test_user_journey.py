@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from hack.demo import token_source_lines
 from hack.journey import Journey, shared_prefix_prompts, strip_server_fields, wait_until
 from hack.localcluster import LocalCluster
 from kvoffload import contract
+from tests.support.promtool import run_token_source_tests
 
 pytestmark = [pytest.mark.e2e, pytest.mark.controlplane]
 
@@ -54,7 +56,21 @@ def test_annotated_trtllm_deployment_reuses_kv_through_the_sidecar(
     assert wait_until(lambda: journey.promql("sum(kvoffload_connector_retrieve_bytes_total)"), 60, "retrieve bytes") > 0
     assert journey.promql("max(kvoffload_sidecar_server_up)") == 1
     assert wait_until(lambda: journey.promql('count({__name__=~"lmcache_mp_.*"})'), 30, "LMCache server series")
-    assert {"KvoffloadSidecarDown", "KvoffloadLookupHitRateCollapsed"} <= journey.loaded_alert_rules()
+    assert {"KvoffloadSidecarDown", "KvoffloadLookupHitRateCollapsed", "KvoffloadPromptReuseCollapsed",
+            "kvoffload:prompt_tokens_reused:ratio_rate5m"} <= journey.loaded_alert_rules()  # fmt: skip
+
+    # Where the prompt tokens came from, as Prometheus scraped it, equals what the engine did with them
+    # (and is what the demo prints); the chart's token-source rules pass promtool on these very series.
+    results = [r for phase in report["phases"] if "results" in phase for r in phase["results"]]
+    engine = {"device": sum(r["device_reused_tokens"] for r in results),
+              "cache": sum(r["connector_matched_tokens"] for r in results),
+              "computed": sum(r["computed_prompt_tokens"] for r in results)}  # fmt: skip
+    sources = wait_until(journey.token_sources, 30, "prompt-token sources")
+    scraped = {src: sum(v for (s, _), v in sources.items() if s == src) for src in engine}
+    assert scraped == engine, (scraped, engine)
+    assert token_source_lines(sources, 0.0, 0.0)[1].startswith(f"              device {engine['device']} ")
+    promtool = run_token_source_tests(journey.rule_groups(), sources, journey.workdir / "promtool")
+    assert promtool.returncode == 0, promtool.stdout + promtool.stderr
 
     template = journey.remove_annotation()
     assert strip_server_fields(template) == strip_server_fields(journey.original_template)

@@ -17,6 +17,7 @@ from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, trtllm_deployment
 from kvoffload import contract
 from tests.support.operator_support import OperatorProcess, is_injected, wait_injected
+from tests.support.promtool import run_token_source_tests
 
 pytestmark = [pytest.mark.chart]
 
@@ -165,16 +166,26 @@ def test_operator_pod_is_hardened() -> None:
 def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
     docs = render("metrics.prometheusRule.enabled=true", "--api-versions=monitoring.coreos.com/v1")
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
-    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
     assert {
         "KvoffloadSidecarDown",
         "KvoffloadLookupHitRateCollapsed",
         "KvoffloadTransferErrors",
         "KvoffloadOperatorReconcileErrors",
+        "KvoffloadPromptReuseCollapsed",
     } <= alerts
     rules_file = tmp_path / "rules.yaml"
     rules_file.write_text(yaml.safe_dump(rule["spec"]))
     result = subprocess.run(["promtool", "check", "rules", str(rules_file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_token_source_rules_split_the_prompt_tokens_and_alert_on_a_collapse(tmp_path: Path) -> None:
+    docs = render("metrics.prometheusRule.enabled=true", "--api-versions=monitoring.coreos.com/v1")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    split = {("device", "none"): 1024.0, ("cache", "none"): 2048.0, ("computed", "partial_chunk"): 96.0,
+             ("computed", "not_cached"): 512.0, ("computed", "final_block"): 32.0}  # fmt: skip
+    result = run_token_source_tests(rule["spec"], split, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
