@@ -457,6 +457,7 @@ def metrics_primitives(n: int = 50_000) -> dict[str, float]:
     cases = {
         "record_lookup_metrics_on_ns": lambda: on.record_lookup(0.0012, 256, 256),
         "record_lookup_metrics_off_ns": lambda: off.record_lookup(0.0012, 256, 256),
+        "record_prompt_tokens_metrics_on_ns": lambda: on.record_prompt_tokens("computed", "not_cached", 256),
         "direct_prometheus_observe_plus_3_inc_ns": direct,
     }
     out: dict[str, float] = {}

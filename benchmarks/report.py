@@ -151,7 +151,13 @@ def _connector_section(c: dict[str, Any], plots: dict[str, str]) -> list[str]:
             "",
             "Metrics primitives (same run, ns per call, best of 5 batches): what a hook records per operation "
             f"with metrics on `record_lookup` {p['record_lookup_metrics_on_ns']:.0f} ns, off "
-            f"{p['record_lookup_metrics_off_ns']:.0f} ns; prometheus_client called directly for the same "
+            f"{p['record_lookup_metrics_off_ns']:.0f} ns"
+            + (
+                f", `record_prompt_tokens` (the token-source counter) {p['record_prompt_tokens_metrics_on_ns']:.0f} ns"
+                if "record_prompt_tokens_metrics_on_ns" in p
+                else ""
+            )
+            + f"; prometheus_client called directly for the same "
             f"four values (histogram + 3 counters, multiprocess files) {p['direct_prometheus_observe_plus_3_inc_ns']:.0f} ns; "
             f"the background flusher then spends {p['flush_per_recorded_op_ns']:.0f} ns per recorded operation off the hot path.",
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -193,7 +194,16 @@ def test_dashboard_is_valid_json_with_the_promised_panels() -> None:
     configmap = next(d for d in render() if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
     dashboard = json.loads(configmap["data"]["kvoffload.json"])
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"Lookup hit rate (tokens)", "Retrieve / store throughput", "L1 cache usage"} <= titles
+    assert {"Lookup hit rate (tokens)", "Retrieve / store throughput", "L1 cache usage",
+            "Where prompt tokens came from"} <= titles  # fmt: skip
+    # every recording rule a panel reads is one the chart's PrometheusRule defines
+    docs = render("metrics.prometheusRule.enabled=true", "--api-versions=monitoring.coreos.com/v1")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    recorded = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+    used = {
+        m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"kvoffload:[a-z0-9_:]+", t["expr"])
+    }
+    assert used and used <= recorded, used - recorded
     assert any("restarts" in t.lower() for t in titles)
 
 
