@@ -144,7 +144,10 @@ def injection_pod_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) 
     """A pod of an admission-mode workload changed: evict it (or a sibling) if created uninjected."""
     alignment = _reconciler(memo).pod_alignment
     namespace = str((body.get("metadata") or {}).get("namespace"))
-    if alignment is not None and (uninjected(body) or alignment.behind_in(namespace)):
+    if alignment is None:
+        return
+    alignment.report_start_failure(body)
+    if uninjected(body) or alignment.behind_in(namespace):
         alignment.align(namespace)
 
 

@@ -37,6 +37,20 @@ def uninjected(pod: Mapping[str, Any]) -> bool:
     return c.LABEL_INJECT in labels and labels.get(c.LABEL_INJECTED) != "true" and not meta.get("deletionTimestamp")
 
 
+def start_failure(pod: Mapping[str, Any]) -> str | None:
+    """What keeps a kvoffload container of the pod from starting, as the kubelet reports it
+    (``CreateContainerConfigError``: a Secret or key the injected env names is missing), if anything."""
+    status = pod.get("status") or {}
+    for entry in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (entry.get("state") or {}).get("waiting") or {}
+        if (
+            str(entry.get("name", "")).startswith("kvoffload-")
+            and waiting.get("reason") == "CreateContainerConfigError"
+        ):
+            return f"container {entry.get('name')}: {waiting.get('message') or waiting.get('reason')}"
+    return None
+
+
 def evictions(pods: Iterable[Mapping[str, Any]]) -> list[tuple[tuple[str, str, str], Mapping[str, Any]]]:
     """((namespace, kind, name) of the workload, pod) to evict now: per workload the oldest pod
     without the injection, and none while another of its pods is starting or terminating."""
@@ -79,6 +93,22 @@ class PodAlignment:
             path = namespaced_path("/api/v1", "pods", ns) if ns else "/api/v1/pods"
             items.extend(self.kube.request("GET", path, params=params).get("items") or [])
         return items
+
+    def report_start_failure(self, pod: Mapping[str, Any]) -> bool:
+        """A Warning on the pod's workload when a kvoffload container cannot start; True if posted."""
+        failure, owner = start_failure(pod), pod_owner(pod)
+        if failure is None or owner is None:
+            return False
+        meta = pod.get("metadata") or {}
+        workload = {"apiVersion": "apps/v1", "kind": owner[0],
+                    "metadata": {"name": owner[1], "namespace": meta.get("namespace")}}  # fmt: skip
+        self.events.post(
+            workload, "Warning", "KvoffloadInvalid",
+            f"pod {meta.get('name')} cannot start {failure}; a KVCachePolicy's l2.redis.passwordSecretRef must name "
+            "a Secret and key that exist in the workload's namespace (the operator cannot check before the pod: "
+            "it has no right to read Secrets)", failure,
+        )  # fmt: skip
+        return True
 
     def behind_in(self, namespace: str) -> bool:
         """Whether a workload in ``namespace`` had a pod evicted and may have more to go (a pod event

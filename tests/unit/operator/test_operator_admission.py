@@ -25,7 +25,7 @@ from kvoffload.operator.admission import (
 )
 from kvoffload.operator.fragment import render
 from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.operator.pod_alignment import evictions
+from kvoffload.operator.pod_alignment import evictions, start_failure
 from kvoffload.operator.settings import InjectionSettings
 from kvoffload.policy import FsTier, RedisTier
 
@@ -173,3 +173,13 @@ def test_uninjected_pods_are_evicted_oldest_first_one_at_a_time_per_workload() -
     terminating = [*pods, _pod("e", "2026-01-01T00:00:03Z", False, deleting=True)]
     assert evictions(terminating) == [], "none while one is terminating"
     assert evictions([_pod("c", "2026-01-01T00:00:00Z", True)]) == []
+
+
+def test_a_kvoffload_container_the_kubelet_cannot_create_is_reported_by_name() -> None:
+    pod = _pod("a", "2026-01-01T00:00:00Z", True)
+    assert start_failure(pod) is None
+    waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "redis-pw" not found'}}
+    pod["status"]["initContainerStatuses"] = [{"name": c.SIDECAR_CONTAINER, "state": waiting}]
+    assert start_failure(pod) == f'container {c.SIDECAR_CONTAINER}: secret "redis-pw" not found'
+    pod["status"]["initContainerStatuses"] = [{"name": "users-own", "state": waiting}]
+    assert start_failure(pod) is None, "the user's own containers are the user's business"
