@@ -317,3 +317,25 @@ def test_overlapping_admission_operators_roll_each_workload_once_per_upgrade_and
         admission_operator.start()
     print(f"overlapping admission operators, rollouts per workload (upgrade, rollback): {counts}")
     assert counts == [dict.fromkeys(names, 1), dict.fromkeys(names, 1)], counts
+
+
+def test_a_statefulsets_pods_are_injected_at_creation_and_opt_out_rolls_back(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    name = "sts-llm"
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    body["kind"] = "StatefulSet"
+    body["spec"].pop("strategy")
+    body["spec"]["serviceName"] = name
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    for pod in settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0"):
+        assert_injected_pod(pod)
+        assert pod["metadata"]["ownerReferences"][0]["kind"] == "StatefulSet"
+    template = get(cluster, "statefulset", name, namespace)["spec"]["template"]
+    assert [x["name"] for x in template["spec"]["containers"]] == ["trtllm"] and c.LABEL_INJECT in template["metadata"][
+        "labels"
+    ]
+    body["metadata"]["annotations"] = {}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    settled(cluster, name, namespace, injected=False, image="trtllm:1.2.0")
+    assert c.LABEL_INJECT not in get(cluster, "statefulset", name, namespace)["spec"]["template"]["metadata"]["labels"]
