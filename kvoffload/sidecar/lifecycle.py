@@ -34,16 +34,25 @@ class BackoffPolicy:
     """A server that ran this long before crashing starts the count again."""
 
 
-def crashes_in_a_row(previous: int, ran_seconds: float, policy: BackoffPolicy) -> int:
-    """The consecutive-crash count after a crash of a server that ran ``ran_seconds``."""
+def crashes_in_a_row(previous: int, ran_seconds: float, policy: BackoffPolicy, became_ready: bool = False) -> int:
+    """The consecutive failed starts after a server exited that ran ``ran_seconds``.
+
+    A server that became ready was not failing to start (it was killed or crashed while serving):
+    the count is 0 and it restarts at once, its own start-up (about 4 s) bounding the rate. Only
+    servers that never became ready back off.
+    """
+    if became_ready:
+        return 0
     if ran_seconds >= policy.stable_after_seconds:
         return 1
     return previous + 1
 
 
 def restart_delay(crashes: int, policy: BackoffPolicy) -> float:
-    """Seconds to wait before restarting after ``crashes`` consecutive crashes (>= 1)."""
-    exponent = min(max(crashes, 1) - 1, 32)
+    """Seconds to wait before restarting after ``crashes`` failed starts in a row (0: at once)."""
+    if crashes <= 0:
+        return 0.0
+    exponent = min(crashes - 1, 32)
     return float(min(policy.cap_seconds, policy.base_seconds * 2**exponent))
 
 

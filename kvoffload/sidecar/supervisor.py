@@ -181,7 +181,9 @@ class Supervisor:
                 self._stop.wait(0.2)
                 continue
             ran = self._clock() - self._spawned_at
-            self._crashes = crashes_in_a_row(self._crashes, ran, self._backoff)
+            with self._lock:
+                became_ready = self._last_ok_at is not None
+            self._crashes = crashes_in_a_row(self._crashes, ran, self._backoff, became_ready)
             delay = restart_delay(self._crashes, self._backoff)
             log.warning(
                 "event=server_exited pid=%d code=%s ran_s=%.1f crashes_in_a_row=%d restart_in_s=%.1f",

@@ -30,12 +30,13 @@ from tests.support.scale import count
 from tests.support.sidecar_harness import Sidecar, sample_sum, sidecar_env
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
 
-# The soak's 20 kills meet the supervisor's 30 s backoff cap: allow more than pytest's default 900 s.
+# The soak's 20 kills of a whole sidecar take a few minutes: allow more than pytest's default 900 s.
 pytestmark = [pytest.mark.reliability, pytest.mark.sidecar, pytest.mark.timeout(count(ci=900, soak=3600))]
 SERVER_KILLS = count(ci=5, soak=20)
 SIDECAR_KILLS = count(ci=3, soak=20)
 RECOVERY_BOUND_S = 120.0
-"""Kill -> first hit again: supervisor backoff (capped at 30 s) + LMCache start-up on a loaded 2-core box."""
+"""Kill -> first hit again: LMCache start-up (a server that was serving restarts at once) and the
+connector's re-registration, on a loaded 2-core box; a generous bound, the figures are printed."""
 PROMPT_LEN = 200
 
 
@@ -135,7 +136,7 @@ def _summary(what: str, stream: Stream, recoveries: list[float]) -> str:
     return (f"{what}: {len(recoveries)} kills, {len(stream.outcomes)} requests, {hits} hits, "
             f"{len(stream.errors)} failed, {stream.wrong_outputs} wrong outputs, "
             f"{stream.executor.kv_mismatches} KV mismatches, recovery to first hit max {max(recoveries):.1f} s "
-            f"mean {sum(recoveries) / len(recoveries):.1f} s")  # fmt: skip
+            f"mean {sum(recoveries) / len(recoveries):.1f} s, all {sorted(round(r, 1) for r in recoveries)}")  # fmt: skip
 
 
 def _assert_no_kv_or_prompt(exposition: str, prompt: list[int]) -> None:

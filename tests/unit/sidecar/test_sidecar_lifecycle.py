@@ -32,6 +32,12 @@ def test_a_stable_run_resets_the_crash_count() -> None:
     assert crashes_in_a_row(5, ran_seconds=60.0, policy=POLICY) == 1
 
 
+def test_a_server_that_was_serving_restarts_at_once_and_only_failed_starts_back_off() -> None:
+    assert crashes_in_a_row(7, ran_seconds=2.0, policy=POLICY, became_ready=True) == 0
+    assert restart_delay(0, POLICY) == 0.0
+    assert restart_delay(crashes_in_a_row(0, ran_seconds=1.0, policy=POLICY), POLICY) == 0.5
+
+
 def facts(
     phase: Phase, alive: bool = True, ok: bool = False, since: float = 0.0, last_ok: float | None = None
 ) -> HealthFacts:
