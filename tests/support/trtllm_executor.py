@@ -134,6 +134,8 @@ class StandinLlmRequest:
         self.reused_blocks: list[int] = []
         self.cancel_after = req.cancel_after
         self.iterations = 0
+        self.finished_unseen = False
+        """Overlap scheduler: sampled its last token, but the executor learns it one iteration later."""
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
@@ -401,12 +403,18 @@ class StandinExecutor:
         env: dict[str, str] | None = None,
         version: str = "main",
         enable_partial_reuse: bool = False,
+        overlap_scheduler: bool = False,
     ) -> None:
         _ensure_paths()
         self.llm_args = llm_args
         self.version = version
         self.behaviour = TRTLLM_VERSIONS[version]
         self.partial_reuse = enable_partial_reuse
+        self.overlap = overlap_scheduler
+        self.overlap_extra_steps = 0
+        """``_executor_loop_overlap`` (TensorRT-LLM's default): batch N+1 is scheduled and its forward
+        enqueued before batch N's sampling is read, so a request that sampled its last token in N runs
+        one more (discarded) decode step in N+1, and its ``request_finished`` comes after that forward."""
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.chunk = context_chunk_size
         self.tp = llm_args.tensor_parallel_size
@@ -586,13 +594,20 @@ class StandinExecutor:
             if end <= req.prompt_len:
                 req.result.computed_prompt_tokens += end - start
             req.context_pos = end
+            if req.finished_unseen:  # overlap: the extra step ran; _update_requests now sees it finished
+                self.overlap_extra_steps += 1
+                finished.append(req)
+                continue
             if end >= len(req.tokens):
                 checksum = sum(r["partial"][req.request_id] for r in replies)
                 token = (checksum + req.hashes[end - 1]) % VOCAB
                 req.generated.append(token)
                 req.result.output_tokens.append(token)
-                if len(req.generated) >= req.max_new_tokens:
+                if len(req.generated) >= req.max_new_tokens and not self.overlap:
                     finished.append(req)
+                elif len(req.generated) >= req.max_new_tokens:
+                    req.finished_unseen = True  # batch N+1 already holds it: one more decode step
+                    req.append(token)
                 else:
                     req.append(token)
         # Step 5: request_finished; True holds the blocks until every rank reports the save done.

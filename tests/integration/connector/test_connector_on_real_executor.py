@@ -214,3 +214,26 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK) and not again.failed
     assert again.output_tokens == first.output_tokens and ex.kv_mismatches == 0
     assert worker._retired == []
+
+
+def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_outputs_and_kv_exact(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """TensorRT-LLM's default overlap loop: a request that sampled its last token runs one more decode
+    step (scheduled before the executor knew) and ``request_finished`` comes after that forward. With
+    cancellations and loads from LMCache, outputs equal those of the plain loop and no KV is wrong."""
+    plain = executor_factory("overlap-plain-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK)
+    overlap = executor_factory("overlap-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK,
+                               overlap_scheduler=True)  # fmt: skip
+    outputs: dict[str, dict[int, list[int]]] = {"plain": {}, "overlap": {}}
+    for name, ex in (("plain", plain), ("overlap", overlap)):
+        for batch in cancellation_stream(seed=31, rounds=12, per_round=4, cancel_share=0.3):
+            for r in ex.run(batch):
+                assert not r.failed
+                if not r.cancelled:
+                    outputs[name][r.request_id] = r.output_tokens
+            ex.evict_device_cache()
+        assert ex.kv_mismatches == 0
+    assert outputs["overlap"] == outputs["plain"] and len(outputs["plain"]) >= 20
+    assert overlap.overlap_extra_steps >= 20 and plain.overlap_extra_steps == 0, "the extra decode steps ran"
+    assert overlap.scheduler._requests == {}

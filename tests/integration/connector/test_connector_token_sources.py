@@ -48,10 +48,12 @@ def by_source(found: Counter[tuple[str, str]]) -> Counter[str]:
     return out
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain-loop", "overlap-loop"])
 def test_chunked_prefill_from_cache_device_and_scratch_adds_up(
-    lmcache_server: LMCacheServer, executor_factory: Any
+    lmcache_server: LMCacheServer, executor_factory: Any, overlap: bool
 ) -> None:
-    ex = executor_factory("sources-chunked-model", lmcache_server.url, context_chunk_size=CHUNK)
+    ex = executor_factory(f"sources-chunked-{overlap}-model", lmcache_server.url, context_chunk_size=CHUNK,
+                          overlap_scheduler=overlap)  # fmt: skip
     shared = make_prompt(1, 4 * CHUNK)
     results = ex.run([PromptRequest(1, [*shared, *make_prompt(2, CHUNK // 2)], 2)])  # from scratch
     ex.evict_device_cache()
