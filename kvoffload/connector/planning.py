@@ -47,6 +47,12 @@ def lookup_end(num_prompt_tokens: int, num_computed_tokens: int, chunk_size: int
     return end if end > num_computed_tokens else 0
 
 
+def promise_cap(num_prompt_tokens: int, tokens_per_block: int) -> int:
+    """The most prompt tokens a load may promise: up to the last block boundary before the final
+    token (the engine computes that block itself, for its logits)."""
+    return ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block if num_prompt_tokens > 0 else 0
+
+
 def decide_load(
     num_prompt_tokens: int,
     num_computed_tokens: int,
@@ -68,8 +74,7 @@ def decide_load(
     everything = ((0, hit),) if hit > 0 else ()
     if num_prompt_tokens <= 0:
         return LoadDecision(0, 0, 0, 0, everything)
-    cap = ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block
-    load_end = min(hit, cap)
+    load_end = min(hit, promise_cap(num_prompt_tokens, tokens_per_block))
     if load_end <= num_computed_tokens:
         return LoadDecision(0, 0, 0, 0, everything)
     # With partial reuse the device's prefix may end inside a block: that block is the request's
@@ -260,8 +265,8 @@ def computed_reasons(
         upto(whole_chunks, "no_lookup")
     else:
         hit = chunk_floor(min(hit_tokens, num_prompt_tokens), chunk_size)
-        cap = ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block if num_prompt_tokens > 0 else 0
-        upto(min(hit, cap), "declined")  # loadable, yet not loaded (first_computed is past it otherwise)
+        # loadable, yet not loaded (first_computed is past it otherwise)
+        upto(min(hit, promise_cap(num_prompt_tokens, tokens_per_block)), "declined")
         upto(hit, "final_block")
         upto(whole_chunks, "not_cached")
     upto(num_prompt_tokens, "partial_chunk")
