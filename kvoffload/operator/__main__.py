@@ -232,9 +232,8 @@ def _injection_mode(args: argparse.Namespace) -> str:
     if args.injection == "admission" and not args.remove_all:
         if bool(args.webhook_service) == bool(args.webhook_url):
             raise SystemExit(f"{PROG}: --injection admission needs exactly one of --webhook-service and --webhook-url")
-        if args.webhook_url and (
-            urlparse(args.webhook_url).scheme != "https" or not urlparse(args.webhook_url).hostname
-        ):
+        url = urlparse(args.webhook_url)
+        if args.webhook_url and (url.scheme != "https" or not url.hostname):
             raise SystemExit(f"{PROG}: --webhook-url {args.webhook_url!r}: an https URL is required")
         if not args.leader_election_namespace:
             raise SystemExit(f"{PROG}: --injection admission needs --leader-election-namespace (or POD_NAMESPACE): "

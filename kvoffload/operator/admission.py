@@ -170,12 +170,16 @@ _LIST_KEYS: Mapping[str, tuple[str, ...]] = {
 """Lists merged item by item, on the keys Server-Side Apply merges them by; other values are replaced."""
 
 
+def _identity(item: Mapping[str, Any], keys: tuple[str, ...]) -> tuple[Any, ...]:
+    """An item's merge key (a port's protocol defaults to TCP, as the apiserver defaults it)."""
+    return tuple(item.get(k, "TCP" if k == "protocol" else None) for k in keys)
+
+
 def _merge_list(current: Sequence[Any], additions: Sequence[Any], keys: tuple[str, ...], depth: int) -> list[Any]:
     merged = [copy.deepcopy(x) for x in current]
     for item in additions:
-        ident = tuple(item.get(k, "TCP" if k == "protocol" else None) for k in keys)
-        at = next((i for i, x in enumerate(merged)
-                   if tuple(x.get(k, "TCP" if k == "protocol" else None) for k in keys) == ident), None)  # fmt: skip
+        ident = _identity(item, keys)
+        at = next((i for i, x in enumerate(merged) if _identity(x, keys) == ident), None)
         if at is None:
             merged.append(copy.deepcopy(item))
         else:

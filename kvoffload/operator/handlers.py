@@ -143,9 +143,9 @@ def register_node_mode_handlers() -> None:
 def injection_pod_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
     """A pod of an admission-mode workload changed: evict it (or a sibling) if created uninjected."""
     alignment = _reconciler(memo).pod_alignment
-    namespace = str((body.get("metadata") or {}).get("namespace"))
     if alignment is None:
         return
+    namespace = str((body.get("metadata") or {}).get("namespace"))
     alignment.report_start_failure(body)
     if uninjected(body) or alignment.behind_in(namespace):
         alignment.align(namespace)

@@ -37,6 +37,17 @@ def uninjected(pod: Mapping[str, Any]) -> bool:
     return c.LABEL_INJECT in labels and labels.get(c.LABEL_INJECTED) != "true" and not meta.get("deletionTimestamp")
 
 
+def workload_key(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(namespace, kind, name) of the pod's Deployment or StatefulSet, if it has one."""
+    owner = pod_owner(pod)
+    return None if owner is None else (str((pod.get("metadata") or {}).get("namespace")), *owner)
+
+
+def _workload_ref(namespace: object, kind: str, name: str) -> dict[str, Any]:
+    """Enough of a workload for an Event about it."""
+    return {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name, "namespace": namespace}}
+
+
 def start_failure(pod: Mapping[str, Any]) -> str | None:
     """What keeps a kvoffload container of the pod from starting, as the kubelet reports it
     (``CreateContainerConfigError``: a Secret or key the injected env names is missing), if anything."""
@@ -56,9 +67,9 @@ def evictions(pods: Iterable[Mapping[str, Any]]) -> list[tuple[tuple[str, str, s
     without the injection, and none while another of its pods is starting or terminating."""
     groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
     for pod in pods:
-        owner = pod_owner(pod)
-        if owner is not None:
-            groups.setdefault((str((pod.get("metadata") or {}).get("namespace")), *owner), []).append(pod)
+        key = workload_key(pod)
+        if key is not None:
+            groups.setdefault(key, []).append(pod)
     chosen = []
     for key, group in sorted(groups.items()):
         behind = sorted((p for p in group if uninjected(p)),
@@ -96,14 +107,12 @@ class PodAlignment:
 
     def report_start_failure(self, pod: Mapping[str, Any]) -> bool:
         """A Warning on the pod's workload when a kvoffload container cannot start; True if posted."""
-        failure, owner = start_failure(pod), pod_owner(pod)
-        if failure is None or owner is None:
+        failure, key = start_failure(pod), workload_key(pod)
+        if failure is None or key is None:
             return False
         meta = pod.get("metadata") or {}
-        workload = {"apiVersion": "apps/v1", "kind": owner[0],
-                    "metadata": {"name": owner[1], "namespace": meta.get("namespace")}}  # fmt: skip
         self.events.post(
-            workload, "Warning", "KvoffloadInvalid",
+            _workload_ref(*key), "Warning", "KvoffloadInvalid",
             f"pod {meta.get('name')} cannot start {failure}; a KVCachePolicy's l2.redis.passwordSecretRef must name "
             "a Secret and key that exist in the workload's namespace (the operator cannot check before the pod: "
             "it has no right to read Secrets)", failure,
@@ -123,7 +132,7 @@ class PodAlignment:
         not reached) waits 15 s, then twice as long each time, up to 10 min.
         """
         pods = self._pods(namespace)
-        behind = {(str(p["metadata"].get("namespace")), *o) for p in pods if uninjected(p) and (o := pod_owner(p))}
+        behind = {workload_key(p) for p in pods if uninjected(p)} - {None}
         now = time.monotonic()
         with self._lock:
             for key in list(self._evicted_at):
@@ -135,9 +144,11 @@ class PodAlignment:
             with self._lock:
                 since = self._evicted_at.get(key)
                 again = since is not None and any(
-                    uninjected(p) and (str(p["metadata"].get("namespace")), *(pod_owner(p) or ("", ""))) == key
-                    and str(p["metadata"].get("creationTimestamp", "")) >= since for p in pods
-                )  # fmt: skip
+                    uninjected(p)
+                    and workload_key(p) == key
+                    and str(p["metadata"].get("creationTimestamp", "")) >= since
+                    for p in pods
+                )
                 if again:
                     if now < self._next.get(key, 0.0):
                         continue
@@ -163,9 +174,8 @@ class PodAlignment:
             raise
         self.metrics.evictions.inc()
         log.info("evicted pod %s/%s of %s %s: created without the injection", namespace, pod_name, kind, name)
-        workload = {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name, "namespace": namespace}}
         self.events.post(
-            workload, "Warning", "KvoffloadNotInjected",
+            _workload_ref(namespace, kind, name), "Warning", "KvoffloadNotInjected",
             f"pod {pod_name} was created without the kvoffload injection (the webhook was not reached); "
             "evicted so that it is created again through the webhook", pod_name,
         )  # fmt: skip
