@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvoffload import contract
+from kvoffload.httpreply import send_reply
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,7 @@ class MetricsEndpoint:
                     except Exception as exc:  # a scrape must never take the engine down
                         log.warning("event=metrics_render_failed error=%r", exc)
                         payload, status = b"", 500
-                    self.send_response(status)
-                    self.send_header("Content-Type", CONTENT_TYPE)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
+                    send_reply(self, status, payload, CONTENT_TYPE)
 
                 def log_message(self, format: str, *args: Any) -> None:
                     return

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.httpreply import send_reply
 
 from .admission import Admission, admission_response, admit, pod_owner, record_from_configmap
 from .kube import Kube, KubeApiError, configmap_path
@@ -73,11 +74,7 @@ class WebhookServer:
                 self._send(200, json.dumps(outer.answer(review)).encode(), "application/json")
 
             def _send(self, status: int, body: bytes, content_type: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_reply(self, status, body, content_type)
 
         self.kube, self.metrics = kube, metrics
         self._tmp = tempfile.TemporaryDirectory(prefix="kvoffload-webhook-")

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
 from kvoffload import contract
+from kvoffload.httpreply import send_reply
 from kvoffload.multiproc import CONTENT_TYPE
 
 from .lifecycle import HealthVerdict
@@ -61,11 +62,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(404, b"not found\n", "text/plain")
 
     def _reply(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_reply(self, status, body, content_type)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("event=http_request " + format, *args)
