@@ -239,13 +239,10 @@ def _rss_kib(pid: int) -> dict[str, int]:
 
 def _operator_args(injection: str, resync_s: int, webhook_port: int) -> list[str]:
     """The operator's flags: its resync period and, in admission mode, its webhook on 127.0.0.1."""
-    from kvoffload import contract as c
+    from tests.support.operator_support import admission_args
 
-    args = ["--resync-seconds", str(resync_s), "--log-level", "warning", "--injection", injection]
-    if injection == "admission":
-        url = f"https://127.0.0.1:{webhook_port}{c.WEBHOOK_PATH}"
-        args += ["--webhook-port", str(webhook_port), "--webhook-url", url]
-    return args
+    mode = admission_args(webhook_port) if injection == "admission" else ["--injection", injection]
+    return ["--resync-seconds", str(resync_s), "--log-level", "warning", *mode]
 
 
 @contextlib.contextmanager
@@ -255,15 +252,13 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
     from hack.localcluster import LocalCluster, free_port
     from tests.support.operator_fixtures import bind_rules
     from tests.support.operator_support import (
-        ADMISSION_NAMESPACE_RULES_FILE,
-        ADMISSION_RULES_FILE,
-        ADMISSION_WEBHOOK_RULES_FILE,
         CRD_FILE,
         LEADER_ELECTION_RULES_FILE,
         OPERATOR_NAMESPACE,
         OPERATOR_SA,
         RULES_FILE,
         OperatorProcess,
+        admission_rules,
     )
 
     cluster = LocalCluster(workdir=workdir / "cluster", gpu_nodes=gpu_nodes)
@@ -287,9 +282,8 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
         bind_rules(cluster, "kvoffload-operator-bench", RULES_FILE)
         bind_rules(cluster, "kvoffload-operator-bench-leader-election", LEADER_ELECTION_RULES_FILE)
         if injection == "admission":
-            for suffix, rules in (("admission", ADMISSION_RULES_FILE), ("admission-ns", ADMISSION_NAMESPACE_RULES_FILE),
-                                  ("admission-webhook", ADMISSION_WEBHOOK_RULES_FILE)):  # fmt: skip
-                bind_rules(cluster, f"kvoffload-operator-bench-{suffix}", rules)
+            for name, rules in admission_rules("kvoffload-operator-bench").items():
+                bind_rules(cluster, name, rules)
         kubeconfig = cluster.service_account_kubeconfig(
             OPERATOR_NAMESPACE, OPERATOR_SA, workdir / "operator.kubeconfig"
         )

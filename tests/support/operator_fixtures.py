@@ -9,14 +9,15 @@ fixture (re-exported by another conftest) is a second instance, i.e. two operato
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
-from hack.workloads import apply
+from hack.workloads import apply, wait_for
 from tests.support.operator_support import (
     CRD_FILE,
     LEADER_ELECTION_RULES_FILE,
@@ -46,6 +47,35 @@ def assert_no_internal_errors(proc: OperatorProcess) -> None:
     for log in sorted(proc.workdir.glob("operator-*.log")):
         text = log.read_text(errors="replace")
         assert " ERROR kvoffload" not in text, f"{log}:\n{text[-4000:]}"
+
+
+@contextmanager
+def operator_instead(
+    cluster: LocalCluster,
+    operator: OperatorProcess,
+    workdir: Path,
+    rules: Mapping[str, Path],
+    extra_args: Sequence[str],
+    rules_in_effect: Callable[[], object] | None = None,
+) -> Iterator[OperatorProcess]:
+    """Another operator in the session operator's place (which is stopped; tests that need it again
+    restart it): ``extra_args`` on its command line and ``rules`` (ClusterRole name -> the chart's
+    rules file) bound on top, as the chart's option installs them; the rules are revoked afterwards.
+    ``rules_in_effect`` is waited for before it starts."""
+    for name, rules_file in rules.items():
+        bind_rules(cluster, name, rules_file)
+    if rules_in_effect is not None:
+        wait_for(rules_in_effect, what="the extra rules in effect")
+    operator.stop()
+    proc = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=workdir, extra_args=list(extra_args))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        for name in rules:
+            cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
+    assert_no_internal_errors(proc)
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,18 @@ def operator_defaults() -> OperatorDefaults:
     return defaults_from(build_parser().parse_args(list(DEFAULTS_FLAGS)))
 
 
+def admission_args(port: int) -> list[str]:
+    """The operator's flags for injection at admission, its webhook on 127.0.0.1:``port``."""
+    return ["--injection", "admission", "--webhook-port", str(port),
+            "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"]  # fmt: skip
+
+
+def admission_rules(prefix: str) -> dict[str, Path]:
+    """The rules files the chart adds with injection.mode admission, under ClusterRole names from ``prefix``."""
+    return {f"{prefix}-admission": ADMISSION_RULES_FILE, f"{prefix}-admission-ns": ADMISSION_NAMESPACE_RULES_FILE,
+            f"{prefix}-admission-webhook": ADMISSION_WEBHOOK_RULES_FILE}  # fmt: skip
+
+
 _STARTED: list[OperatorProcess] = []
 """Every operator process the session started: at most one may run at a time."""
 

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from hack.localcluster import LocalCluster
-from hack.workloads import wait_for
-from tests.support.operator_fixtures import assert_no_internal_errors, bind_rules
+from tests.support.operator_fixtures import operator_instead
 from tests.support.operator_support import (
     NODE_MODE_RULES_FILE,
     OPERATOR_NAMESPACE,
@@ -25,17 +24,13 @@ def node_mode_operator(
     """An operator with ``--node-mode true`` and the chart's node-mode rules granted on top, as
     ``nodeMode.enabled=true`` installs it; the session operator is stopped meanwhile (tests that
     need it again restart it) and the extra rules are revoked afterwards."""
-    bind_rules(cluster, "kvoffload-operator-test-node-mode", NODE_MODE_RULES_FILE)
     sa_user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
-    wait_for(lambda: cluster.kubectl("auth", "can-i", "watch", "pods", "-A", f"--as={sa_user}",
-                                     check=False).stdout.strip() == "yes", what="node-mode rules in effect")  # fmt: skip
-    operator.stop()
-    proc = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=tmp_path_factory.mktemp("node-mode-operator"),
-                           extra_args=["--node-mode", "true"])  # fmt: skip
-    proc.start()
-    try:
+
+    def rules_in_effect() -> bool:
+        can = cluster.kubectl("auth", "can-i", "watch", "pods", "-A", f"--as={sa_user}", check=False)
+        return str(can.stdout).strip() == "yes"
+
+    with operator_instead(cluster, operator, tmp_path_factory.mktemp("node-mode-operator"),
+                          {"kvoffload-operator-test-node-mode": NODE_MODE_RULES_FILE}, ["--node-mode", "true"],
+                          rules_in_effect) as proc:  # fmt: skip
         yield proc
-    finally:
-        proc.stop()
-        cluster.kubectl("delete", "clusterrolebinding,clusterrole", "kvoffload-operator-test-node-mode", check=False)
-    assert_no_internal_errors(proc)

@@ -16,14 +16,8 @@ import pytest
 from hack.localcluster import LocalCluster, free_port
 from hack.workloads import get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.support.operator_fixtures import assert_no_internal_errors, bind_rules
-from tests.support.operator_support import (
-    ADMISSION_NAMESPACE_RULES_FILE,
-    ADMISSION_RULES_FILE,
-    ADMISSION_WEBHOOK_RULES_FILE,
-    OperatorProcess,
-    events_for,
-)
+from tests.support.operator_fixtures import operator_instead
+from tests.support.operator_support import OperatorProcess, admission_args, admission_rules, events_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 GITOPS_MANAGER = "argocd-controller"
@@ -38,27 +32,12 @@ def admission_operator(
 ) -> Iterator[OperatorProcess]:
     """The operator with ``--injection admission`` and the chart's admission rules, its webhook on
     127.0.0.1 (``--webhook-url``); the session operator is stopped meanwhile."""
-    bind_rules(cluster, "kvoffload-operator-test-admission", ADMISSION_RULES_FILE)
-    bind_rules(cluster, "kvoffload-operator-test-admission-ns", ADMISSION_NAMESPACE_RULES_FILE)
-    bind_rules(cluster, "kvoffload-operator-test-admission-webhook", ADMISSION_WEBHOOK_RULES_FILE)
-    operator.stop()
-    port = free_port()
-    proc = OperatorProcess(kubeconfig=operator.kubeconfig, workdir=tmp_path_factory.mktemp("admission-operator"),
-                           extra_args=["--injection", "admission", "--webhook-port", str(port),
-                                       "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"])  # fmt: skip
-    proc.start()
     try:
-        yield proc
+        with operator_instead(cluster, operator, tmp_path_factory.mktemp("admission-operator"),
+                              admission_rules("kvoffload-operator-test"), admission_args(free_port())) as proc:  # fmt: skip
+            yield proc
     finally:
-        proc.stop()
         cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
-        for name in (
-            "kvoffload-operator-test-admission",
-            "kvoffload-operator-test-admission-ns",
-            "kvoffload-operator-test-admission-webhook",
-        ):
-            cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
-    assert_no_internal_errors(proc)
 
 
 def manifest(name: str, namespace: str, image: str, opted_in: bool) -> dict[str, Any]:
@@ -280,11 +259,9 @@ def sidecar_l1(pod: dict[str, Any]) -> str:
 
 def admission_process(base: OperatorProcess, workdir: Any, *extra: str) -> OperatorProcess:
     """Another operator in admission mode (its own webhook port), allowed to overlap a running one."""
-    port = free_port()
     workdir.mkdir()
     return OperatorProcess(kubeconfig=base.kubeconfig, workdir=workdir, overlap_allowed=True,
-                           extra_args=["--injection", "admission", "--webhook-port", str(port),
-                                       "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}", *extra])  # fmt: skip
+                           extra_args=[*admission_args(free_port()), *extra])  # fmt: skip
 
 
 def test_overlapping_admission_operators_roll_each_workload_once_per_upgrade_and_rollback(
