@@ -303,11 +303,8 @@ class Journey:
 
     def promql(self, query: str) -> float | None:
         """The single value of an instant query, or None when it returns nothing."""
-        status, body = http_get(self.prom_url("/api/v1/query?" + urllib.parse.urlencode({"query": query})))
-        if status != 200:
-            raise JourneyError(f"PromQL {query!r} failed: {body[:300]}")
-        result = json.loads(body)["data"]["result"]
-        return float(result[0]["value"][1]) if result else None
+        result = self.promql_vector(query)
+        return result[0][1] if result else None
 
     def promql_vector(self, query: str) -> list[tuple[dict[str, str], float]]:
         """Every (labels, value) of an instant query."""
