@@ -93,6 +93,16 @@ def decide_load(
     )
 
 
+def load_is_async(matched_tokens: int, async_min_tokens: int, world_size: int) -> bool:
+    """Whether a load runs asynchronously: TensorRT-LLM parks the request and the batch goes on.
+
+    Only from ``async_min_tokens`` on (a parked request waits at least one iteration, which a short
+    load does not repay) and only with one rank (under tensor parallelism every rank must have copied
+    before the chunks go back to the server, which only a synchronous load, waited for by the
+    forward's collectives, guarantees)."""
+    return async_min_tokens > 0 and world_size == 1 and matched_tokens >= async_min_tokens
+
+
 def decline(decision: LoadDecision) -> LoadDecision:
     """The same hit, promised to nobody (its load could not be secured). The retrieve range's
     lookup locks were taken over by PREPARE_RETRIEVE and go back with its COMMIT; the rest are freed."""
@@ -183,6 +193,10 @@ class ConnectorMetadata:
     """What ``build_connector_meta`` broadcasts each iteration."""
 
     loads: tuple[TransferOp, ...] = ()
+    """Synchronous loads: copied in ``start_load_kv``, before this iteration's forward."""
+    async_loads: tuple[TransferOp, ...] = ()
+    """Loads of requests TensorRT-LLM parked (``(n, True)``): issued in ``start_load_kv``, not waited
+    for; ``get_finished`` reports each once its KV is in the pool."""
     saves: tuple[TransferOp, ...] = ()
     fresh_blocks: frozenset[int] = frozenset()
     """Blocks TensorRT-LLM allocated this iteration that its forward may write: a queued save
@@ -200,6 +214,15 @@ def fresh_blocks(
     if not first_report:
         return list(new_block_ids)
     return list(new_block_ids[computed_position // tokens_per_block :])
+
+
+def unseen_forward_may_write(attention_dp: bool, num_reported: int) -> bool:
+    """Whether this iteration's forward may write a free block the connector is not told of: under
+    attention DP a rank with no request of its own joins the others' forward with a dummy request
+    (``_pad_attention_dp_dummy_request``), on a block from the free pool, and the connector never sees
+    it. With no request on the rank, every request the connector still tracks has ended without
+    ``request_finished``, so each of their blocks may be that one."""
+    return attention_dp and num_reported == 0
 
 
 def vanished_holders(fresh: list[int], holders: dict[int, set[int]], owner: int) -> set[int]:
@@ -227,6 +250,10 @@ class RequestState:
     secured: SecuredLoad | None = None
     """The promised load's chunks until ``build_connector_meta`` hands them to the workers."""
     saves_issued: int = 0
+    device_tokens: int = 0
+    """Tokens TensorRT-LLM had on the device at the lookup."""
+    sources_counted: bool = False
+    """Its device and cache prompt tokens were counted (once per request)."""
     lookup_hit: int | None = None
     """LMCache's hit at the lookup (None: not looked up, or the lookup failed)."""
     lookup_failure: str | None = None

@@ -31,7 +31,7 @@ __all__ = [
     "KvoffloadLoadError",
     "SchedulerOutput",
     "count_skip",
-    "engine_rank",
+    "kv_rank",
     "make_backend",
     "prompt_tokens",
     "use_private_stream",
@@ -44,7 +44,11 @@ class KvoffloadLoadError(RuntimeError):
     """KV promised to TensorRT-LLM could not be loaded; the affected requests must fail, never run on garbage."""
 
 
-def engine_rank() -> int:
+def kv_rank(settings: ConnectorSettings) -> int:
+    """Which share of a request's KV heads this process holds: its MPI rank under tensor
+    parallelism; 0 under attention DP, where every rank holds whole heads and shares the cache."""
+    if settings.attention_dp:
+        return 0
     try:
         import tensorrt_llm
 

@@ -28,7 +28,11 @@ logger = logging.getLogger("kvoffload.connector")
 
 
 class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
-    """Rank-0 half: lookups, and which blocks to load and save each iteration."""
+    """Rank 0 (every rank under attention DP): lookups, and which blocks to load and save each iteration."""
+
+    supports_attention_dp = True
+    """Under attention DP each rank has its own scheduler over its own requests and blocks; its
+    loads are secured for the worker in its own process (world size 1, whole KV heads)."""
 
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
@@ -44,6 +48,8 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         # block id -> live requests listing it: a block handed out again names requests that ended
         # without request_finished (cancelled, errored, aborted), whose state is then reaped.
         self._holders: dict[int, set[int]] = {}
+        self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
+        self._parked: set[int] = set()  # their loads issued, not yet back in new_requests
         logger.info(
             "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
             self._settings.backend,
@@ -69,13 +75,16 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Step 2 (first context chunk, after device prefix reuse): tokens loadable beyond the device's.
 
-        Returns ``(n, False)``: the load is synchronous in ``start_load_kv``. A failed
-        or slow lookup answers 0, so the engine simply computes.
+        Returns ``(n, False)`` for a load copied in ``start_load_kv`` before the forward, or
+        ``(n, True)`` for a long one (``planning.load_is_async``): TensorRT-LLM parks the request
+        while the load runs and the batch goes on. A failed or slow lookup answers 0, so the
+        engine simply computes.
         """
         tokens = prompt_tokens(request)
         state = self._state_for(request, len(tokens))
         state.tokens = tokens
         state.load = planning.NO_LOAD  # only this call's promise may turn into a load
+        state.device_tokens = num_computed_tokens
         state.lookup_hit, state.lookup_failure = None, None
         end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
         if end == 0:
@@ -119,7 +128,12 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             hit,
             decision.matched_tokens,
         )
-        return decision.matched_tokens, False
+        asynchronous = decision.loads and planning.load_is_async(
+            decision.matched_tokens, self._settings.async_load_min_tokens, self._settings.world_size
+        )
+        if asynchronous:
+            self._parking.append(state.request_id)
+        return decision.matched_tokens, asynchronous
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Step 2, right after allocation: remember the request's blocks (loads target them)."""
@@ -134,6 +148,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
 
     def _forget(self, request_id: int) -> planning.RequestState | None:
         """Drop a request's state and its claim on blocks; end its LMCache session."""
+        self._parked.discard(request_id)
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
@@ -160,8 +175,21 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
         """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
         loads: list[planning.TransferOp] = []
+        async_loads: list[planning.TransferOp] = []
         saves: list[planning.TransferOp] = []
         fresh: set[int] = set()
+        parking, self._parking = self._parking, []
+        for state in [self._requests[rid] for rid in parking if rid in self._requests]:
+            # Parked this iteration (TensorRT-LLM leaves it out of scheduler_output): its load starts now.
+            new_fresh = planning.fresh_blocks(state.block_ids, state.device_tokens, self._block, True)
+            self._reap_vanished(new_fresh, state.request_id)
+            fresh.update(new_fresh)
+            load = state.load
+            async_loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
+            state.secured = None
+            self._parked.add(state.request_id)
+            self._count_sources(state, state.device_tokens)
+            state.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
         for req in scheduler_output.new_requests:
             rid = int(req.request_id)
             new_fresh = planning.fresh_blocks(req.new_block_ids, req.computed_position, self._block, True)
@@ -170,6 +198,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             state = self._requests.get(rid)
             if state is None:  # never looked up (e.g. dummy request): still save it
                 state = self._state_for(req, len(req.new_tokens))
+            self._parked.discard(rid)  # back from an asynchronous load: computed_position counts it
             state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
             if not state.block_ids:
                 state.block_ids = list(req.new_block_ids)
@@ -179,8 +208,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
                 load = state.load
                 loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
                 state.secured = None  # the workers copy it; rank 0 releases it after the iteration
-            self._metrics.record_prompt_tokens("device", "none", req.computed_position)
-            self._metrics.record_prompt_tokens("cache", "none", state.load.matched_tokens)
+            self._count_sources(state, req.computed_position)
             state.computed_why = planning.computed_reasons(
                 state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
             )
@@ -198,7 +226,24 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             self._hold(rid, list(req.new_block_ids))
             self._step_computed(state, state.tokens_with_kv, req.num_scheduled_tokens)
             self._plan_save(state, saves)
-        return planning.ConnectorMetadata(loads=tuple(loads), saves=tuple(saves), fresh_blocks=frozenset(fresh))
+        reported = len(scheduler_output.new_requests) + len(scheduler_output.cached_requests) + len(self._parked)
+        if planning.unseen_forward_may_write(self._settings.attention_dp, reported):
+            for rid in list(self._requests):
+                vanished = self._forget(rid)
+                if vanished is not None:
+                    fresh.update(vanished.block_ids)
+                    logger.debug("event=request_vanished request=%d reason=idle_dp_rank", rid)
+        return planning.ConnectorMetadata(
+            loads=tuple(loads), async_loads=tuple(async_loads), saves=tuple(saves), fresh_blocks=frozenset(fresh)
+        )
+
+    def _count_sources(self, state: planning.RequestState, device_tokens: int) -> None:
+        """Count a request's prompt tokens from the device and from the cache, once."""
+        if state.sources_counted:
+            return
+        state.sources_counted = True
+        self._metrics.record_prompt_tokens("device", "none", device_tokens)
+        self._metrics.record_prompt_tokens("cache", "none", state.load.matched_tokens)
 
     def _step_computed(self, state: planning.RequestState, before: int, num_scheduled_tokens: int) -> None:
         """Advance the request's KV by this step's forward pass; count the prompt tokens it computes."""

@@ -18,6 +18,9 @@ from kvoffload.policy import Policy, PolicyError
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
 DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_ASYNC_SAVE = True
+DEFAULT_ASYNC_LOAD_MIN_TOKENS = 8192
+"""Measured on an H200 (docs/connector.md, "Async loads"): from here a load parked off the batch
+costs concurrent requests less than one that blocks the iteration."""
 """Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -39,6 +42,7 @@ class ConnectorSettings:
     chunk_size: int | None
     """None: ask the LMCache server (sidecar) or use LMCache's config (inprocess)."""
     world_size: int
+    """Ranks that split one request's KV heads (tensor parallelism); 1 under attention DP."""
     lookup_timeout_ms: int
     retrieve_timeout_ms: int
     store_timeout_ms: int
@@ -49,6 +53,11 @@ class ConnectorSettings:
     metrics_dir: str | None
     metrics_port: int | None = None
     """Serve the pod's connector metrics on this port (no sidecar in the pod to do it)."""
+    async_load_min_tokens: int = 0
+    """Loads of at least this many tokens are asynchronous (tensor parallelism: never); 0: never."""
+    attention_dp: bool = False
+    """``enable_attention_dp``: every rank holds whole KV heads for its own requests, runs its own
+    scheduler, and shares the cache with the other ranks as rank 0 of one."""
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -63,16 +72,23 @@ def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name}={raw!r} is not a boolean; allowed: true/false/1/0/yes/no/on/off")
 
 
-def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
+def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 1) -> int | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
+    allowed = "a positive integer" if minimum == 1 else f"an integer of at least {minimum}"
     try:
         value = int(raw.strip())
     except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer; allowed: a positive integer") from None
-    if value <= 0:
-        raise SettingsError(f"{name}={raw!r} must be a positive integer")
+        raise SettingsError(f"{name}={raw!r} is not an integer; allowed: {allowed}") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r} must be {allowed}")
+    return value
+
+
+def _parse_count(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _parse_positive_int(env, name, default, minimum=0)
+    assert value is not None
     return value
 
 
@@ -138,6 +154,15 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
     pp = int(_attr(llm_args, "pipeline_parallel_size") or 1)
     if pp != 1:
         raise SettingsError(f"pipeline_parallel_size={pp}: TensorRT-LLM's KV connector requires 1")
+    problem = engine_config_problem(llm_args)
+    if problem:
+        raise SettingsError(problem)
+    attention_dp = _attr(llm_args, "enable_attention_dp") is True
+    if attention_dp and backend == contract.BACKEND_INPROCESS:
+        raise SettingsError(
+            f"{contract.ENV_BACKEND}={backend!r} with enable_attention_dp: the in-process cache lives in one "
+            f"engine process and attention DP runs one per rank; use {contract.BACKEND_SIDECAR!r}"
+        )
 
     def timeout(name: str, default: int) -> int:
         return _policy_value(env, name, pol.read_int(pol.MIN_TIMEOUT_MS, pol.MAX_TIMEOUT_MS), default, numeric=True)
@@ -148,7 +173,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         model_name=model_name,
         tokens_per_block=tokens_per_block,
         chunk_size=chunk_size,
-        world_size=tp * pp,
+        world_size=1 if attention_dp else tp * pp,
         lookup_timeout_ms=timeout(contract.ENV_LOOKUP_TIMEOUT_MS, Policy.lookup_timeout_ms),
         retrieve_timeout_ms=timeout(contract.ENV_RETRIEVE_TIMEOUT_MS, Policy.retrieve_timeout_ms),
         store_timeout_ms=timeout(contract.ENV_STORE_TIMEOUT_MS, Policy.store_timeout_ms),
@@ -158,4 +183,26 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         metrics_enabled=_parse_bool(env, contract.ENV_METRICS_ENABLED, True),
         metrics_dir=env.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None,
         metrics_port=_parse_port(env, contract.ENV_METRICS_PORT),
+        async_load_min_tokens=_parse_count(env, contract.ENV_ASYNC_LOAD_MIN_TOKENS, DEFAULT_ASYNC_LOAD_MIN_TOKENS),
+        attention_dp=attention_dp,
     )
+
+
+def engine_config_problem(llm_args: Any) -> str | None:
+    """Why TensorRT-LLM, configured so, would not use this connector's loads correctly, or None.
+
+    - Without block reuse TensorRT-LLM asks for matched tokens but applies none of them.
+    - KVCacheManagerV2 asks speculatively and may honour less than the connector offered
+      (``commit_new_matched_tokens``), which this connector's secured loads do not follow.
+    """
+    if _attr(llm_args, "kv_cache_config", "enable_block_reuse") is False:
+        return (
+            "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none of the tokens a KV "
+            "connector loads; set it to true (the kvoffload operator does unless the options file says false)"
+        )
+    if _attr(llm_args, "kv_cache_config", "use_kv_cache_manager_v2") is True:
+        return (
+            "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour fewer loaded tokens than "
+            "the connector offered, which kvoffload does not follow yet; set it to false (TensorRT-LLM's default)"
+        )
+    return None

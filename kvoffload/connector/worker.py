@@ -10,13 +10,13 @@ from collections import deque
 from typing import Any
 
 from kvoffload.connector import planning
-from kvoffload.connector.backends.base import BackendError, kv_geometry, read_hf_config
+from kvoffload.connector.backends.base import BackendError, LoadResult, kv_geometry, read_hf_config
 from kvoffload.connector.metrics import metrics_for
 from kvoffload.connector.runtime import (
     KvCacheConnectorWorker,
     KvoffloadLoadError,
     count_skip,
-    engine_rank,
+    kv_rank,
     make_backend,
     use_private_stream,
 )
@@ -28,10 +28,14 @@ logger = logging.getLogger("kvoffload.connector")
 class KvoffloadConnectorWorker(KvCacheConnectorWorker):
     """Every rank: moves KV between TensorRT-LLM's pool and the store."""
 
+    supports_attention_dp = True
+    """Under attention DP each rank's worker serves only its own scheduler's loads and saves, with
+    its own backend client, against the pod's one cache (docs/connector.md, "Attention DP")."""
+
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._settings = parse_settings(os.environ, llm_args)
-        self._rank = engine_rank()
+        self._rank = kv_rank(self._settings)
         self._metrics = metrics_for(self._settings)
         self._backend = make_backend(self._settings, "worker", self._rank, self._metrics)
         self._block = self._settings.tokens_per_block
@@ -42,6 +46,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._storing: planning.TransferOp | None = None  # the op the saver is working on
         self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
         self._finished_waiting: set[int] = set()
+        self._loading_started: set[int] = set()  # parked requests TensorRT-LLM told us about (get_finished)
+        self._loaded_async: set[int] = set()  # parked requests whose KV is in the pool, not yet reported
         self._save_thread: threading.Thread | None = None
         self._kv_device: Any = None
         if self._settings.async_save:
@@ -84,17 +90,25 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, planning.ConnectorMetadata):
             return
-        if meta.fresh_blocks and self._save_thread is not None:
-            self._fence_saves(meta.fresh_blocks)
-        if not meta.loads:
+        if meta.fresh_blocks:
+            if self._save_thread is not None:
+                self._fence_saves(meta.fresh_blocks)
+            self._backend.order_after_async_loads(meta.fresh_blocks)
+        if meta.loads:
+            for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
+                self._loaded(op, result)
+        for op in meta.async_loads:
+            error = self._backend.start_async_load(op)
+            if error is not None:  # reported as loaded: the request's first forward then fails it
+                self._loaded(op, LoadResult(0, 0.0, error))
+                self._loaded_async.add(op.request_id)
+
+    def _loaded(self, op: planning.TransferOp, result: LoadResult) -> None:
+        if result.error is not None:
+            logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
+            self._unloaded.append(op.request_id)
             return
-        m = self._metrics
-        for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
-            if result.error is not None:
-                logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
-                self._unloaded.append(op.request_id)
-                continue
-            m.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
+        self._metrics.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
 
     def _fence_saves(self, fresh: frozenset[int]) -> None:
         """Before a forward that may write ``fresh`` blocks: no queued save may read them afterwards.
@@ -191,15 +205,23 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        """Step 6: requests whose async saves are done (loads are synchronous, never reported)."""
+        """Step 6: requests whose async saves are done, and parked requests whose KV is in the pool
+        (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
+        for op, result in self._backend.finished_async_loads():
+            self._loaded(op, result)
+            self._loaded_async.add(op.request_id)
+        self._loading_started.update(started_loading_req_ids)
+        done_loading = sorted(self._loading_started & self._loaded_async)
+        self._loading_started.difference_update(done_loading)
+        self._loaded_async.difference_update(done_loading)
         if self._save_thread is None:
-            return [], []
+            return [], done_loading
         with self._save_cv:
             self._finished_waiting.update(finished_gen_req_ids)
             done = [rid for rid in self._finished_waiting if rid not in self._saving]
             self._finished_waiting.difference_update(done)
-        return done, []
+        return done, done_loading
 
     def shutdown(self) -> None:
         """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""

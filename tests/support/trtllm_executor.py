@@ -17,6 +17,10 @@ Its "forward" writes each token's KV as a deterministic function of (token prefi
 dim), so after every forward every valid position of every request is checked bit-exact, and it
 counts the prompt tokens it had to compute. Sampling reads the KV from the pool, so wrong KV would
 also change the output tokens. TP=2 runs rank 1 as a separate process (heads split across ranks).
+Attention DP (``enable_attention_dp``, main only) runs each DP rank as a whole executor of its own
+(``StandinExecutor(attention_dp_rank=r)``, ``AttentionDpRank`` for another process): its own scheduler,
+worker and pool, whole KV heads, ``SchedulerOutput.attention_dp_rank``, no broadcast or allgather, and
+a dummy forward on a block from the free pool whenever the rank idles.
 
 CLI (what the end-to-end test starts with the env the operator injects)::
 
@@ -135,6 +139,8 @@ class StandinLlmRequest:
         self.cancel_after = req.cancel_after
         self.iterations = 0
         self.finished_unseen = False
+        self.returning = False  # its asynchronous load finished: next scheduled as a new request
+        self.free_when_loaded = False  # cancelled while parked (main keeps its blocks until the load ends)
         """Overlap scheduler: sampled its last token, but the executor learns it one iteration later."""
 
     def get_tokens(self, beam: int = 0) -> list[int]:
@@ -272,11 +278,12 @@ class RankState:
         _ensure_paths()
         os.environ[RANK_ENV] = str(rank)
         self.rank = rank
-        self.tp = llm_args.tensor_parallel_size
+        # Tensor parallelism splits KV heads across ranks; under attention DP every rank holds them all.
+        self.tp = 1 if getattr(llm_args, "enable_attention_dp", False) else llm_args.tensor_parallel_size
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.layers = geometry["num_layers"]
         self.heads = geometry["num_kv_heads"] // self.tp
-        self.head_offset = rank * self.heads
+        self.head_offset = (rank % self.tp) * self.heads
         self.head_dim = geometry["head_dim"]
         self.pool = torch.zeros(
             geometry["num_blocks"], self.layers, 2, self.heads * self.block * self.head_dim, dtype=torch.float16
@@ -328,10 +335,10 @@ class RankState:
             partial[rid] = self._attend(blocks, end)
         return {"partial": partial, "mismatches": self.mismatches}
 
-    def finish(self, new_saving_ids: list[int]) -> list[int]:
-        """Step 6 on this rank: ``get_finished`` with the ids that started saving this iteration."""
-        done_saving, _done_loading = self.worker.get_finished(new_saving_ids, [])
-        return list(done_saving)
+    def finish(self, new_saving_ids: list[int], new_loading_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Step 6 on this rank: ``get_finished`` with the ids that started saving or loading this iteration."""
+        done_saving, done_loading = self.worker.get_finished(new_saving_ids, new_loading_ids)
+        return list(done_saving), list(done_loading)
 
     def _forward_layer(self, layer: int, hashes: list[int], blocks: list[int], start: int, end: int) -> None:
         h = torch.tensor(hashes[start:end], dtype=torch.int64)
@@ -377,7 +384,7 @@ def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int]
             if msg[0] == "step":
                 conn.send(state.step(msg[1], msg[2], msg[3], msg[4]))
             elif msg[0] == "finish":
-                conn.send(state.finish(msg[1]))
+                conn.send(state.finish(msg[1], msg[2]))
             elif msg[0] == "stop":
                 state.close()
                 conn.send(None)
@@ -386,6 +393,89 @@ def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int]
         conn.send({"engine_died": str(exc)})
     except Exception:
         conn.send({"fatal": traceback.format_exc()})
+
+
+def settle_commits(timeout_s: float = 10.0) -> bool:
+    """Wait until this process's deferred COMMITs were answered: another process's lookup finds
+    only committed chunks (a test's synchronisation, not the engine's)."""
+    from kvoffload.connector.backends.commits import PENDING_COMMITS
+
+    return PENDING_COMMITS.wait_idle(timeout_s)
+
+
+def _attention_dp_rank_main(conn: Any, llm_args: Any, rank: int, env: dict[str, str], kwargs: dict[str, Any]) -> None:
+    os.environ.update(env)
+    try:
+        ex = StandinExecutor(llm_args, attention_dp_rank=rank, env=env, **kwargs)
+    except Exception:
+        conn.send({"fatal": traceback.format_exc()})
+        return
+    conn.send({"ready": True})
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "run":
+                conn.send({"results": ex.run(arg)})
+            elif cmd == "idle":
+                ex.idle(arg)
+                conn.send({})
+            elif cmd == "evict":
+                conn.send({"evicted": ex.evict_device_cache()})
+            elif cmd == "report":
+                conn.send({"kv_mismatches": ex.kv_mismatches, "tracked_requests": len(ex.scheduler._requests)})
+            elif cmd == "settle":
+                conn.send({"settled": settle_commits()})
+            elif cmd == "stop":
+                ex.close()
+                conn.send({})
+                return
+        except Exception:
+            conn.send({"fatal": traceback.format_exc()})
+
+
+class AttentionDpRank:
+    """Another attention-DP rank: a whole ``StandinExecutor(attention_dp_rank=rank)`` in its own process,
+    as each DP rank is its own MPI process with its own scheduler, worker and pool."""
+
+    def __init__(self, llm_args: Any, rank: int, env: dict[str, str], **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_attention_dp_rank_main, args=(child, llm_args, rank, env, kwargs), daemon=True)
+        self._proc.start()
+        self._call(None)
+
+    def _call(self, msg: tuple[str, Any] | None) -> dict[str, Any]:
+        if msg is not None:
+            self._conn.send(msg)
+        reply = self._conn.recv()
+        if "fatal" in reply:
+            raise RuntimeError(f"attention-DP rank process failed:\n{reply['fatal']}")
+        return dict(reply)
+
+    def run(self, prompts: list[PromptRequest]) -> list[RequestResult]:
+        return list(self._call(("run", prompts))["results"])
+
+    def idle(self, iterations: int) -> None:
+        self._call(("idle", iterations))
+
+    def evict_device_cache(self) -> int:
+        return int(self._call(("evict", None))["evicted"])
+
+    def report(self) -> dict[str, Any]:
+        return self._call(("report", None))
+
+    def settle(self) -> bool:
+        """Wait until this rank's deferred COMMITs were answered (what it stored is findable)."""
+        return bool(self._call(("settle", None))["settled"])
+
+    def close(self) -> None:
+        try:
+            self._call(("stop", None))
+        except (EOFError, OSError, RuntimeError):
+            pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 class StandinExecutor:
@@ -404,9 +494,15 @@ class StandinExecutor:
         version: str = "main",
         enable_partial_reuse: bool = False,
         overlap_scheduler: bool = False,
+        attention_dp_rank: int = 0,
     ) -> None:
         _ensure_paths()
         self.llm_args = llm_args
+        self.attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
+        """Attention DP (main; py_executor_creator + KvCacheConnectorManager): this executor is one DP
+        rank, with its own scheduler and worker, its own requests and pool, whole KV heads; no
+        broadcast of the scheduler's answers and no allgather in get_finished."""
+        self.attention_dp_rank = attention_dp_rank if self.attention_dp else None
         self.version = version
         self.behaviour = TRTLLM_VERSIONS[version]
         self.partial_reuse = enable_partial_reuse
@@ -430,14 +526,20 @@ class StandinExecutor:
         child_env = dict(env or {})
         child_env[WORLD_ENV] = str(self.tp)
         ctx = mp.get_context("spawn")
-        for rank in range(1, self.tp):
+        scheduler_cls, worker_cls = load_connector_classes(llm_args)
+        if self.attention_dp:
+            if version != "main":
+                raise ValueError(f"attention DP with a KV connector exists on TensorRT-LLM main, not {version}")
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import validate_attention_dp
+
+            validate_attention_dp(worker_cls, scheduler_cls)  # KvCacheConnectorManager.__init__
+        for rank in range(1, 1 if self.attention_dp else self.tp):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_follower_main, args=(child, rank, llm_args, geometry, child_env), daemon=True)
             proc.start()
             self.followers.append((parent, proc))
-        scheduler_cls, _ = load_connector_classes(llm_args)
         # TensorRT-LLM builds rank 0's scheduler and worker concurrently; sequential is equivalent here.
-        self.rank0 = RankState(0, llm_args, geometry)
+        self.rank0 = RankState(attention_dp_rank if self.attention_dp else 0, llm_args, geometry)
         self.scheduler = scheduler_cls(llm_args)
         for parent, _proc in self.followers:
             reply = parent.recv()
@@ -452,6 +554,13 @@ class StandinExecutor:
         self._done_votes: dict[int, int] = {}
         self._other_traffic: list[int] = []
         self._other_ids = 0
+        self.dummy_forwards = 0
+        self.parked: dict[int, StandinLlmRequest] = {}
+        """Requests loading asynchronously (``(n, True)``): out of every batch until all ranks report the load."""
+        self._loading_new: list[int] = []
+        self._loading_votes: dict[int, int] = {}
+        self.async_loads = 0
+        """Iterations an idle attention-DP rank ran with a dummy request (the others were busy)."""
 
     @property
     def kv_mismatches(self) -> int:
@@ -491,14 +600,22 @@ class StandinExecutor:
         pending = [StandinLlmRequest(p) for p in prompts]
         active: list[StandinLlmRequest] = []
         deadline = time.monotonic() + timeout_s
-        while pending or active or self.saving:
+        while pending or active or self.saving or self.parked:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"requests still running after {timeout_s}s; saving={sorted(self.saving)}")
+                raise TimeoutError(
+                    f"requests still running after {timeout_s}s; saving={sorted(self.saving)} parked={sorted(self.parked)}"
+                )
             if not pending and not active:
-                time.sleep(0.002)  # only async saves left: TensorRT-LLM keeps iterating, idle
+                time.sleep(0.002)  # only async saves or loads left: TensorRT-LLM keeps iterating, idle
             self._iteration(pending, active)
             pending = []
         return [self.results[p.request_id] for p in prompts]
+
+    def idle(self, iterations: int) -> None:
+        """Iterations with no request of this executor's own, as a DP rank idles while the others
+        work (under attention DP each one is a dummy forward)."""
+        for _ in range(iterations):
+            self._iteration([], [])
 
     def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...]]]:
         salt, b = req.salt or "", self.block
@@ -513,7 +630,7 @@ class StandinExecutor:
         from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
         self.iterations += 1
-        output = SchedulerOutput()
+        output = SchedulerOutput(attention_dp_rank=self.attention_dp_rank)
         work: list[tuple[int, list[int], list[int], int, int]] = []
         scheduled: list[tuple[StandinLlmRequest, int, int]] = []
         block_copies: list[tuple[int, int]] = []
@@ -528,7 +645,6 @@ class StandinExecutor:
             matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
             if is_async and matched == 0:
                 raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
-            assert not is_async, "stand-in implements synchronous loads only"
             need = -(-req.prompt_len // self.block) - len(reused)
             req.block_ids = reused + self.blocks.allocate(need)
             req.reused_blocks = reused
@@ -538,6 +654,14 @@ class StandinExecutor:
             req.context_pos = num_reused + matched
             req.result.device_reused_tokens = num_reused
             req.result.connector_matched_tokens = matched
+            if is_async:
+                # new_async_requests.loading: build_scheduler_output skips it and
+                # take_scheduled_requests_pending_load takes it out of this batch (no forward) until
+                # get_finished reports the load from every rank; then it is a new request again.
+                self.parked[req.request_id] = req
+                self._loading_new.append(req.request_id)
+                self.async_loads += 1
+                continue
             n = self._chunk_len(req)
             output.new_requests.append(
                 RequestData(
@@ -556,7 +680,16 @@ class StandinExecutor:
         for req in active:
             if req.request_id in new_ids:
                 continue
-            if req.context_pos < req.prompt_len:  # later context chunk
+            if req.returning:  # back from an asynchronous load: first report, computed_position counts the load
+                req.returning = False
+                n = self._chunk_len(req)
+                output.new_requests.append(
+                    RequestData(req.request_id, list(req.tokens), list(req.block_ids), req.context_pos, n,
+                                cache_salt=req.salt)
+                )  # fmt: skip
+                req.reported_blocks = len(req.block_ids)
+                scheduled.append((req, req.context_pos, req.context_pos + n))
+            elif req.context_pos < req.prompt_len:  # later context chunk
                 n = self._chunk_len(req)
                 output.cached_requests.append(
                     RequestData(req.request_id, [], [], req.context_pos, n, cache_salt=req.salt)
@@ -575,9 +708,18 @@ class StandinExecutor:
         for req, start, end in scheduled:
             work.append((req.request_id, req.hashes, list(req.block_ids), start, end))
         other = self._other_traffic_request(output)
+        overwritten = list(other.block_ids) if other else []
+        dummy: list[int] = []
+        if self.attention_dp and not active and not self.parked:
+            # _pad_attention_dp_dummy_request: an idle DP rank joins the other ranks' forward with a
+            # dummy generation request (add_dummy_requests: a block from the free pool), which the
+            # connector never sees (KvCacheConnectorSchedulerOutputManager skips is_dummy_request).
+            dummy = self.blocks.allocate(1)
+            self.dummy_forwards += 1
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        replies = self._step_all_ranks(meta, work, other.block_ids if other else [], block_copies)
+        replies = self._step_all_ranks(meta, work, overwritten + dummy, block_copies)
+        self.blocks.release(dummy, {})
         self.blocks.release([src for src, _dst in block_copies], {})
         if other is not None:  # other traffic's request ends: its blocks go back to the pool
             self.scheduler.request_finished(other, list(other.block_ids))
@@ -628,16 +770,39 @@ class StandinExecutor:
                 self.results[req.request_id] = req.result
                 active.remove(req)
                 self._terminate(req, self._commit_keys(req))
-        # Step 6: get_finished with the ids that started saving now; act on ids every rank returned.
+        for req in [r for r in self.parked.values() if not r.free_when_loaded]:
+            req.iterations += 1
+            if req.cancel_after is not None and req.iterations >= req.cancel_after:
+                req.result.cancelled = True
+                self.results[req.request_id] = req.result
+                if self.version == "main":  # has_pending_transfers: allocated until the worker lets go
+                    req.free_when_loaded = True
+                else:
+                    del self.parked[req.request_id]
+                    self._terminate(req, {})
+        # Step 6: get_finished with the ids that started saving or loading now; act on ids every rank returned.
         newly_saving = [rid for rid in self.saving if rid not in self._announced]
         self._announced.update(newly_saving)
+        newly_loading, self._loading_new = self._loading_new, []
         for parent, _ in self.followers:
-            parent.send(("finish", newly_saving))
-        per_rank = [self.rank0.finish(newly_saving)] + [parent.recv() for parent, _ in self.followers]
-        for ids in per_rank:
+            parent.send(("finish", newly_saving, newly_loading))
+        per_rank = [self.rank0.finish(newly_saving, newly_loading)] + [parent.recv() for parent, _ in self.followers]
+        for ids, loaded in per_rank:
             for rid in ids:
                 self._done_votes[rid] = self._done_votes.get(rid, 0) + 1
-        for rid in [r for r, votes in self._done_votes.items() if votes >= self.tp]:
+            for rid in loaded:
+                self._loading_votes[rid] = self._loading_votes.get(rid, 0) + 1
+        for rid in [r for r, votes in self._loading_votes.items() if votes >= 1 + len(self.followers)]:
+            del self._loading_votes[rid]
+            req = self.parked.pop(rid, None)
+            if req is None:  # freed while parked (1.1/1.2 free a cancelled request at once)
+                continue
+            if req.free_when_loaded:
+                self._terminate(req, self._commit_keys(req))
+            else:
+                req.returning = True  # CONTEXT_INIT again; should_add_sequence is False: no second lookup
+                active.append(req)
+        for rid in [r for r, votes in self._done_votes.items() if votes >= 1 + len(self.followers)]:
             del self._done_votes[rid]
             req = self.saving.pop(rid)
             self._announced.discard(rid)
@@ -711,7 +876,9 @@ class StandinExecutor:
             close.close()
 
 
-def connector_llm_args(model: str, server_url: str | None, tp: int = 1, block: int = BLOCK) -> Any:
+def connector_llm_args(
+    model: str, server_url: str | None, tp: int = 1, block: int = BLOCK, attention_dp: bool = False
+) -> Any:
     """``TorchLlmArgs`` naming the kvoffload connector in ``kv_connector_config``, as the operator writes it."""
     _ensure_paths()
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
@@ -721,6 +888,7 @@ def connector_llm_args(model: str, server_url: str | None, tp: int = 1, block: i
     return TorchLlmArgs(
         model=model,
         tensor_parallel_size=tp,
+        enable_attention_dp=attention_dp,
         kv_cache_config=KvCacheConfig(tokens_per_block=block, enable_block_reuse=True),
         kv_connector_config=KvCacheConnectorConfig(
             connector_module=contract.CONNECTOR_MODULE,
@@ -776,11 +944,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-blocks", type=int, default=64)
     parser.add_argument("--context-chunk-size", type=int, default=None)
+    parser.add_argument("--attention-dp-rank", type=int, default=0, help="with enable_attention_dp: this rank")
     parser.add_argument("--out", default="-")
     args = parser.parse_args(argv)
     llm_args = llm_args_from_options(args.options, args.model, args.tp)
     executor = StandinExecutor(
-        llm_args, num_blocks=args.num_blocks, context_chunk_size=args.context_chunk_size, env=dict(os.environ)
+        llm_args,
+        num_blocks=args.num_blocks,
+        context_chunk_size=args.context_chunk_size,
+        env=dict(os.environ),
+        attention_dp_rank=args.attention_dp_rank,
     )
     phases = json.loads(Path(args.prompts).read_text())
     report: dict[str, Any] = {"phases": []}

@@ -125,6 +125,15 @@ class KVBackend(Protocol):
     def release_loaded(self) -> None:
         """Worker, after an iteration: release the chunks of the loads copied in it (rank 0)."""
 
+    def start_async_load(self, op: TransferOp) -> BackendError | None:
+        """Worker: issue an asynchronous load's copies without waiting; the error, if any."""
+
+    def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
+        """Worker: asynchronous loads whose KV is in the pool since the last call (their chunks released)."""
+
+    def order_after_async_loads(self, blocks: frozenset[int]) -> None:
+        """Worker: order the next forward after asynchronous loads still copying into ``blocks``."""
+
     def store(self, op: TransferOp) -> int:
         """Store ``op``'s blocks; returns bytes moved; raises BackendError."""
 

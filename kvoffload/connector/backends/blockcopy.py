@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -118,6 +119,15 @@ class TransferStream:
         with torch.cuda.stream(self._stream):
             yield
 
+    def mark(self) -> CopyMark:
+        """A mark after the copies issued on this stream so far: ask whether they finished, or order
+        another stream after them on the device."""
+        if self._stream is None:
+            return CopyMark(None)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return CopyMark(event)
+
     def record(self) -> Callable[[], None]:
         """A waiter for the copies issued on this stream so far (later copies may still run)."""
         if self._stream is None:
@@ -130,3 +140,18 @@ class TransferStream:
         """Wait until every copy issued on this stream finished (and the work it was ordered after)."""
         if self._stream is not None:
             self._stream.synchronize()
+
+
+class CopyMark:
+    """Where a transfer stream's copies stood when marked (CPU copies run inline: always done)."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def order_current_stream_after(self) -> None:
+        """The calling thread's current stream runs later work only after the marked copies (device-side)."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)

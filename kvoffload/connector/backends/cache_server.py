@@ -22,7 +22,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
 from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, LMCacheMPClient, failure_reason
+from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, AsyncLoad, LMCacheMPClient, failure_reason
 from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
@@ -178,36 +178,64 @@ class CacheServerBackend(LMCacheMPClient):
         Rank 0 keeps the loads, to release their chunks after the iteration (``release_loaded``):
         by then every rank has copied, since the forward pass's collectives wait for all of them.
         """
-        assert self._pool is not None
         started = time.perf_counter()
-        results: list[LoadResult] = []
         with self._copies.after_caller():
-            for op in ops:
-                try:
-                    views = self._secured_views(op)
-                    scatter_chunks(
-                        self._pool,
-                        op.block_ids,
-                        views,
-                        op.skip_tokens // self._settings.tokens_per_block,
-                        self._blocks_per_chunk,
-                    )
-                except (BackendError, ValueError, RuntimeError) as exc:
-                    error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
-                    self._metrics.error("retrieve", error.reason)
-                    results.append(LoadResult(0, 0.0, error))
-                    continue
-                results.append(LoadResult(self._loaded_bytes(op), 0.0))
+            errors = [self._scatter_secured(op) for op in ops]
         self._copies.synchronize()
         seconds = time.perf_counter() - started
         if self._rank == 0:
             self._loaded.extend(ops)
-        return [LoadResult(r.nbytes, seconds, r.error) for r in results]
+        return [LoadResult(0 if e else self._loaded_bytes(op), seconds, e) for op, e in zip(ops, errors, strict=True)]
+
+    def _scatter_secured(self, op: TransferOp) -> BackendError | None:
+        """Issue the copies of ``op``'s secured chunks (this rank's) into its blocks; the error, if any."""
+        assert self._pool is not None
+        try:
+            views = self._secured_views(op)
+            scatter_chunks(
+                self._pool, op.block_ids, views, op.skip_tokens // self._settings.tokens_per_block, self._blocks_per_chunk
+            )
+        except (BackendError, ValueError, RuntimeError) as exc:
+            error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
+            self._metrics.error("retrieve", error.reason)
+            return error
+        return None
+
+    def start_async_load(self, op: TransferOp) -> BackendError | None:
+        """Issue an asynchronous load's copies and return at once: the engine goes on computing while
+        they run. ``finished_async_loads`` reports it once its KV is in the pool."""
+        started = time.perf_counter()
+        with self._copies.after_caller():
+            error = self._scatter_secured(op)
+            copied = self._copies.mark()
+        if error is None:
+            self._async_loads.append(AsyncLoad(op, started, copied, self._loaded_bytes(op)))
+        return error
+
+    def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
+        """The asynchronous loads whose copies finished since the last call; their chunks go back to
+        the server (one rank: nobody else copies them)."""
+        done = [load for load in self._async_loads if load.copied.done()]
+        if not done:
+            return []
+        self._async_loads = [load for load in self._async_loads if load not in done]
+        now = time.perf_counter()
+        for load in done:
+            self.commit_secured(load.op.session_id, load.op.token_ids, load.op.start, load.op.end, load.op.salt)
+        return [(load.op, LoadResult(load.nbytes, now - load.started)) for load in done]
+
+    def order_after_async_loads(self, blocks: frozenset[int]) -> None:
+        """Before a forward that may write ``blocks``: it runs after any asynchronous load still
+        copying into one of them (a parked request that vanished); device-side, no CPU wait."""
+        for load in self._async_loads:
+            if not blocks.isdisjoint(load.op.block_ids):
+                load.copied.order_current_stream_after()
 
     def release_loaded(self) -> None:
         """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank
-        unmaps replaced segments (a load is secured and copied in the same iteration, so none is
-        still needed: the restarted server's L1 and the old one share the pod's /dev/shm)."""
+        unmaps replaced segments (a synchronous load is secured and copied in the same iteration, so
+        none is still needed, unless an asynchronous load still copies: the restarted server's L1 and
+        the old one share the pod's /dev/shm)."""
         loaded, self._loaded = self._loaded, []
         for op in loaded:
             self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)

@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,7 +35,7 @@ from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_tran
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
-from kvoffload.connector.backends.blockcopy import TransferStream
+from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
 from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
@@ -51,6 +52,16 @@ _RETIRED_GRACE_S = 10.0
 """A replaced transfer context (server restarted) stays mapped until the end of the engine's
 iteration (``release_loaded``), or this long when the engine is idle: loads secured in its segment
 just before the restart still copy from it."""
+
+
+@dataclass
+class AsyncLoad:
+    """One asynchronous load in flight: its op, when it was issued, and the mark after its copies."""
+
+    op: TransferOp
+    started: float
+    copied: CopyMark
+    nbytes: int
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -100,6 +111,8 @@ class LMCacheMPClient:
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
         self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
         self._loaded: list[TransferOp] = []
+        self._async_loads: list[AsyncLoad] = []
+        """Asynchronous loads whose copies were issued and not yet reported finished."""
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
         self._stop = threading.Event()
@@ -273,6 +286,8 @@ class LMCacheMPClient:
             self._close_retired_locked(older_than_s)
 
     def _close_retired_locked(self, older_than_s: float) -> None:
+        if self._async_loads:  # an asynchronous load may still copy from a retired segment
+            return
         now = time.monotonic()
         keep = []
         for transfer, identity, since in self._retired:

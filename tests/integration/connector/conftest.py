@@ -53,7 +53,8 @@ def executor_factory(connector_env: dict[str, str]) -> Iterator[Any]:
     made: list[StandinExecutor] = []
 
     def make(model: str, url: str | None, **kwargs: Any) -> StandinExecutor:
-        ex = StandinExecutor(connector_llm_args(model, url), num_blocks=kwargs.pop("num_blocks", 64), **kwargs)
+        llm_args = connector_llm_args(model, url, **kwargs.pop("llm_args", {}))
+        ex = StandinExecutor(llm_args, num_blocks=kwargs.pop("num_blocks", 64), **kwargs)
         made.append(ex)
         return ex
 

@@ -93,6 +93,31 @@ def test_world_size_and_flags() -> None:
     assert s.world_size == 2 and s.save_decode_tokens and not s.metrics_enabled and not s.async_save
 
 
+def test_attention_dp_ranks_hold_whole_kv_heads_and_in_process_is_refused_with_it() -> None:
+    s = parse_settings({}, _args(tp=4, enable_attention_dp=True))
+    assert s.attention_dp and s.world_size == 1
+    with pytest.raises(SettingsError, match="enable_attention_dp: the in-process cache lives in one engine process"):
+        parse_settings({contract.ENV_BACKEND: contract.BACKEND_INPROCESS}, _args(tp=2, enable_attention_dp=True))
+
+
+@pytest.mark.parametrize(
+    ("cache_config", "message"),
+    [
+        ({"enable_block_reuse": False}, "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none"),
+        ({"use_kv_cache_manager_v2": True}, "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour"),
+    ],
+)
+def test_engine_settings_that_would_drop_or_shorten_loads_are_refused_at_start(
+    cache_config: dict[str, bool], message: str
+) -> None:
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig
+
+    args = _args()
+    args.kv_cache_config = KvCacheConfig(tokens_per_block=32, **cache_config)
+    with pytest.raises(SettingsError, match=message):
+        parse_settings({}, args)
+
+
 @given(st.text(max_size=300))
 def test_salt_is_lmcache_safe_and_injective_enough(raw: str) -> None:
     salt = normalize_salt(raw)

@@ -1,72 +1,99 @@
-"""The TensorRT-LLM stand-in (and the shipped connector) against the reference API JSON."""
+"""The TensorRT-LLM stand-in and the shipped connector against TensorRT-LLM's connector API, per
+supported version (``tests/standin/upstream_api.py``, read from upstream)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import inspect
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvoffload import contract
+from tests.standin.upstream_api import UPSTREAM_API
 
 pytestmark = pytest.mark.connector
-REFERENCE = Path("/work/shared/reference/trtllm-connector-api.json")
 STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
 if STANDIN not in sys.path:
     sys.path.insert(0, STANDIN)
+CLASSES = ("KvCacheConnectorWorker", "KvCacheConnectorScheduler")
+MAIN = UPSTREAM_API["main"]
 
 
-@pytest.fixture(scope="module")
-def api() -> dict:
-    assert REFERENCE.is_file(), f"reference API description missing: {REFERENCE}"
-    return json.loads(REFERENCE.read_text())
+def _params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
 
 
-def test_both_module_paths_exist(api: dict) -> None:
-    new = importlib.import_module(api["module"])
-    old = importlib.import_module(api["older_module"])
-    for name in api["classes"]:
+def test_both_module_paths_serve_the_same_classes() -> None:
+    new = importlib.import_module(UPSTREAM_API["main"]["module"])
+    old = importlib.import_module(UPSTREAM_API["1.2"]["module"])
+    for name in CLASSES:
         assert getattr(new, name) is getattr(old, name)
 
 
-def test_dataclass_fields(api: dict) -> None:
-    module = importlib.import_module(api["module"])
-    for name, fields in api["dataclasses"].items():
-        have = [f.name for f in dataclasses.fields(getattr(module, name))]
-        assert have[: len(fields)] == fields, name
-    request_fields = {f.name for f in dataclasses.fields(module.RequestData)}
-    assert "cache_salt" in request_fields  # the newer optional field, so connectors are tested on both
+def test_standin_data_classes_are_mains() -> None:
+    module = importlib.import_module(MAIN["module"])
+    for name in ("RequestData", "SchedulerOutput"):
+        assert [f.name for f in dataclasses.fields(getattr(module, name))] == MAIN[name], name
 
 
-def test_classes_methods_signatures_and_abstractness(api: dict) -> None:
-    module = importlib.import_module(api["module"])
-    for cls_name, spec in api["classes"].items():
+def test_standin_methods_signatures_abstractness_and_attention_dp_flag_are_mains() -> None:
+    module = importlib.import_module(MAIN["module"])
+    for cls_name in CLASSES:
         cls = getattr(module, cls_name)
-        assert list(inspect.signature(cls.__init__).parameters) == spec["init"]
-        for meth, mspec in spec["methods"].items():
-            fn = getattr(cls, meth)
-            assert list(inspect.signature(fn).parameters) == mspec["params"], f"{cls_name}.{meth}"
-            is_abstract = meth in cls.__abstractmethods__
-            assert is_abstract == mspec["abstract"], f"{cls_name}.{meth} abstract={is_abstract}"
+        assert _params(cls.__init__) == ["self", "llm_args"]
+        assert cls.supports_attention_dp is False  # opt-in, as upstream
+        for meth, (params, abstract) in MAIN[cls_name].items():
+            assert _params(getattr(cls, meth)) == params, f"{cls_name}.{meth}"
+            assert (meth in cls.__abstractmethods__) == abstract, f"{cls_name}.{meth}"
 
 
-def test_shipped_connector_implements_every_hook(api: dict) -> None:
+def test_standin_lets_a_grouped_form_implement_its_flat_form_as_upstream_does() -> None:
+    module = importlib.import_module(MAIN["module"])
+
+    class GroupedOnly(module.KvCacheConnectorScheduler):
+        def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
+            return None
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):  # type: ignore[no-untyped-def]
+            return 0, False
+
+        def request_finished_by_layer_group(self, request, cache_block_ids_by_layer_group):  # type: ignore[no-untyped-def]
+            return False
+
+        def update_state_after_alloc_by_layer_group(self, request, block_ids_by_layer_group):  # type: ignore[no-untyped-def]
+            return None
+
+    scheduler = GroupedOnly(None)  # instantiable: the flat forms are no longer abstract
+    with pytest.raises(NotImplementedError, match="request_finished_by_layer_group, not request_finished"):
+        scheduler.request_finished(None, [])
+
+
+@pytest.mark.parametrize("version", sorted(UPSTREAM_API))
+def test_shipped_connector_implements_every_abstract_hook_of_each_version(version: str) -> None:
+    api = UPSTREAM_API[version]
     module = importlib.import_module(contract.CONNECTOR_MODULE)
-    base = importlib.import_module(api["module"])
-    pairs = {
-        contract.CONNECTOR_SCHEDULER_CLASS: base.KvCacheConnectorScheduler,
-        contract.CONNECTOR_WORKER_CLASS: base.KvCacheConnectorWorker,
-    }
-    for name, parent in pairs.items():
-        cls = getattr(module, name)
-        assert issubclass(cls, parent)
-        assert not cls.__abstractmethods__, f"{name} leaves {cls.__abstractmethods__} abstract"
-        for meth, mspec in api["classes"][parent.__name__]["methods"].items():
-            assert list(inspect.signature(getattr(cls, meth)).parameters) == mspec["params"], f"{name}.{meth}"
+    base = importlib.import_module(MAIN["module"])
+    for cls_name, shipped_name in zip(
+        CLASSES, (contract.CONNECTOR_WORKER_CLASS, contract.CONNECTOR_SCHEDULER_CLASS), strict=True
+    ):
+        cls = getattr(module, shipped_name)
+        assert issubclass(cls, getattr(base, cls_name))
+        assert not cls.__abstractmethods__, f"{shipped_name} leaves {cls.__abstractmethods__} abstract"
+        for meth, (params, abstract) in api[cls_name].items():
+            if abstract:
+                assert getattr(cls, meth) is not getattr(getattr(base, cls_name), meth), f"{shipped_name}.{meth}"
+            assert _params(getattr(cls, meth)) == params, f"{shipped_name}.{meth} on {version}"
+
+
+def test_shipped_connector_declares_attention_dp_on_both_classes() -> None:
+    module = importlib.import_module(contract.CONNECTOR_MODULE)
+    base = importlib.import_module(MAIN["module"])
+    base.validate_attention_dp(
+        getattr(module, contract.CONNECTOR_WORKER_CLASS), getattr(module, contract.CONNECTOR_SCHEDULER_CLASS)
+    )
 
 
 def test_connector_never_imports_kubernetes_or_kopf() -> None:

@@ -457,6 +457,7 @@ def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[di
         ("kv_connector_config:\n  connector: lmcache\n", "kv_connector_config.connector"),
         ("kv_cache_config:\n  enable_block_reuse: false\n", "kv_cache_config.enable_block_reuse"),
         ("kv_cache_config:\n  host_cache_size: 1073741824\n", "kv_cache_config.host_cache_size"),
+        ("kv_cache_config:\n  use_kv_cache_manager_v2: true\n", "kv_cache_config.use_kv_cache_manager_v2"),
         ("kv_cache_config:\n  max_attention_window: [4096, 32768]\n", "kv_cache_config.max_attention_window"),
         ("scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n", "scheduler_config.capacity_scheduler_policy"),
         ("pipeline_parallel_size: 2\n", "pipeline_parallel_size"),

@@ -12,6 +12,7 @@ class KvCacheConfig:
 
     tokens_per_block: int = 32
     enable_block_reuse: bool = True
+    use_kv_cache_manager_v2: bool = False
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TorchLlmArgs:
     model: str = "standin-model"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_attention_dp: bool = False
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: KvCacheConnectorConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -45,9 +47,11 @@ class TorchLlmArgs:
             model=model,
             tensor_parallel_size=int(options.get("tensor_parallel_size", tensor_parallel_size)),
             pipeline_parallel_size=int(options.get("pipeline_parallel_size", 1)),
+            enable_attention_dp=bool(options.get("enable_attention_dp", False)),
             kv_cache_config=KvCacheConfig(
                 tokens_per_block=int(kv_cache.get("tokens_per_block", 32)),
                 enable_block_reuse=bool(kv_cache.get("enable_block_reuse", True)),
+                use_kv_cache_manager_v2=bool(kv_cache.get("use_kv_cache_manager_v2", False)),
             ),
             kv_connector_config=KvCacheConnectorConfig(**connector) if connector is not None else None,
         )

@@ -1,10 +1,10 @@
-"""Stand-in for ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py``.
+"""Stand-in for ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (main @035ab91c).
 
-The ABCs and data classes as in TensorRT-LLM at TRT@5a06f334 (see
-/work/shared/reference/trtllm-kv-connector.md §1): names, signatures, which
-methods are abstract, and the concrete metadata helpers of the worker.
-``RequestData`` carries ``cache_salt_id`` (TRT@5a06f334) and the newer optional
-``cache_salt`` so connectors can be tested against both.
+The connector ABCs and data classes as TensorRT-LLM main has them: names, signatures, which methods
+are abstract, the ``supports_attention_dp`` opt-in, the per-layer-group forms (whose defaults
+delegate to the flat forms for one layer group and refuse several), and the worker's concrete
+metadata helpers. ``tests/standin/upstream_api.py`` pins these per supported version; the executor
+stand-in (``tests/support/trtllm_executor.py``) plays the ``KvCacheConnectorManager`` around them.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ class RequestData:
     new_block_ids: list[int]
     computed_position: int
     num_scheduled_tokens: int
+    block_hashes: list[int] = field(default_factory=list)
     priorities: list[int] | None = None
-    cache_salt_id: int | None = None
     cache_salt: str | None = None
+    new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,40 +36,38 @@ class SchedulerOutput:
 
     new_requests: list[RequestData] = field(default_factory=list)
     cached_requests: list[RequestData] = field(default_factory=list)
+    attention_dp_rank: int | None = None
+    """Under attention DP, the rank owning these requests' blocks; None on the tensor-parallel path."""
 
 
-class KvCacheConnectorScheduler(ABC):
-    """Runs only on rank 0; every hook is a collective in TensorRT-LLM."""
+def _grouped_form_stands_in(cls: type, base: type, flat_for_grouped: dict[str, str]) -> None:
+    """An override of a per-layer-group form implements its flat form too (upstream lets a
+    connector implement either spelling; only the flat one is abstract)."""
+    for flat, grouped in flat_for_grouped.items():
+        if getattr(cls, grouped, None) is getattr(base, grouped):
+            continue
+        if not getattr(getattr(cls, flat, None), "__isabstractmethod__", False):
+            continue
 
-    def __init__(self, llm_args: Any):
-        self._llm_args = llm_args
+        def unavailable(self: Any, *args: Any, _flat: str = flat, _grouped: str = grouped, **kwargs: Any) -> None:
+            raise NotImplementedError(f"{type(self).__name__} implements {_grouped}, not {_flat}")
 
-    @abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async."""
-
-    @abstractmethod
-    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
-        """Called right after blocks were allocated for the request's first context chunk."""
-
-    @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
-        """Per-iteration metadata, broadcast to every worker."""
-
-    @abstractmethod
-    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        """True when an async save is in flight; blocks stay held until ``get_finished``."""
-
-    def wait_for_initialization(self) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Optional: block until the connector is ready."""
+        setattr(cls, flat, unavailable)
 
 
 class KvCacheConnectorWorker(ABC):
-    """Runs on every rank."""
+    """Runs on every rank (under attention DP: one per DP rank, owner-local)."""
+
+    supports_attention_dp: bool = False
 
     def __init__(self, llm_args: Any):
         self._llm_args = llm_args
         self._metadata: object | None = None
+        super().__init__()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _grouped_form_stands_in(cls, KvCacheConnectorWorker, {"register_kv_caches": "register_kv_cache_layout"})
 
     def bind_connector_meta(self, metadata: object) -> None:
         """Store this iteration's metadata."""
@@ -88,6 +87,16 @@ class KvCacheConnectorWorker(ABC):
     @abstractmethod
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         """Once at init: the contiguous KV pool ``[num_blocks, num_layers, kv_factor, block_size]``."""
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """KVCacheManagerV2: the pools per layer group; one pool goes to ``register_kv_caches``."""
+        tensor = layout.as_single_pool_tensor()
+        if tensor is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement register_kv_cache_layout, and this KV cache "
+                f"cannot be described as one pool tensor: {len(layout.groups)} layer group(s)"
+            )
+        self.register_kv_caches(tensor)
 
     @abstractmethod
     def start_load_kv(self, stream: Any) -> None:
@@ -110,3 +119,71 @@ class KvCacheConnectorWorker(ABC):
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
         """(finished saving ids, finished loading ids); ids only after they were passed in."""
+
+
+class KvCacheConnectorScheduler(ABC):
+    """Rank 0 only on the tensor-parallel path; one per rank under attention DP."""
+
+    supports_attention_dp: bool = False
+
+    def __init__(self, llm_args: Any):
+        self._llm_args = llm_args
+        super().__init__()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _grouped_form_stands_in(
+            cls,
+            KvCacheConnectorScheduler,
+            {
+                "request_finished": "request_finished_by_layer_group",
+                "update_state_after_alloc": "update_state_after_alloc_by_layer_group",
+            },
+        )
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:
+        """Per-iteration metadata, broadcast to every worker (owner-local under attention DP)."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens loadable beyond ``num_computed_tokens`` and whether the load is async."""
+
+    @abstractmethod
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """True when an async save is in flight; blocks stay held until ``get_finished``."""
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        """Per-layer-group form of ``request_finished``: one group delegates, several are refused."""
+        if len(cache_block_ids_by_layer_group) != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement request_finished_by_layer_group, and this KV "
+                f"cache has {len(cache_block_ids_by_layer_group)} layer groups"
+            )
+        return self.request_finished(request, cache_block_ids_by_layer_group[0])
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Called right after blocks were allocated for the request's first context chunk."""
+
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        """Per-layer-group form of ``update_state_after_alloc``: one group delegates, several are refused."""
+        if len(block_ids_by_layer_group) != 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not implement update_state_after_alloc_by_layer_group, and "
+                f"this KV cache has {len(block_ids_by_layer_group)} layer groups"
+            )
+        self.update_state_after_alloc(request, block_ids_by_layer_group[0])
+
+    def wait_for_initialization(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Optional: block until the connector is ready."""
+
+
+def validate_attention_dp(worker_cls: type, scheduler_cls: type) -> None:
+    """``KvCacheConnectorManager.validate_attention_dp``: both classes must opt in."""
+    for connector_cls in (worker_cls, scheduler_cls):
+        if getattr(connector_cls, "supports_attention_dp", False) is not True:
+            raise NotImplementedError(
+                "The connector must declare supports_attention_dp=True "
+                "and implement owner-local scheduling/transfers against a shared pool."
+            )

@@ -1,0 +1,60 @@
+"""TensorRT-LLM's KV connector API per supported version, as data for the contract tests.
+
+Read from NVIDIA/TensorRT-LLM through the code index: the 1.2 line's
+``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` (@3277953, @00fdcbf) and main's
+``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (@035ab91c). A method maps to
+``(parameters, abstract)``; ``attention_dp`` says whether the version has the ``supports_attention_dp``
+opt-in (``KvCacheConnectorManager.validate_attention_dp``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_WORKER_12: dict[str, tuple[list[str], bool]] = {
+    "bind_connector_meta": (["self", "metadata"], False),
+    "get_connector_meta": (["self"], False),
+    "register_forward_pass_callable": (["self"], False),
+    "register_kv_caches": (["self", "kv_cache_tensor"], True),
+    "start_load_kv": (["self", "stream"], True),
+    "wait_for_layer_load": (["self", "layer_idx", "stream"], True),
+    "save_kv_layer": (["self", "layer_idx", "stream"], True),
+    "wait_for_save": (["self", "stream"], True),
+    "get_finished": (["self", "finished_gen_req_ids", "started_loading_req_ids"], True),
+}
+_SCHEDULER_12: dict[str, tuple[list[str], bool]] = {
+    "build_connector_meta": (["self", "scheduler_output"], True),
+    "get_num_new_matched_tokens": (["self", "request", "num_computed_tokens"], True),
+    "request_finished": (["self", "request", "cache_block_ids"], True),
+    "update_state_after_alloc": (["self", "request", "block_ids"], True),
+}
+
+UPSTREAM_API: dict[str, dict[str, Any]] = {
+    "1.2": {
+        "module": "tensorrt_llm._torch.pyexecutor.kv_cache_connector",
+        "attention_dp": False,
+        "RequestData": ["request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens"],
+        "SchedulerOutput": ["new_requests", "cached_requests"],
+        "KvCacheConnectorWorker": _WORKER_12,
+        "KvCacheConnectorScheduler": _SCHEDULER_12,
+    },
+    "main": {
+        "module": "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
+        "attention_dp": True,
+        "RequestData": [
+            "request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens",
+            "block_hashes", "priorities", "cache_salt", "new_block_ids_by_layer_group",
+        ],  # fmt: skip
+        "SchedulerOutput": ["new_requests", "cached_requests", "attention_dp_rank"],
+        "KvCacheConnectorWorker": {
+            **_WORKER_12,
+            "register_kv_cache_layout": (["self", "layout"], False),
+        },
+        "KvCacheConnectorScheduler": {
+            **_SCHEDULER_12,
+            "request_finished_by_layer_group": (["self", "request", "cache_block_ids_by_layer_group"], False),
+            "update_state_after_alloc_by_layer_group": (["self", "request", "block_ids_by_layer_group"], False),
+            "wait_for_initialization": (["self"], False),
+        },
+    },
+}
