@@ -227,6 +227,7 @@ def _hook_env(url: str, metrics: bool) -> dict[str, str]:
         "KVOFFLOAD_MODEL_NAME": MODEL,
         "KVOFFLOAD_METRICS_ENABLED": "true" if metrics else "false",
         "KVOFFLOAD_ASYNC_SAVE": "false",  # the hook performs the store itself, so it can be timed
+        "KVOFFLOAD_ASYNC_LOAD_MIN_TOKENS": "0",  # and start_load_kv the load
         "KVOFFLOAD_STORE_TIMEOUT_MS": "60000",
         "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "60000",
         "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "5000",

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     sidecar, url, _ = gt.start_sidecar(args.l1, workdir, chunk_size=256)
     os.environ.update({
         contract.ENV_BACKEND: contract.BACKEND_SIDECAR, contract.ENV_ASYNC_SAVE: "true",
+        contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0",  # this check drives the synchronous load path
         "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
     })  # fmt: skip
     failures = 0

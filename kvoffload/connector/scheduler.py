@@ -179,17 +179,19 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         saves: list[planning.TransferOp] = []
         fresh: set[int] = set()
         parking, self._parking = self._parking, []
-        for state in [self._requests[rid] for rid in parking if rid in self._requests]:
+        for parked in [self._requests[rid] for rid in parking if rid in self._requests]:
             # Parked this iteration (TensorRT-LLM leaves it out of scheduler_output): its load starts now.
-            new_fresh = planning.fresh_blocks(state.block_ids, state.device_tokens, self._block, True)
-            self._reap_vanished(new_fresh, state.request_id)
+            new_fresh = planning.fresh_blocks(parked.block_ids, parked.device_tokens, self._block, True)
+            self._reap_vanished(new_fresh, parked.request_id)
             fresh.update(new_fresh)
-            load = state.load
-            async_loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
-            state.secured = None
-            self._parked.add(state.request_id)
-            self._count_sources(state, state.device_tokens)
-            state.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
+            load = parked.load
+            async_loads.append(
+                self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
+            )
+            parked.secured = None
+            self._parked.add(parked.request_id)
+            self._count_sources(parked, parked.device_tokens)
+            parked.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
         for req in scheduler_output.new_requests:
             rid = int(req.request_id)
             new_fresh = planning.fresh_blocks(req.new_block_ids, req.computed_position, self._block, True)

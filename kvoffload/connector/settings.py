@@ -18,9 +18,10 @@ from kvoffload.policy import Policy, PolicyError
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
 DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_ASYNC_SAVE = True
-DEFAULT_ASYNC_LOAD_MIN_TOKENS = 8192
-"""Measured on an H200 (docs/connector.md, "Async loads"): from here a load parked off the batch
-costs concurrent requests less than one that blocks the iteration."""
+DEFAULT_ASYNC_LOAD_MIN_TOKENS = 4096
+"""Measured on an H200 (docs/connector.md, "Async loads"): from 4,096 tokens (the smallest size
+measured) a parked load stalls the other requests less than a blocking one and is in the pool as
+early; below it, parking costs the loading request an iteration for a copy of a few ms."""
 """Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})

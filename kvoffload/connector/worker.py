@@ -48,6 +48,12 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._finished_waiting: set[int] = set()
         self._loading_started: set[int] = set()  # parked requests TensorRT-LLM told us about (get_finished)
         self._loaded_async: set[int] = set()  # parked requests whose KV is in the pool, not yet reported
+        # Async loads: one loader thread issues their copies, off the engine's thread.
+        self._load_queue: deque[planning.TransferOp] = deque()
+        self._load_cv = threading.Condition()
+        self._issuing: planning.TransferOp | None = None  # the op the loader is issuing copies for
+        self._load_failures: list[tuple[planning.TransferOp, BackendError]] = []
+        self._load_thread: threading.Thread | None = None
         self._save_thread: threading.Thread | None = None
         self._kv_device: Any = None
         if self._settings.async_save:
@@ -93,15 +99,61 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         if meta.fresh_blocks:
             if self._save_thread is not None:
                 self._fence_saves(meta.fresh_blocks)
-            self._backend.order_after_async_loads(meta.fresh_blocks)
+            self._fence_async_loads(meta.fresh_blocks)
         if meta.loads:
             for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
                 self._loaded(op, result)
-        for op in meta.async_loads:
-            error = self._backend.start_async_load(op)
-            if error is not None:  # reported as loaded: the request's first forward then fails it
-                self._loaded(op, LoadResult(0, 0.0, error))
-                self._loaded_async.add(op.request_id)
+        if meta.async_loads:
+            self._queue_async_loads(meta.async_loads)
+
+    def _queue_async_loads(self, ops: tuple[planning.TransferOp, ...]) -> None:
+        """Hand parked requests' loads to the loader thread, which issues their copies."""
+        if self._load_thread is None:
+            self._load_thread = threading.Thread(target=self._load_loop, name="kvoffload-load", daemon=True)
+            self._load_thread.start()
+        with self._load_cv:
+            for op in ops:
+                self._backend.expect_async_load()
+                self._load_queue.append(op)
+            self._load_cv.notify_all()
+
+    def _load_loop(self) -> None:
+        use_private_stream(self._kv_device)  # ordered after nothing of the engine's: the blocks are fresh
+        while True:
+            with self._load_cv:
+                while not self._load_queue:
+                    self._load_cv.wait()
+                op = self._issuing = self._load_queue.popleft()
+            try:
+                error = self._backend.start_async_load(op)
+            except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
+                logger.exception("event=load_error request=%d", op.request_id)
+                error = BackendError("retrieve", "error", repr(exc))
+            with self._load_cv:
+                if error is not None:
+                    self._load_failures.append((op, error))
+                self._issuing = None
+                self._load_cv.notify_all()
+
+    def _fence_async_loads(self, fresh: frozenset[int]) -> None:
+        """Before a forward that may write ``fresh`` blocks: no asynchronous load may write them later.
+
+        A queued one belongs to a parked request that vanished (its blocks went back to the pool):
+        it is dropped. One being issued is waited for; issued ones order the forward after their
+        copies on the device.
+        """
+        with self._load_cv:
+            keep: deque[planning.TransferOp] = deque()
+            for op in self._load_queue:
+                if fresh.isdisjoint(op.block_ids):
+                    keep.append(op)
+                    continue
+                self._backend.drop_async_load(op)
+                self._metrics.error("retrieve", "blocks_reused")
+                self._loaded_async.add(op.request_id)  # its id still ends: TensorRT-LLM waits for it
+            self._load_queue = keep
+            self._load_cv.wait_for(lambda: self._issuing is None or fresh.isdisjoint(self._issuing.block_ids))
+        self._backend.order_after_async_loads(fresh)
 
     def _loaded(self, op: planning.TransferOp, result: LoadResult) -> None:
         if result.error is not None:
@@ -208,6 +260,11 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         """Step 6: requests whose async saves are done, and parked requests whose KV is in the pool
         (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
+        with self._load_cv:
+            failures, self._load_failures = self._load_failures, []
+        for op, error in failures:  # reported as loaded: the request's first forward then fails it
+            self._loaded(op, LoadResult(0, 0.0, error))
+            self._loaded_async.add(op.request_id)
         for op, result in self._backend.finished_async_loads():
             self._loaded(op, result)
             self._loaded_async.add(op.request_id)

@@ -42,9 +42,9 @@ UPSTREAM_API: dict[str, dict[str, Any]] = {
         "module": "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
         "attention_dp": True,
         "RequestData": [
-            "request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens",
-            "block_hashes", "priorities", "cache_salt", "new_block_ids_by_layer_group",
-        ],  # fmt: skip
+            *("request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens"),
+            *("block_hashes", "priorities", "cache_salt", "new_block_ids_by_layer_group"),
+        ],
         "SchedulerOutput": ["new_requests", "cached_requests", "attention_dp_rank"],
         "KvCacheConnectorWorker": {
             **_WORKER_12,

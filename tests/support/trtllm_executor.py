@@ -31,6 +31,7 @@ CLI (what the end-to-end test starts with the env the operator injects)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import json
@@ -469,10 +470,8 @@ class AttentionDpRank:
         return bool(self._call(("settle", None))["settled"])
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(EOFError, OSError, RuntimeError):
             self._call(("stop", None))
-        except (EOFError, OSError, RuntimeError):
-            pass
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()

@@ -125,8 +125,14 @@ class KVBackend(Protocol):
     def release_loaded(self) -> None:
         """Worker, after an iteration: release the chunks of the loads copied in it (rank 0)."""
 
+    def expect_async_load(self) -> None:
+        """Worker: an asynchronous load will be issued or dropped (its segment stays mapped till then)."""
+
     def start_async_load(self, op: TransferOp) -> BackendError | None:
-        """Worker: issue an asynchronous load's copies without waiting; the error, if any."""
+        """Worker: issue an expected asynchronous load's copies without waiting; the error, if any."""
+
+    def drop_async_load(self, op: TransferOp) -> None:
+        """Worker: an expected asynchronous load will not be issued; its chunks go back."""
 
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """Worker: asynchronous loads whose KV is in the pool since the last call (their chunks released)."""

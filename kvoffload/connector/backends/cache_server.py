@@ -193,7 +193,11 @@ class CacheServerBackend(LMCacheMPClient):
         try:
             views = self._secured_views(op)
             scatter_chunks(
-                self._pool, op.block_ids, views, op.skip_tokens // self._settings.tokens_per_block, self._blocks_per_chunk
+                self._pool,
+                op.block_ids,
+                views,
+                op.skip_tokens // self._settings.tokens_per_block,
+                self._blocks_per_chunk,
             )
         except (BackendError, ValueError, RuntimeError) as exc:
             error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
@@ -201,24 +205,41 @@ class CacheServerBackend(LMCacheMPClient):
             return error
         return None
 
+    def expect_async_load(self) -> None:
+        """An asynchronous load will be issued (or dropped): until then its segment stays mapped."""
+        with self._async_lock:
+            self._async_outstanding += 1
+
     def start_async_load(self, op: TransferOp) -> BackendError | None:
-        """Issue an asynchronous load's copies and return at once: the engine goes on computing while
-        they run. ``finished_async_loads`` reports it once its KV is in the pool."""
+        """Issue an expected asynchronous load's copies without waiting for them (the loader thread):
+        the engine goes on computing while they run; ``finished_async_loads`` reports it once its KV
+        is in the pool."""
         started = time.perf_counter()
         with self._copies.after_caller():
             error = self._scatter_secured(op)
             copied = self._copies.mark()
-        if error is None:
-            self._async_loads.append(AsyncLoad(op, started, copied, self._loaded_bytes(op)))
+        with self._async_lock:
+            if error is None:
+                self._async_loads.append(AsyncLoad(op, started, copied, self._loaded_bytes(op)))
+            else:
+                self._async_outstanding -= 1
         return error
+
+    def drop_async_load(self, op: TransferOp) -> None:
+        """An expected asynchronous load that will not be issued (its request vanished): its chunks go back."""
+        with self._async_lock:
+            self._async_outstanding -= 1
+        self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
 
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """The asynchronous loads whose copies finished since the last call; their chunks go back to
         the server (one rank: nobody else copies them)."""
-        done = [load for load in self._async_loads if load.copied.done()]
-        if not done:
-            return []
-        self._async_loads = [load for load in self._async_loads if load not in done]
+        with self._async_lock:
+            done = [load for load in self._async_loads if load.copied.done()]
+            if not done:
+                return []
+            self._async_loads = [load for load in self._async_loads if load not in done]
+            self._async_outstanding -= len(done)
         now = time.perf_counter()
         for load in done:
             self.commit_secured(load.op.session_id, load.op.token_ids, load.op.start, load.op.end, load.op.salt)
@@ -227,9 +248,10 @@ class CacheServerBackend(LMCacheMPClient):
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
         """Before a forward that may write ``blocks``: it runs after any asynchronous load still
         copying into one of them (a parked request that vanished); device-side, no CPU wait."""
-        for load in self._async_loads:
-            if not blocks.isdisjoint(load.op.block_ids):
-                load.copied.order_current_stream_after()
+        with self._async_lock:
+            touching = [load for load in self._async_loads if not blocks.isdisjoint(load.op.block_ids)]
+        for load in touching:
+            load.copied.order_current_stream_after()
 
     def release_loaded(self) -> None:
         """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank

@@ -113,6 +113,9 @@ class LMCacheMPClient:
         self._loaded: list[TransferOp] = []
         self._async_loads: list[AsyncLoad] = []
         """Asynchronous loads whose copies were issued and not yet reported finished."""
+        self._async_outstanding = 0
+        """Asynchronous loads announced (``expect_async_load``) and not yet finished or dropped."""
+        self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
         self._stop = threading.Event()
@@ -286,7 +289,7 @@ class LMCacheMPClient:
             self._close_retired_locked(older_than_s)
 
     def _close_retired_locked(self, older_than_s: float) -> None:
-        if self._async_loads:  # an asynchronous load may still copy from a retired segment
+        if self._async_outstanding:  # an asynchronous load may still copy from a retired segment
             return
         now = time.monotonic()
         keep = []

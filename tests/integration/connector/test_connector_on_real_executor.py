@@ -237,3 +237,33 @@ def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_output
     assert outputs["overlap"] == outputs["plain"] and len(outputs["plain"]) >= 20
     assert overlap.overlap_extra_steps >= 20 and plain.overlap_extra_steps == 0, "the extra decode steps ran"
     assert overlap.scheduler._requests == {}
+
+
+@pytest.mark.parametrize("version", sorted(TRTLLM_VERSIONS))
+def test_asynchronous_loads_park_the_request_and_give_the_same_outputs_and_exact_kv(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """Loads of a chunk or more answered ``(n, True)``: TensorRT-LLM parks the request (no forward,
+    out of ``scheduler_output``) until ``get_finished`` reports the load, then schedules it as a new
+    request whose ``computed_position`` counts the load. With cancellations while parked (main keeps
+    such a request's blocks until the load ends, 1.1/1.2 free them at once), outputs equal those of
+    synchronous loads, no KV is wrong and no state is left."""
+    outputs: dict[str, dict[int, list[int]]] = {}
+    parked = {}
+    for mode, min_tokens in (("sync", "0"), ("async", str(CHUNK))):
+        monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, min_tokens)
+        ex = executor_factory(f"async-{version}-{mode}-model", lmcache_server.url, num_blocks=88,
+                              context_chunk_size=CHUNK, version=version)  # fmt: skip
+        outputs[mode] = {}
+        for batch in cancellation_stream(seed=41, rounds=16, per_round=4, cancel_share=0.4):
+            for r in ex.run(batch):
+                assert not r.failed
+                if not r.cancelled:
+                    outputs[mode][r.request_id] = r.output_tokens
+            ex.evict_device_cache()
+        assert ex.kv_mismatches == 0
+        assert ex.scheduler._requests == {} and ex.scheduler._parked == set()
+        assert ex.rank0.worker._loading_started == set() and ex.rank0.worker._loaded_async == set()
+        parked[mode] = ex.async_loads
+    assert outputs["async"] == outputs["sync"] and len(outputs["sync"]) >= 20
+    assert parked["sync"] == 0 and parked["async"] >= 20, parked

@@ -253,12 +253,15 @@ def test_decode_tokens_saved_when_enabled(
     assert ex.kv_mismatches == 0
 
 
+@pytest.mark.parametrize("min_async_tokens", ["0", str(CHUNK)], ids=["sync-load", "async-load"])
 def test_server_killed_between_lookup_and_load_still_gives_the_promised_kv(
-    doomed_server: LMCacheServer, executor_factory: Any
+    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, min_async_tokens: str
 ) -> None:
     """The sidecar dies right after the lookup promised KV: the load was secured at lookup (chunks
-    handed out in the shared L1 segment), so it is a local copy; the request gets the right output
-    and the engine goes on (raising in start_load_kv would have stopped TensorRT-LLM's executor)."""
+    handed out in the shared L1 segment), so it is a local copy, synchronous or by the loader
+    thread while the request is parked; the request gets the right output and the engine goes on
+    (raising in start_load_kv would have stopped TensorRT-LLM's executor)."""
+    monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, min_async_tokens)
     ex = executor_factory("failed-load-model", doomed_server.url)
     p = make_prompt(12, 200)
     (r0,) = ex.run([PromptRequest(1, p, 2)])
@@ -279,6 +282,7 @@ def test_server_killed_between_lookup_and_load_still_gives_the_promised_kv(
     (r2,) = ex.run([PromptRequest(3, p, 2)])  # server gone: a plain recompute
     assert not r2.failed and r2.connector_matched_tokens == 0 and r2.output_tokens == r0.output_tokens
     assert ex.kv_mismatches == 0
+    assert ex.async_loads == (0 if min_async_tokens == "0" else 1)
 
 
 def test_several_hits_in_one_iteration_load_together_bit_exact(

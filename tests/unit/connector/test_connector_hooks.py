@@ -68,6 +68,12 @@ class FakeBackend:
     def release_loaded(self) -> None:
         pass
 
+    def finished_async_loads(self) -> list[tuple[planning.TransferOp, LoadResult]]:
+        return []
+
+    def order_after_async_loads(self, blocks: frozenset[int]) -> None:
+        pass
+
     def store(self, op: planning.TransferOp) -> int:
         if self.fail:
             raise BackendError("store", self.fail)

@@ -93,6 +93,25 @@ def test_world_size_and_flags() -> None:
     assert s.world_size == 2 and s.save_decode_tokens and not s.metrics_enabled and not s.async_save
 
 
+def test_async_load_threshold_from_env_zero_turns_it_off_and_negative_is_refused() -> None:
+    assert parse_settings({}, _args()).async_load_min_tokens == 4096
+    assert parse_settings({contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0"}, _args()).async_load_min_tokens == 0
+    with pytest.raises(SettingsError, match="KVOFFLOAD_ASYNC_LOAD_MIN_TOKENS='-1' must be an integer of at least 0"):
+        parse_settings({contract.ENV_ASYNC_LOAD_MIN_TOKENS: "-1"}, _args())
+
+
+@pytest.mark.parametrize(
+    ("matched", "threshold", "world", "expected"),
+    [(4096, 4096, 1, True), (4095, 4096, 1, False), (32768, 4096, 2, False), (32768, 0, 1, False)],
+)
+def test_loads_are_async_from_the_threshold_with_one_rank_only(
+    matched: int, threshold: int, world: int, expected: bool
+) -> None:
+    from kvoffload.connector.planning import load_is_async
+
+    assert load_is_async(matched, threshold, world) is expected
+
+
 def test_attention_dp_ranks_hold_whole_kv_heads_and_in_process_is_refused_with_it() -> None:
     s = parse_settings({}, _args(tp=4, enable_attention_dp=True))
     assert s.attention_dp and s.world_size == 1
@@ -104,7 +123,10 @@ def test_attention_dp_ranks_hold_whole_kv_heads_and_in_process_is_refused_with_i
     ("cache_config", "message"),
     [
         ({"enable_block_reuse": False}, "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none"),
-        ({"use_kv_cache_manager_v2": True}, "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour"),
+        (
+            {"use_kv_cache_manager_v2": True},
+            "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour",
+        ),
     ],
 )
 def test_engine_settings_that_would_drop_or_shorten_loads_are_refused_at_start(

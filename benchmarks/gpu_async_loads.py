@@ -1,0 +1,203 @@
+"""What a hit's load costs the other requests of the batch: synchronous vs asynchronous loads (GPU).
+
+A stand-in engine on the GPU runs decode-only iterations for concurrent requests (matmuls and a
+memory-bound pass on the engine's stream, then the host waits, as sampling does). At iteration 5 a
+request arrives whose prompt LMCache holds (stored through the connector first). The connector's real
+hooks serve it (``get_num_new_matched_tokens``, ``build_connector_meta``, ``start_load_kv``,
+``get_finished``) against the real sidecar, in three modes, each measured in the same run:
+
+- ``none``: no hit arrives (the baseline iteration time);
+- ``sync``: the load is copied in ``start_load_kv``, before that iteration's forward;
+- ``async``: ``(n, True)``: the request is parked, its load runs beside the decode iterations, and
+  ``get_finished`` reports it once its KV is in the pool.
+
+Per size it prints one JSON line: iteration times (mean and max over the iterations while the load
+was in flight, and of the baseline), the hit's time from arrival to its KV in the pool (to being
+schedulable), and whether the loaded blocks are bit-exact.
+
+    python -m benchmarks.gpu_async_loads --tokens 4096 8192 16384 32768 --l1 24Gi
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import gpu_transfer as gt
+from benchmarks.common import scattered_block_ids
+
+WARM_ITERATIONS = 5
+AFTER_ITERATIONS = 30
+
+
+def decode_step(weights: torch.Tensor, acts: torch.Tensor, big: torch.Tensor) -> None:
+    """One decode iteration of the concurrent requests: matmuls, and memory-bound passes (a decode
+    step mostly reads weights from HBM, which the load's DMA also uses)."""
+    for _ in range(4):
+        acts.copy_(acts @ weights)
+    for _ in range(3):
+        big.mul_(1.0)
+
+
+def _on(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], rid: int) -> dict[str, Any]:
+    """Decode iterations with (or without) one hit arriving at iteration ``WARM_ITERATIONS``."""
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+
+    from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
+
+    scheduler, worker, pool, engine = hooks["scheduler"], hooks["worker"], hooks["pool"], hooks["engine"]
+    weights, acts, big = hooks["weights"], hooks["acts"], hooks["big"]
+    scheduler._settings = dataclasses.replace(scheduler._settings, async_load_min_tokens=1 if mode == "async" else 0)
+    dst = hooks["dst"]
+    dst_idx = torch.tensor(dst[:-1], device=pool.device)
+    pool.index_fill_(0, dst_idx, float("nan"))
+    hooks["sync"]()
+    times: list[float] = []
+    arrived = loaded_at = None
+    lookup_ms = 0.0
+    in_flight: list[int] = []
+    request = None
+    for it in range(WARM_ITERATIONS + AFTER_ITERATIONS):
+        t0 = time.perf_counter()
+        output = SchedulerOutput()
+        started_loading: list[int] = []
+        if it == WARM_ITERATIONS and mode != "none":
+            arrived = t0
+            request = StandinLlmRequest(PromptRequest(rid, prompt))
+            matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
+            lookup_ms = (time.perf_counter() - t0) * 1e3
+            assert matched == tokens and is_async == (mode == "async"), (matched, is_async)
+            scheduler.update_state_after_alloc(request, list(dst))
+            if is_async:
+                started_loading = [rid]
+            else:
+                output.new_requests.append(RequestData(rid, list(prompt), list(dst), 0, len(prompt) - matched))
+        meta = scheduler.build_connector_meta(output)
+        worker.bind_connector_meta(meta)
+        with _on(engine):
+            worker.start_load_kv(engine)
+            decode_step(weights, acts, big)
+            worker.wait_for_save(engine)
+        worker._clear_connector_meta()
+        if engine is not None:
+            engine.synchronize()  # sampling reads the logits (the engine's stream, not the loads')
+        _, done_loading = worker.get_finished([], started_loading)
+        if mode == "sync" and it == WARM_ITERATIONS:
+            loaded_at = time.perf_counter()
+            in_flight.append(it)
+        elif mode == "async" and arrived is not None and loaded_at is None:
+            in_flight.append(it)
+            if rid in done_loading:
+                loaded_at = time.perf_counter()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if request is not None:
+        scheduler.request_finished(request, list(dst))
+    exact = mode == "none" or bool(torch.equal(pool[dst_idx].view(torch.int16), hooks["source"].view(torch.int16)))
+    window = [times[i] for i in in_flight] or times[WARM_ITERATIONS:]
+    return {
+        "mode": mode,
+        "iteration_ms_mean": round(statistics.fmean(window), 2),
+        "iteration_ms_max": round(max(window), 2),
+        "iterations_in_window": len(window),
+        "steady_iteration_ms": round(statistics.median(times[WARM_ITERATIONS + 10 :]), 2),
+        "arrival_to_loaded_ms": round((loaded_at - arrived) * 1e3, 2) if loaded_at and arrived else None,
+        "lookup_and_secure_ms": round(lookup_ms, 2),
+        "bit_exact": exact,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--l1", default="24Gi")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    args = parser.parse_args(argv)
+    dev = args.device
+    assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests" / "standin"))
+    from kvoffload import contract
+    from kvoffload.connector.planning import ConnectorMetadata, TransferOp
+    from tests.support.trtllm_executor import connector_llm_args
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-async-"))
+    sidecar, url, _ = gt.start_sidecar(args.l1, workdir, chunk_size=256)
+    os.environ.update({
+        contract.ENV_BACKEND: contract.BACKEND_SIDECAR, contract.ENV_ASYNC_SAVE: "true",
+        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
+    })  # fmt: skip
+    failures = 0
+    try:
+        from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
+
+        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
+        scheduler = KvoffloadConnectorScheduler(llm_args)
+        worker = KvoffloadConnectorWorker(llm_args)
+        most = max(args.tokens) // gt.TOKENS_PER_BLOCK
+        pool = torch.zeros(
+            (2 * most + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
+            dtype=torch.bfloat16,
+            device=dev,
+        )
+        worker.register_kv_caches(pool)
+        small = dev == "cpu"
+        hooks: dict[str, Any] = {
+            "scheduler": scheduler, "worker": worker, "pool": pool,
+            "engine": torch.cuda.Stream() if dev == "cuda" else None,
+            "sync": torch.cuda.synchronize if dev == "cuda" else (lambda: None),
+            "weights": torch.randn(256 if small else 8192, 256 if small else 8192, device=dev, dtype=torch.bfloat16) / 90,
+            "acts": torch.randn(64 if small else 2048, 256 if small else 8192, device=dev, dtype=torch.bfloat16),
+            "big": torch.ones(1 << (16 if small else 30), device=dev, dtype=torch.bfloat16),
+        }  # fmt: skip
+        device_name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
+        print(json.dumps({"torch": torch.__version__, "device": device_name}), flush=True)
+        for n, tokens in enumerate(args.tokens):
+            nblocks = tokens // gt.TOKENS_PER_BLOCK
+            src, dst = scattered_block_ids(nblocks, seed=1000 + n)
+            hooks["dst"] = [*dst, 2 * most + 1]  # and a block for the prompt's last token
+            src_idx = torch.tensor(src, device=dev)
+            source = torch.randn((nblocks, *pool.shape[1:]), device=dev).to(pool.dtype)
+            pool.index_copy_(0, src_idx, source)
+            hooks["source"] = source
+            prompt = [(n * 7919 + i * 31) % 30000 + 1 for i in range(tokens + 1)]
+            save = TransferOp(10 + n, f"async-save-{n}", tuple(prompt[:tokens]), 0, tokens, src, 0, "")
+            hooks["sync"]()
+            worker.bind_connector_meta(ConnectorMetadata(saves=(save,)))
+            worker.wait_for_save(torch.cuda.current_stream() if dev == "cuda" else None)
+            worker._clear_connector_meta()
+            deadline = time.monotonic() + 120
+            while 10 + n not in worker.get_finished([10 + n], [])[0] and time.monotonic() < deadline:
+                time.sleep(0.002)
+            for rep in range(args.reps):
+                for mode in ("none", "sync", "async"):
+                    result = run_mode(mode, tokens, hooks, prompt, rid=100_000 * (n + 1) + 10 * rep + len(mode))
+                    failures += 0 if result["bit_exact"] else 1
+                    print(json.dumps({"tokens": tokens, "rep": rep, **result}), flush=True)
+        worker.shutdown()
+        scheduler._backend.close()
+    finally:
+        if sidecar.poll() is None:
+            sidecar.terminate()
+        sidecar.wait(timeout=60)
+    print(json.dumps({"failures": failures}), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
