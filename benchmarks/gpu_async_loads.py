@@ -24,18 +24,16 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import gpu_transfer as gt
 from benchmarks.common import scattered_block_ids
+from benchmarks.gpu_hooks_check import connector_hooks
 
 WARM_ITERATIONS = 5
 AFTER_ITERATIONS = 30
@@ -130,32 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests" / "standin"))
     from kvoffload import contract
     from kvoffload.connector.planning import ConnectorMetadata, TransferOp
-    from tests.support.trtllm_executor import connector_llm_args
 
-    workdir = Path(tempfile.mkdtemp(prefix="kvo-async-"))
-    sidecar, url, _ = gt.start_sidecar(args.l1, workdir, chunk_size=256)
-    os.environ.update({
-        contract.ENV_BACKEND: contract.BACKEND_SIDECAR, contract.ENV_ASYNC_SAVE: "true",
-        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
-    })  # fmt: skip
     failures = 0
-    try:
-        from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
-
-        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
-        scheduler = KvoffloadConnectorScheduler(llm_args)
-        worker = KvoffloadConnectorWorker(llm_args)
-        most = max(args.tokens) // gt.TOKENS_PER_BLOCK
-        pool = torch.zeros(
-            (2 * most + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
-            dtype=torch.bfloat16,
-            device=dev,
-        )
-        worker.register_kv_caches(pool)
+    most = max(args.tokens) // gt.TOKENS_PER_BLOCK
+    with connector_hooks(args.l1, most, dev, {contract.ENV_ASYNC_SAVE: "true"}) as (_, scheduler, worker, pool):
         small = dev == "cpu"
         hooks: dict[str, Any] = {
             "scheduler": scheduler, "worker": worker, "pool": pool,
@@ -189,12 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_mode(mode, tokens, hooks, prompt, rid=100_000 * (n + 1) + 10 * rep + len(mode))
                     failures += 0 if result["bit_exact"] else 1
                     print(json.dumps({"tokens": tokens, "rep": rep, **result}), flush=True)
-        worker.shutdown()
-        scheduler._backend.close()
-    finally:
-        if sidecar.poll() is None:
-            sidecar.terminate()
-        sidecar.wait(timeout=60)
     print(json.dumps({"failures": failures}), flush=True)
     return 1 if failures else 0
 

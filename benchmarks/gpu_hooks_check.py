@@ -27,10 +27,13 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +53,43 @@ def _kill_tree(pid: int) -> None:
             proc.send_signal(signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def connector_hooks(
+    l1: str, nblocks: int, device: str, env: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen[bytes], Any, Any, torch.Tensor]]:
+    """The real sidecar, and the connector's scheduler and worker over it with a Llama-3-8B-shaped
+    bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool)``."""
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests" / "standin"))
+    from kvoffload import contract
+    from tests.support.trtllm_executor import connector_llm_args
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvo-hooks-"))
+    sidecar, url, _ = gt.start_sidecar(l1, workdir, chunk_size=256)
+    os.environ.update({
+        contract.ENV_BACKEND: contract.BACKEND_SIDECAR, "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"), **env,
+    })  # fmt: skip
+    try:
+        from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
+
+        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
+        scheduler = KvoffloadConnectorScheduler(llm_args)
+        worker = KvoffloadConnectorWorker(llm_args)
+        pool = torch.zeros(
+            (2 * nblocks + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
+            dtype=torch.bfloat16,
+            device=device,
+        )
+        worker.register_kv_caches(pool)
+        yield sidecar, scheduler, worker, pool
+        worker.shutdown()
+        scheduler._backend.close()
+    finally:
+        if sidecar.poll() is None:
+            sidecar.terminate()
+        sidecar.wait(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -61,33 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests" / "standin"))
     from kvoffload import contract
     from kvoffload.connector.planning import ConnectorMetadata, TransferOp
-    from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
+    from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
-    workdir = Path(tempfile.mkdtemp(prefix="kvo-hooks-"))
-    sidecar, url, _ = gt.start_sidecar(args.l1, workdir, chunk_size=256)
-    os.environ.update({
-        contract.ENV_BACKEND: contract.BACKEND_SIDECAR, contract.ENV_ASYNC_SAVE: "true",
-        contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0",  # this check drives the synchronous load path
-        "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
-    })  # fmt: skip
     failures = 0
-    try:
-        from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
-
-        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
-        scheduler = KvoffloadConnectorScheduler(llm_args)
-        worker = KvoffloadConnectorWorker(llm_args)
-        nblocks = args.tokens // gt.TOKENS_PER_BLOCK
-        pool = torch.zeros(
-            (2 * nblocks + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
-            dtype=torch.bfloat16,
-            device=dev,
-        )
-        worker.register_kv_caches(pool)
+    nblocks = args.tokens // gt.TOKENS_PER_BLOCK
+    env = {contract.ENV_ASYNC_SAVE: "true", contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0"}  # the synchronous load path
+    with connector_hooks(args.l1, nblocks, dev, env) as (sidecar, scheduler, worker, pool):
         engine = torch.cuda.Stream() if dev == "cuda" else None
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
         for rnd in range(args.rounds):
@@ -143,12 +164,6 @@ def main(argv: list[str] | None = None) -> int:
                 "lookup_ms": round(lookup_ms, 2), "start_load_kv_ms": round(load_ms, 2), "bit_exact": exact,
                 "server_killed_before_load": killed,
             }), flush=True)  # fmt: skip
-        worker.shutdown()
-        scheduler._backend.close()
-    finally:
-        if sidecar.poll() is None:
-            sidecar.terminate()
-        sidecar.wait(timeout=60)
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
 

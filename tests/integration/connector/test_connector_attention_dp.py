@@ -4,12 +4,15 @@ each in its own process, over one LMCache server. Real ``lmcache server`` on CPU
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 
-from tests.integration.connector.test_connector_on_real_executor import PREFIXES, cancellation_stream
+from tests.integration.connector.test_connector_on_real_executor import (
+    PREFIXES,
+    cancellation_stream,
+    make_server_busy,
+)
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     CHUNK,
@@ -66,14 +69,7 @@ def test_an_idle_dp_ranks_dummy_forward_never_leaks_into_a_cancelled_requests_sa
     prefixes load only KV that was really theirs, and the connector keeps no state of the cancelled."""
     ex = executor_factory("adp-cancel-model", lmcache_server.url, llm_args=ADP, num_blocks=88,
                           context_chunk_size=CHUNK, attention_dp_rank=0)  # fmt: skip
-    backend = ex.rank0.worker._backend
-    store = backend.store
-
-    def busy_server_store(op: Any) -> int:
-        time.sleep(0.03)
-        return int(store(op))
-
-    backend.store = busy_server_store
+    make_server_busy(ex, 0.03)
     cancelled = 0
     for batch in cancellation_stream(seed=23, rounds=30, per_round=4, cancel_share=1.0):
         results = ex.run(batch)

@@ -40,6 +40,31 @@ def cancellation_stream(seed: int, rounds: int, per_round: int, cancel_share: fl
     return out
 
 
+def outputs_of_stream(ex: Any, seed: int, rounds: int, cancel_share: float) -> dict[int, list[int]]:
+    """Run a cancellation stream (the device cache evicted after each round): the outputs of the
+    requests that were not cancelled; none may fail."""
+    outputs = {}
+    for batch in cancellation_stream(seed=seed, rounds=rounds, per_round=4, cancel_share=cancel_share):
+        for r in ex.run(batch):
+            assert not r.failed
+            if not r.cancelled:
+                outputs[r.request_id] = r.output_tokens
+        ex.evict_device_cache()
+    return outputs
+
+
+def make_server_busy(ex: Any, seconds: float) -> None:
+    """Every store of ``ex``'s worker answers ``seconds`` late, so saves queue up behind it."""
+    backend = ex.rank0.worker._backend
+    store = backend.store
+
+    def busy_server_store(op: Any) -> int:
+        time.sleep(seconds)
+        return int(store(op))
+
+    backend.store = busy_server_store
+
+
 @pytest.mark.parametrize("version", sorted(TRTLLM_VERSIONS))
 def test_cancelled_requests_never_leak_kv_into_later_requests(
     lmcache_server: LMCacheServer, executor_factory: Any, version: str
@@ -51,14 +76,7 @@ def test_cancelled_requests_never_leak_kv_into_later_requests(
     of the cancelled requests."""
     ex = executor_factory(f"cancel-{version}-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK,
                           version=version)  # fmt: skip
-    backend = ex.rank0.worker._backend
-    store = backend.store
-
-    def busy_server_store(op: Any) -> int:
-        time.sleep(0.03)
-        return int(store(op))
-
-    backend.store = busy_server_store
+    make_server_busy(ex, 0.03)
     ended: set[str] = set()
     end_session = ex.scheduler._backend.end_session
     ex.scheduler._backend.end_session = lambda sid: (ended.add(sid), end_session(sid))[1]
@@ -225,14 +243,9 @@ def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_output
     plain = executor_factory("overlap-plain-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK)
     overlap = executor_factory("overlap-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK,
                                overlap_scheduler=True)  # fmt: skip
-    outputs: dict[str, dict[int, list[int]]] = {"plain": {}, "overlap": {}}
+    outputs: dict[str, dict[int, list[int]]] = {}
     for name, ex in (("plain", plain), ("overlap", overlap)):
-        for batch in cancellation_stream(seed=31, rounds=12, per_round=4, cancel_share=0.3):
-            for r in ex.run(batch):
-                assert not r.failed
-                if not r.cancelled:
-                    outputs[name][r.request_id] = r.output_tokens
-            ex.evict_device_cache()
+        outputs[name] = outputs_of_stream(ex, seed=31, rounds=12, cancel_share=0.3)
         assert ex.kv_mismatches == 0
     assert outputs["overlap"] == outputs["plain"] and len(outputs["plain"]) >= 20
     assert overlap.overlap_extra_steps >= 20 and plain.overlap_extra_steps == 0, "the extra decode steps ran"
@@ -254,13 +267,7 @@ def test_asynchronous_loads_park_the_request_and_give_the_same_outputs_and_exact
         monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, min_tokens)
         ex = executor_factory(f"async-{version}-{mode}-model", lmcache_server.url, num_blocks=88,
                               context_chunk_size=CHUNK, version=version)  # fmt: skip
-        outputs[mode] = {}
-        for batch in cancellation_stream(seed=41, rounds=16, per_round=4, cancel_share=0.4):
-            for r in ex.run(batch):
-                assert not r.failed
-                if not r.cancelled:
-                    outputs[mode][r.request_id] = r.output_tokens
-            ex.evict_device_cache()
+        outputs[mode] = outputs_of_stream(ex, seed=41, rounds=16, cancel_share=0.4)
         assert ex.kv_mismatches == 0
         assert ex.scheduler._requests == {} and ex.scheduler._parked == set()
         assert ex.rank0.worker._loading_started == set() and ex.rank0.worker._loaded_async == set()
