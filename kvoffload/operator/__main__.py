@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _remove_all(kube, tuple(namespaces), admission)
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
-    events = EventRecorder(kube, background=True)
+    events = EventRecorder(kube)
     reconciler = Reconciler(
         kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native, injection=args.injection),
         metrics=metrics, events=events, namespaces=tuple(namespaces),
@@ -197,7 +197,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             memo=memo,
         )
     finally:
-        events.flush(5.0)
         if leadership is not None:
             leadership.release()
     return 1 if leadership is not None and leadership.lost else 0
