@@ -148,6 +148,8 @@ ENV_INSTANCE_ID: Final = "KVOFFLOAD_INSTANCE_ID"
 ENV_SHM_NAME: Final = "KVOFFLOAD_SHM_NAME"
 ENV_GRACE_SECONDS: Final = "KVOFFLOAD_GRACE_SECONDS"
 ENV_LMCACHE_TRACK_USAGE: Final = "LMCACHE_TRACK_USAGE"
+ENV_WARM_STANDBY: Final = "KVOFFLOAD_WARM_STANDBY"
+"""Sidecar: keep a standby LMCache server with its imports done, which takes over at once after a crash."""
 
 # --- Connector entry points named in TensorRT-LLM's kv_connector_config ------
 CONNECTOR_MODULE: Final = "kvoffload.connector.trtllm"

@@ -44,6 +44,9 @@ _NOT_INHERITED = (
     contract.ENV_L2_REDIS_PASSWORD,
 )
 
+LMCACHE_CLI_MODULE = "lmcache.cli.main"
+"""The module ``python -m`` runs for ``lmcache server`` (the ``lmcache`` console script's)."""
+
 
 @dataclass(frozen=True)
 class ServerCommand:
@@ -104,7 +107,7 @@ def build_server_command(
     argv = [
         python,
         "-m",
-        "lmcache.cli.main",
+        LMCACHE_CLI_MODULE,
         "server",
         "--instance-id",
         settings.instance_id,

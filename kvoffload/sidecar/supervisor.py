@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 from kvoffload import contract
 
-from .command import ServerCommand
+from .command import LMCACHE_CLI_MODULE, ServerCommand
 from .lifecycle import (
     BackoffPolicy,
     HealthFacts,
@@ -40,6 +41,9 @@ from .settings import SidecarSettings
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_SECONDS = 2.0
+STANDBY_MODULE = "kvoffload.sidecar.standby"
+STANDBY_RETRY_SECONDS = 60.0
+"""After a standby exited on its own, the next one waits this long (a broken one never spins)."""
 POLL_READY_SECONDS = 5.0
 POLL_NOT_READY_SECONDS = 0.5
 _PR_SET_PDEATHSIG = 1
@@ -111,6 +115,9 @@ class Supervisor:
         self._stop = threading.Event()
         self._stop_received_at: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._standby: subprocess.Popen[bytes] | None = None
+        self._standby_env: dict[str, str] | None = None
+        self._standby_retry_at = 0.0
         self._phase = Phase.STARTING
         self._phase_since = clock()
         self._spawned_at = clock()
@@ -178,6 +185,7 @@ class Supervisor:
             assert proc is not None
             code = proc.poll()
             if code is None:
+                self._keep_standby()
                 self._stop.wait(0.2)
                 continue
             ran = self._clock() - self._spawned_at
@@ -211,7 +219,9 @@ class Supervisor:
 
     def _spawn(self) -> None:
         command = self._command_for_spawn()
-        proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=_die_with_parent)
+        proc = self._promote_standby(command)
+        if proc is None:
+            proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=_die_with_parent)
         with self._lock:
             self._proc = proc
             self._spawned_at = self._clock()
@@ -226,6 +236,54 @@ class Supervisor:
             command.uses_shm,
             " ".join(command.argv[1:]),
         )
+
+    def _keep_standby(self) -> None:
+        """Once the server is ready, have a standby ready too (spawned from the main loop: see
+        ``_die_with_parent``)."""
+        if not self.settings.warm_standby or (self._standby is not None and self._standby.poll() is None):
+            return
+        if self._standby is not None:  # it exited on its own: try again later, not every tick
+            log.warning("event=standby_exited pid=%d code=%s", self._standby.pid, self._standby.returncode)
+            self._standby, self._standby_retry_at = None, self._clock() + STANDBY_RETRY_SECONDS
+        with self._lock:
+            if self._last_ok_at is None or self._clock() < self._standby_retry_at:
+                return
+        command = self._command_for_spawn()
+        if tuple(command.argv[1:3]) != ("-m", LMCACHE_CLI_MODULE):
+            return  # not LMCache's server (tests run stand-ins): nothing a standby could take over
+        self._standby = subprocess.Popen(
+            [command.argv[0], "-m", STANDBY_MODULE], env=command.env, stdin=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self._standby_env = dict(command.env)
+        log.info("event=standby_started pid=%d", self._standby.pid)
+
+    def _promote_standby(self, command: ServerCommand) -> subprocess.Popen[bytes] | None:
+        """The standby, told to serve ``command``; None (and no standby left) when there is none
+        that can: not started, exited, or started with another environment."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return None
+        usable = (standby.poll() is None and self._standby_env == dict(command.env)
+                  and tuple(command.argv[1:3]) == ("-m", LMCACHE_CLI_MODULE) and standby.stdin is not None)  # fmt: skip
+        if usable:
+            assert standby.stdin is not None
+            try:
+                standby.stdin.write(json.dumps(list(command.argv[3:])).encode() + b"\n")
+                standby.stdin.close()
+                log.info("event=standby_promoted pid=%d", standby.pid)
+                return standby
+            except OSError:
+                pass
+        self._stop_standby(standby)
+        return None
+
+    @staticmethod
+    def _stop_standby(standby: subprocess.Popen[bytes] | None) -> None:
+        if standby is None or standby.poll() is not None:
+            return
+        standby.kill()
+        standby.wait()
 
     def _check(self) -> bool:
         answer = http_get(self._lmcache_base + "/healthcheck", CHECK_TIMEOUT_SECONDS)
@@ -255,6 +313,8 @@ class Supervisor:
             time.sleep(POLL_READY_SECONDS if ok else POLL_NOT_READY_SECONDS)
 
     def _drain_and_stop(self) -> int:
+        self._stop_standby(self._standby)
+        self._standby = None
         received = self._stop_received_at if self._stop_received_at is not None else self._clock()
         plan = plan_drain(received, self.settings.grace_seconds)
         self._set_phase(Phase.DRAINING)

@@ -66,6 +66,17 @@ def children_of(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` has a TCP socket listening on ``port``."""
+    import psutil
+
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in connections)
+
+
 @dataclass
 class Sidecar:
     """One ``python -m kvoffload.sidecar`` process and its ports."""
@@ -122,10 +133,27 @@ class Sidecar:
         return body
 
     def server_pid(self) -> int:
+        """The LMCache server serving now: the child listening on the request port (a warm standby
+        beside it listens on nothing until it takes over)."""
+        import psutil
+
         assert self.proc is not None
         kids = children_of(self.proc.pid)
-        assert len(kids) == 1, f"expected one LMCache child, found {kids}"
-        return kids[0]
+        serving = [kid for kid in kids if listens_on(kid, self.request_port)]
+        assert len(serving) == 1, (
+            f"expected one LMCache child listening on {self.request_port}, found {serving} of {kids}"
+        )
+        assert len(kids) <= 2, (
+            f"more children than a server and its standby: {[psutil.Process(k).cmdline() for k in kids]}"
+        )
+        return serving[0]
+
+    def standby_pid(self) -> int | None:
+        """The warm standby LMCache server, if one waits."""
+        kids = (
+            [kid for kid in children_of(self.proc.pid) if not listens_on(kid, self.request_port)] if self.proc else []
+        )
+        return kids[0] if kids else None
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

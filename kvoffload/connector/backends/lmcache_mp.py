@@ -65,7 +65,39 @@ class AsyncLoad:
 
 
 def failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, ServerDisconnected):
+        return "unavailable"
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
+
+
+class ServerDisconnected(ConnectionError):
+    """The LMCache server's connection dropped (it died or restarted) while a request waited on it."""
+
+
+def fail_requests_on_disconnect(client: Any) -> bool:
+    """Make requests waiting on ``client`` fail as soon as its connection to the server drops,
+    rather than at their timeouts: a killed server never answers them.
+
+    LMCache's ZMQ client polling loop already watches the socket's disconnect events, but only
+    wakes subscription streams (``cancel_streams``); this extends that callback, on the loop's own
+    thread (the one that owns ``pending_futures``), to fail the pending requests too. False where
+    the client is not LMCache 0.5's ZMQ client (then requests wait for their timeouts, as before).
+    """
+    mq: Any = getattr(client, "_message_queue_client", None)
+    pending = getattr(mq, "pending_futures", None)
+    original = getattr(mq, "cancel_streams", None)
+    if not isinstance(pending, dict) or original is None:
+        return False
+
+    def cancel_streams_and_requests() -> None:
+        original()
+        waiting = list(pending.values())
+        pending.clear()
+        for future, _spec in waiting:
+            future.set_exception(ServerDisconnected("the LMCache server's connection dropped"))
+
+    mq.cancel_streams = cancel_streams_and_requests
+    return True
 
 
 class LMCacheMPClient:
@@ -98,7 +130,7 @@ class LMCacheMPClient:
         # receive PREPARE/LOOKUP messages that were meant for its predecessor.
         self._zmq.setsockopt(zmq.LINGER, 0)
         self._lock = threading.RLock()
-        self._client: Any = RequestClientFactory.create(settings.server_url, context=self._zmq)
+        self._client: Any = self._new_client()
         self._up = threading.Event()
         self._needs_reset = False
         self._needs_register = False
@@ -377,11 +409,16 @@ class LMCacheMPClient:
                 return
         self._mark_up()
 
+    def _new_client(self) -> Any:
+        client = RequestClientFactory.create(self._settings.server_url, context=self._zmq)
+        fail_requests_on_disconnect(client)
+        return client
+
     def _reset_client(self) -> None:
         """New socket; the old one's queued requests are dropped (LINGER 0)."""
         with self._lock:
             old = self._client
-            self._client = RequestClientFactory.create(self._settings.server_url, context=self._zmq)
+            self._client = self._new_client()
             self._needs_reset = False
             if self._pool is not None:
                 self._needs_register = True

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kvoffload import contract
 from tests.support.sidecar_harness import (
     RedisServer,
     Sidecar,
+    children_of,
     http_get,
     lmcache_client,
     metric_value,
@@ -102,6 +104,18 @@ def test_ready_probes_admin_api_on_loopback_and_one_metrics_with_three_families(
             proc.wait()
 
 
+def test_without_a_warm_standby_a_killed_server_is_started_cold(make_sidecar: Callable[..., Sidecar]) -> None:
+    sidecar = make_sidecar(**{contract.ENV_WARM_STANDBY: "false"})
+    sidecar.wait_ready()
+    old = sidecar.server_pid()
+    time.sleep(3)  # a standby would have started by now
+    assert sidecar.standby_pid() is None
+    os.kill(old, signal.SIGKILL)
+    assert sidecar.proc is not None
+    wait_for(lambda: sidecar.ready() and old not in children_of(sidecar.proc.pid), 180, "a cold restart")
+    assert sidecar.server_pid() != old and sidecar.standby_pid() is None
+
+
 def test_sigterm_drains_and_exits_zero_within_the_grace_period(make_sidecar: Callable[..., Sidecar]) -> None:
     grace = 20.0
     sidecar = make_sidecar(**{contract.ENV_GRACE_SECONDS: str(grace)})
@@ -126,7 +140,11 @@ def test_sigterm_drains_and_exits_zero_within_the_grace_period(make_sidecar: Cal
 
 
 def _kill_server_and_wait_for_restart(sidecar: Sidecar) -> None:
+    """SIGKILL the serving LMCache server; the warm standby (started once the server was ready, its
+    imports done) takes over, and a new standby follows once it serves."""
     old = sidecar.server_pid()
+    wait_for(lambda: sidecar.standby_pid() is not None, 60, "a warm standby beside the ready server")
+    standby = sidecar.standby_pid()
     os.kill(old, signal.SIGKILL)
     live_statuses: list[int] = []
 
@@ -137,7 +155,8 @@ def _kill_server_and_wait_for_restart(sidecar: Sidecar) -> None:
 
     wait_for(restarted, 180, "the LMCache server's supervised restart")
     assert set(live_statuses) == {200}, "liveness stays OK during a supervised restart"
-    assert sidecar.server_pid() != old
+    assert sidecar.server_pid() == standby != old, "the standby took over"
+    wait_for(lambda: sidecar.standby_pid() not in (None, standby), 60, "a new standby")
 
 
 def test_kill9_restarts_counted_and_fs_l2_serves_earlier_kv(
