@@ -35,8 +35,21 @@ READ_ELSEWHERE = {
 """Env vars the operator sets for a program other than our components; the name says which."""
 
 USER_SET = {
-    "connector": {c.ENV_ASYNC_SAVE, c.ENV_HEARTBEAT_INTERVAL_MS, c.ENV_MODEL_NAME, c.ENV_TOKENS_PER_BLOCK},
-    "sidecar": {c.ENV_GRACE_SECONDS, c.ENV_SHM_NAME, c.ENV_L2_FS_PATH, c.ENV_L2_FS_SIZE, c.ENV_L2_REDIS_URL},
+    "connector": {
+        c.ENV_ASYNC_SAVE,
+        c.ENV_ASYNC_LOAD_MIN_TOKENS,
+        c.ENV_HEARTBEAT_INTERVAL_MS,
+        c.ENV_MODEL_NAME,
+        c.ENV_TOKENS_PER_BLOCK,
+    },
+    "sidecar": {
+        c.ENV_GRACE_SECONDS,
+        c.ENV_SHM_NAME,
+        c.ENV_L2_FS_PATH,
+        c.ENV_L2_FS_SIZE,
+        c.ENV_L2_REDIS_URL,
+        c.ENV_WARM_STANDBY,
+    },
 }
 """Env vars a component reads that the operator leaves to the user (each documented in docs/)."""
 
