@@ -137,6 +137,16 @@ def plan_save(
     return start, end
 
 
+def pipeline_groups(start: int, end: int, chunk_size: int, groups: int) -> list[tuple[int, int]]:
+    """``[start, end)`` (chunk-aligned) cut into at most ``groups`` runs of whole chunks, in order:
+    one operation's PREPAREs go one group at a time, each while the previous group's copies run."""
+    chunks = (end - start) // chunk_size
+    if chunks <= 0:
+        return []
+    per_group = -(-chunks // max(1, groups))
+    return [(a, min(a + per_group * chunk_size, end)) for a in range(start, end, per_group * chunk_size)]
+
+
 def block_slice(block_ids: list[int] | tuple[int, ...], start: int, end: int, tokens_per_block: int) -> tuple[int, ...]:
     """Block ids holding tokens ``[start, end)`` (both block-aligned)."""
     return tuple(block_ids[start // tokens_per_block : end // tokens_per_block])

@@ -19,6 +19,7 @@ from typing import Any
 
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
+from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
 from kvoffload.connector.backends.commits import PENDING_COMMITS
@@ -26,6 +27,9 @@ from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, AsyncLoad, LMC
 from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
+
+STORE_PIPELINE_GROUPS = 4
+"""A store's chunks go in up to this many groups, each PREPAREd while the previous one copies."""
 
 _LOCAL_WORKERS: dict[str, CacheServerBackend] = {}
 """Rank 0's worker backend per server URL: the scheduler in the same process secures loads through
@@ -370,29 +374,40 @@ class CacheServerBackend(LMCacheMPClient):
         return len(op.block_ids) * self._block_bytes
 
     def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
+        """PREPARE, copy, COMMIT, one group of chunks at a time: each group's PREPARE_STORE is sent
+        while the previous group's copies run on the transfer stream (``key`` is the whole op's)."""
         assert self._instance_id is not None
-        bpc = self._blocks_per_chunk
+        bpc, block = self._blocks_per_chunk, self._settings.tokens_per_block
+        prepare_s, committed_keys, copied_blocks = 0.0, [], 0
         # PREPARE needs no KV: it overlaps the forward pass still running; the copies are ordered
         # after it on the device (after_caller).
-        t0 = time.perf_counter()
-        prepared = edc.prepare_store(key, self._instance_id)
+        for a, b in planning.pipeline_groups(op.start, op.end, self.chunk_size, STORE_PIPELINE_GROUPS):
+            group_key = key if (a, b) == (op.start, op.end) else self._key(
+                op.session_id, op.token_ids[:b], a, b, op.salt, worker=True
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            prepared = edc.prepare_store(group_key, self._instance_id)
+            prepare_s += time.perf_counter() - t0
+            if prepared is None:
+                raise RuntimeError("server answered PREPARE_STORE without SHM slots")
+            slots, indices = prepared
+            if not indices:
+                continue  # LMCache already holds every chunk of this group
+            blocks = op.block_ids[(a - op.start) // block : (b - op.start) // block]
+            with self._copies.after_caller():
+                gather_chunks(self._pool, blocks, slots, indices, bpc)
+            committed_keys.append(group_key)
+            copied_blocks += len(indices) * bpc
         t1 = time.perf_counter()
-        if prepared is None:
-            raise RuntimeError("server answered PREPARE_STORE without SHM slots")
-        slots, indices = prepared
-        if not indices:
-            return True  # LMCache already holds every chunk
-        with self._copies.after_caller():
-            gather_chunks(self._pool, op.block_ids, slots, indices, bpc)
         self._copies.synchronize()  # the slots hold the KV before COMMIT publishes them
         t2 = time.perf_counter()
-        self._commit_later("store", key)
-        committed = True  # a COMMIT the server refuses is counted as a store error by the committer
+        for group_key in committed_keys:  # a COMMIT the server refuses is counted as a store error by the committer
+            self._commit_later("store", group_key)
         logger.debug(
             "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
-            len(indices) * bpc,
-            (t1 - t0) * 1e3,
+            copied_blocks,
+            prepare_s * 1e3,
             (t2 - t1) * 1e3,
             (time.perf_counter() - t2) * 1e3,
         )
-        return committed
+        return True

@@ -139,3 +139,13 @@ def test_tokens_with_kv_never_counts_draft_tokens() -> None:
 
 def test_block_slice() -> None:
     assert planning.block_slice([5, 6, 7, 8], 32, 96, 32) == (6, 7)
+
+
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 6))
+def test_pipeline_groups_cover_the_range_in_order_in_whole_chunks(first: int, count: int, groups: int) -> None:
+    chunk = 64
+    start, end = first * chunk, (first + count) * chunk
+    runs = planning.pipeline_groups(start, end, chunk, groups)
+    assert len(runs) <= groups and (runs == [] if count == 0 else runs[0][0] == start and runs[-1][1] == end)
+    assert all(a < b and a % chunk == 0 and b % chunk == 0 for a, b in runs)
+    assert all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1))
