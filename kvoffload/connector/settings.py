@@ -18,11 +18,11 @@ from kvoffload.policy import Policy, PolicyError
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
 DEFAULT_TOKENS_PER_BLOCK = 32
 DEFAULT_ASYNC_SAVE = True
+"""Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
 DEFAULT_ASYNC_LOAD_MIN_TOKENS = 4096
 """Measured on an H200 (docs/connector.md, "Async loads"): from 4,096 tokens (the smallest size
 measured) a parked load stalls the other requests less than a blocking one and is in the pool as
 early; below it, parking costs the loading request an iteration for a copy of a few ms."""
-"""Measured: removes the engine's wait in wait_for_save (docs/connector.md)."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 _URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -73,7 +73,7 @@ def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name}={raw!r} is not a boolean; allowed: true/false/1/0/yes/no/on/off")
 
 
-def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 1) -> int | None:
+def _parse_int(env: Mapping[str, str], name: str, default: int | None, minimum: int = 1) -> int | None:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -88,13 +88,13 @@ def _parse_positive_int(env: Mapping[str, str], name: str, default: int | None, 
 
 
 def _parse_count(env: Mapping[str, str], name: str, default: int) -> int:
-    value = _parse_positive_int(env, name, default, minimum=0)
+    value = _parse_int(env, name, default, minimum=0)
     assert value is not None
     return value
 
 
 def _parse_port(env: Mapping[str, str], name: str) -> int | None:
-    port = _parse_positive_int(env, name, None)
+    port = _parse_int(env, name, None)
     if port is not None and port > 65535:
         raise SettingsError(f"{name}={port} is not a TCP port; allowed: 1-65535")
     return port
@@ -136,7 +136,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         raise SettingsError(f"{contract.ENV_MODEL_NAME} is empty and llm_args.model is unset; set either")
 
     tpb_args = _attr(llm_args, "kv_cache_config", "tokens_per_block")
-    tokens_per_block = _parse_positive_int(
+    tokens_per_block = _parse_int(
         env, contract.ENV_TOKENS_PER_BLOCK, int(tpb_args) if tpb_args else DEFAULT_TOKENS_PER_BLOCK
     )
     assert tokens_per_block is not None
@@ -145,7 +145,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
             f"{contract.ENV_TOKENS_PER_BLOCK}={tokens_per_block} disagrees with "
             f"kv_cache_config.tokens_per_block={tpb_args}; they must match"
         )
-    chunk_size = _parse_positive_int(env, contract.ENV_CHUNK_SIZE, None)
+    chunk_size = _parse_int(env, contract.ENV_CHUNK_SIZE, None)
     if chunk_size is not None and chunk_size % tokens_per_block != 0:
         raise SettingsError(
             f"{contract.ENV_CHUNK_SIZE}={chunk_size} must be a multiple of tokens_per_block={tokens_per_block}"

@@ -57,6 +57,13 @@ class ServerCommand:
     uses_shm: bool
     """Whether L1 lives in the named SHM segment (engine-driven transfer without pickle)."""
 
+    @property
+    def lmcache_arguments(self) -> tuple[str, ...] | None:
+        """The ``lmcache`` arguments (``server ...``) when this runs LMCache's CLI, else None."""
+        if tuple(self.argv[1:3]) != ("-m", LMCACHE_CLI_MODULE):
+            return None
+        return self.argv[3:]
+
     def redacted_env_keys(self) -> list[str]:
         """Env names set for LMCache beyond the inherited ones, for logging."""
         return sorted(k for k in self.env if k.startswith(("LMCACHE_", "KVOFFLOAD_")))

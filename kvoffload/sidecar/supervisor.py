@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvoffload import contract
 
-from .command import LMCACHE_CLI_MODULE, ServerCommand
+from .command import ServerCommand
 from .lifecycle import (
     BackoffPolicy,
     HealthFacts,
@@ -249,8 +249,9 @@ class Supervisor:
             if self._last_ok_at is None or self._clock() < self._standby_retry_at:
                 return
         command = self._command_for_spawn()
-        if tuple(command.argv[1:3]) != ("-m", LMCACHE_CLI_MODULE):
-            return  # not LMCache's server (tests run stand-ins): nothing a standby could take over
+        if command.lmcache_arguments is None:  # not LMCache's server (tests run stand-ins): nothing to stand in for
+            self._standby_retry_at = self._clock() + STANDBY_RETRY_SECONDS
+            return
         self._standby = subprocess.Popen(
             [command.argv[0], "-m", STANDBY_MODULE], env=command.env, stdin=subprocess.PIPE,
             preexec_fn=_die_with_parent,
@@ -264,12 +265,11 @@ class Supervisor:
         standby, self._standby = self._standby, None
         if standby is None:
             return None
-        usable = (standby.poll() is None and self._standby_env == dict(command.env)
-                  and tuple(command.argv[1:3]) == ("-m", LMCACHE_CLI_MODULE) and standby.stdin is not None)  # fmt: skip
-        if usable:
-            assert standby.stdin is not None
+        arguments = command.lmcache_arguments
+        if (arguments is not None and standby.stdin is not None and standby.poll() is None
+                and self._standby_env == dict(command.env)):  # fmt: skip
             try:
-                standby.stdin.write(json.dumps(list(command.argv[3:])).encode() + b"\n")
+                standby.stdin.write(json.dumps(list(arguments)).encode() + b"\n")
                 standby.stdin.close()
                 log.info("event=standby_promoted pid=%d", standby.pid)
                 return standby

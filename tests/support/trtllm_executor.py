@@ -265,6 +265,18 @@ TRTLLM_VERSIONS = {
 }
 
 
+def returned_by_every_rank(votes: dict[int, int], per_rank: list[list[int]], ranks: int) -> list[int]:
+    """``KvCacheConnectorManager.get_finished``'s allgather and intersection: count this iteration's
+    ids from each rank in ``votes``; the ids every rank has now returned leave ``votes``."""
+    for ids in per_rank:
+        for rid in ids:
+            votes[rid] = votes.get(rid, 0) + 1
+    done = [rid for rid, count in votes.items() if count >= ranks]
+    for rid in done:
+        del votes[rid]
+    return done
+
+
 def load_connector_classes(llm_args: Any) -> tuple[type, type]:
     """Import the connector the way TensorRT-LLM does: ``kv_connector_config`` module + class names."""
     cfg = llm_args.kv_connector_config
@@ -786,13 +798,9 @@ class StandinExecutor:
         for parent, _ in self.followers:
             parent.send(("finish", newly_saving, newly_loading))
         per_rank = [self.rank0.finish(newly_saving, newly_loading)] + [parent.recv() for parent, _ in self.followers]
-        for ids, loaded in per_rank:
-            for rid in ids:
-                self._done_votes[rid] = self._done_votes.get(rid, 0) + 1
-            for rid in loaded:
-                self._loading_votes[rid] = self._loading_votes.get(rid, 0) + 1
-        for rid in [r for r, votes in self._loading_votes.items() if votes >= 1 + len(self.followers)]:
-            del self._loading_votes[rid]
+        ranks = 1 + len(self.followers)
+        saved = returned_by_every_rank(self._done_votes, [ids for ids, _ in per_rank], ranks)
+        for rid in returned_by_every_rank(self._loading_votes, [loaded for _, loaded in per_rank], ranks):
             req = self.parked.pop(rid, None)
             if req is None:  # freed while parked (1.1/1.2 free a cancelled request at once)
                 continue
@@ -801,8 +809,7 @@ class StandinExecutor:
             else:
                 req.returning = True  # CONTEXT_INIT again; should_add_sequence is False: no second lookup
                 active.append(req)
-        for rid in [r for r, votes in self._done_votes.items() if votes >= 1 + len(self.followers)]:
-            del self._done_votes[rid]
+        for rid in saved:
             req = self.saving.pop(rid)
             self._announced.discard(rid)
             self.blocks.release(req.block_ids, self._commit_keys(req))

@@ -23,7 +23,7 @@ synchronize would wait for the next forward pass) and its DMA overlaps the engin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -127,14 +127,6 @@ class TransferStream:
         event = torch.cuda.Event()
         event.record(self._stream)
         return CopyMark(event)
-
-    def record(self) -> Callable[[], None]:
-        """A waiter for the copies issued on this stream so far (later copies may still run)."""
-        if self._stream is None:
-            return lambda: None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event.synchronize
 
     def synchronize(self) -> None:
         """Wait until every copy issued on this stream finished (and the work it was ordered after)."""

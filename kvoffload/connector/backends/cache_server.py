@@ -233,7 +233,7 @@ class CacheServerBackend(LMCacheMPClient):
         """An expected asynchronous load that will not be issued (its request vanished): its chunks go back."""
         with self._async_lock:
             self._async_outstanding -= 1
-        self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
+        self._commit_load(op)
 
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """The asynchronous loads whose copies finished since the last call; their chunks go back to
@@ -246,7 +246,7 @@ class CacheServerBackend(LMCacheMPClient):
             self._async_outstanding -= len(done)
         now = time.perf_counter()
         for load in done:
-            self.commit_secured(load.op.session_id, load.op.token_ids, load.op.start, load.op.end, load.op.salt)
+            self._commit_load(load.op)
         return [(load.op, LoadResult(load.nbytes, now - load.started)) for load in done]
 
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
@@ -264,9 +264,13 @@ class CacheServerBackend(LMCacheMPClient):
         the old one share the pod's /dev/shm)."""
         loaded, self._loaded = self._loaded, []
         for op in loaded:
-            self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
+            self._commit_load(op)
         if self._retired:
             self._close_retired(0.0)
+
+    def _commit_load(self, op: TransferOp) -> None:
+        """Give a load's secured chunks back to the server (every rank's keys)."""
+        self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
 
     def _secured_views(self, op: TransferOp) -> list[Any]:
         secured = op.secured
