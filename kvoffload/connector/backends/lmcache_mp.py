@@ -48,6 +48,11 @@ KV_POOL_NAME = "trtllm_kv_pool"
 _STARTUP_WAIT_S = 30.0
 _SHM_DIR = "/dev/shm"
 _MIN_PING_TIMEOUT_S = 2.0
+_RECONNECT_S = 0.25
+"""While the server is down the heartbeat tries this often, each time on a fresh socket, so a
+restarted server is found within about this long of its start (not a heartbeat interval or two)."""
+_RECONNECT_PING_TIMEOUT_S = 1.0
+"""A PING to a server believed down: a restarted one answers a fresh socket in milliseconds."""
 _RETIRED_GRACE_S = 10.0
 """A replaced transfer context (server restarted) stays mapped until the end of the engine's
 iteration (``release_loaded``), or this long when the engine is idle: loads secured in its segment
@@ -132,6 +137,8 @@ class LMCacheMPClient:
         self._lock = threading.RLock()
         self._client: Any = self._new_client()
         self._up = threading.Event()
+        self._wake_heartbeat = threading.Event()
+        """Set when the backend goes down (or closes): reconnecting starts at once, not at the next tick."""
         self._needs_reset = False
         self._needs_register = False
         self._pool: Any = None
@@ -172,6 +179,7 @@ class LMCacheMPClient:
         """Record a failure, mark the backend down and return the error to raise."""
         self._metrics.error(operation, reason)
         if self._up.is_set():
+            self._wake_heartbeat.set()
             logger.warning(
                 "event=backend_down backend=sidecar role=%s operation=%s reason=%s detail=%s",
                 self._role,
@@ -382,7 +390,11 @@ class LMCacheMPClient:
 
     # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
+        while True:
+            self._wake_heartbeat.wait(self._heartbeat_s if self._up.is_set() else min(self._heartbeat_s, _RECONNECT_S))
+            self._wake_heartbeat.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._close_retired(_RETIRED_GRACE_S)
                 self.heartbeat_once()
@@ -393,8 +405,9 @@ class LMCacheMPClient:
         """PING; on failure reconnect, on success (re)register the pool when needed."""
         if self._needs_reset:
             self._reset_client()
+        timeout_s = self._ping_timeout_s if self._up.is_set() else min(self._ping_timeout_s, _RECONNECT_PING_TIMEOUT_S)
         try:
-            self._client.ping(self._instance_id).result(timeout=self._ping_timeout_s)
+            self._client.ping(self._instance_id).result(timeout=timeout_s)
         except Exception as exc:
             if self._up.is_set():
                 self._fail("heartbeat", failure_reason(exc), repr(exc))
@@ -433,6 +446,7 @@ class LMCacheMPClient:
         self._commits.put(None)
         self._committer.join(timeout=max(5.0, self._store_timeout_s))
         self._stop.set()
+        self._wake_heartbeat.set()
         self._heartbeat.join(timeout=5)
         self._close_retired(0.0)
         with self._lock:
