@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_SECONDS = 2.0
 STANDBY_MODULE = "kvoffload.sidecar.standby"
+STANDBY_WARM_LINE = b"warm"
+"""What a standby writes on its stdout once its warm-up is done."""
 STANDBY_RETRY_SECONDS = 60.0
 """After a standby exited on its own, the next one waits this long (a broken one never spins)."""
 POLL_READY_SECONDS = 5.0
@@ -97,6 +100,19 @@ def tcp_accepts(host: str, port: int, timeout: float) -> bool:
         return False
 
 
+def standby_is_warm(standby: subprocess.Popen[bytes]) -> bool:
+    """Whether the standby said it finished its warm-up (its first line, ``warm``), without waiting;
+    the pipe is closed either way (the standby writes nothing more to it)."""
+    out = standby.stdout
+    if out is None:
+        return False
+    try:
+        ready, _w, _x = select.select([out], [], [], 0)
+        return bool(ready) and out.readline().strip() == STANDBY_WARM_LINE
+    finally:
+        out.close()
+
+
 class Supervisor:
     """Keeps one LMCache server running until asked to stop, then drains and stops it."""
 
@@ -122,6 +138,8 @@ class Supervisor:
         self._standby: subprocess.Popen[bytes] | None = None
         self._standby_env: dict[str, str] | None = None
         self._standby_retry_at = 0.0
+        self._promoted_warm = False
+        """The serving server is a standby that had finished its warm-up when it was promoted."""
         self._phase = Phase.STARTING
         self._phase_since = clock()
         self._spawned_at = clock()
@@ -225,6 +243,7 @@ class Supervisor:
         command = self._command_for_spawn()
         proc = self._promote_standby(command)
         if proc is None:
+            self._promoted_warm = False
             proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=_die_with_parent)
         with self._lock:
             self._proc = proc
@@ -243,15 +262,17 @@ class Supervisor:
         )
 
     def _keep_standby(self) -> None:
-        """Once the server is ready, have a standby ready too (spawned from the main loop: see
-        ``_die_with_parent``)."""
+        """Have a standby beside the server: once it is ready, or at once beside a warm promoted one
+        (spawned from the main loop: see ``_die_with_parent``)."""
         if not self.settings.warm_standby or (self._standby is not None and self._standby.poll() is None):
             return
         if self._standby is not None:  # it exited on its own: try again later, not every tick
             log.warning("event=standby_exited pid=%d code=%s", self._standby.pid, self._standby.returncode)
             self._standby, self._standby_retry_at = None, self._clock() + STANDBY_RETRY_SECONDS
         with self._lock:
-            if self._last_ok_at is None or self._clock() < self._standby_retry_at:
+            # A starting server goes first (a standby's imports would slow it); one promoted from a
+            # warm standby serves at once, so the next standby starts now: a crash soon after finds it warm.
+            if (self._last_ok_at is None and not self._promoted_warm) or self._clock() < self._standby_retry_at:
                 return
         command = self._command_for_spawn()
         if command.lmcache_arguments is None:  # not LMCache's server (tests run stand-ins): nothing to stand in for
@@ -259,7 +280,7 @@ class Supervisor:
             return
         self._standby = subprocess.Popen(
             [command.argv[0], "-m", STANDBY_MODULE], env=command.env, stdin=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
         )  # fmt: skip
         self._standby_env = dict(command.env)
         log.info("event=standby_started pid=%d", self._standby.pid)
@@ -273,10 +294,12 @@ class Supervisor:
         arguments = command.lmcache_arguments
         if (arguments is not None and standby.stdin is not None and standby.poll() is None
                 and self._standby_env == dict(command.env)):  # fmt: skip
+            warm = standby_is_warm(standby)
             try:
                 standby.stdin.write(json.dumps(list(arguments)).encode() + b"\n")
                 standby.stdin.close()
-                log.info("event=standby_promoted pid=%d", standby.pid)
+                log.info("event=standby_promoted pid=%d warm=%s", standby.pid, warm)
+                self._promoted_warm = warm
                 return standby
             except OSError:
                 pass
@@ -285,10 +308,13 @@ class Supervisor:
 
     @staticmethod
     def _stop_standby(standby: subprocess.Popen[bytes] | None) -> None:
-        if standby is None or standby.poll() is not None:
+        if standby is None:
             return
-        standby.kill()
-        standby.wait()
+        if standby.poll() is None:
+            standby.kill()
+            standby.wait()
+        if standby.stdout is not None:
+            standby.stdout.close()
 
     def _check(self) -> bool:
         answer = http_get(self._lmcache_base + "/healthcheck", CHECK_TIMEOUT_SECONDS)

@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload import contract
+from kvoffload.connector.settings import DEFAULT_HEARTBEAT_INTERVAL_MS
 from tests.support.connector_env import set_connector_env
 from tests.support.scale import count
 from tests.support.sidecar_harness import Sidecar, sample_sum, sidecar_env
@@ -34,6 +35,7 @@ from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor,
 pytestmark = [pytest.mark.reliability, pytest.mark.sidecar, pytest.mark.timeout(count(ci=900, soak=3600))]
 SERVER_KILLS = count(ci=5, soak=20)
 SIDECAR_KILLS = count(ci=3, soak=20)
+WARM_KILLS = count(ci=2, soak=20)
 RECOVERY_BOUND_S = 120.0
 """Kill -> first hit again: LMCache start-up (a server that was serving restarts at once) and the
 connector's re-registration, on a loaded 2-core box; a generous bound, the figures are printed."""
@@ -42,8 +44,11 @@ PROMPT_LEN = 200
 
 @pytest.fixture
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The env the operator injects into the engine (short timeouts so a dead sidecar costs little)."""
-    return set_connector_env(monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000)
+    """The env the operator injects into the engine (short timeouts so a dead sidecar costs little;
+    the heartbeat at the product's default, since it bounds how soon a restart is found)."""
+    return set_connector_env(
+        monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000, heartbeat_ms=DEFAULT_HEARTBEAT_INTERVAL_MS
+    )
 
 
 @pytest.fixture
@@ -115,11 +120,19 @@ def _kill_soon(pid_of: Any, rng: random.Random) -> tuple[threading.Thread, list[
     return thread, when
 
 
-def _run_stream_through_kills(stream: Stream, kills: int, kill: Any, after_kill: Any) -> list[float]:
+def _run_stream_through_kills(
+    stream: Stream, kills: int, kill: Any, after_kill: Any, before_kill: Any = lambda: True
+) -> list[float]:
+    """Kill ``kills`` times, each once the stream hit again (and ``before_kill()`` holds, the
+    stream going on meanwhile); the seconds from each kill to the next hit."""
     rng = random.Random(20)
     recoveries = []
     stream.until_hit(0.0, RECOVERY_BOUND_S)
     for _ in range(kills):
+        deadline = time.monotonic() + RECOVERY_BOUND_S
+        while not before_kill():
+            assert time.monotonic() < deadline, "the condition to kill under never held"
+            stream.one()
         thread, when = _kill_soon(kill, rng)
         while thread.is_alive():  # requests keep flowing while the kill lands
             stream.one()
@@ -178,6 +191,42 @@ def test_lmcache_server_killed_repeatedly_during_a_request_stream(
         exposition = sidecar.metrics()
         assert f"{contract.M_SIDECAR_SERVER_RESTARTS}_total {float(SERVER_KILLS)}" in exposition
         _assert_no_kv_or_prompt(exposition, stream.prompt)
+    finally:
+        executor.close()
+
+
+def test_a_server_killed_beside_a_warm_standby_is_replaced_by_it(
+    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str]
+) -> None:
+    """A crash that finds the standby warm (not one right after the last): the standby serves at
+    once; the recovery is printed beside the back-to-back kills above."""
+    sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
+    executor = StandinExecutor(connector_llm_args("warm-standby-model", contract.server_url(sidecar.request_port)))
+    try:
+        stream = Stream(executor, make_prompt(41, PROMPT_LEN))
+        recoveries = _run_stream_through_kills(stream, WARM_KILLS, sidecar.server_pid, lambda: None,
+                                               sidecar.standby_is_warm)  # fmt: skip
+        print(_summary("LMCache server SIGKILL beside a warm standby", stream, recoveries), stream.errors)
+        _check(stream, WARM_KILLS)
+        promotions = [ln for ln in sidecar.log_path.read_text().splitlines() if "event=standby_promoted" in ln]
+        assert len(promotions) == WARM_KILLS and all("warm=True" in ln for ln in promotions), promotions
+    finally:
+        executor.close()
+
+
+def test_a_restarted_server_is_found_without_waiting_out_the_heartbeat_interval(
+    tmp_path: Path, sidecars: list[Sidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the backend is down it tries to reconnect every fraction of a second, not once per
+    heartbeat interval (here 10 minutes): hits come back while the engine keeps serving."""
+    set_connector_env(monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000, heartbeat_ms=600_000)
+    sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
+    executor = StandinExecutor(connector_llm_args("reconnect-model", contract.server_url(sidecar.request_port)))
+    try:
+        stream = Stream(executor, make_prompt(37, PROMPT_LEN))
+        recoveries = _run_stream_through_kills(stream, 2, sidecar.server_pid, lambda: None)
+        _check(stream, 2)
+        assert max(recoveries) < RECOVERY_BOUND_S
     finally:
         executor.close()
 

@@ -155,6 +155,17 @@ class Sidecar:
         )
         return kids[0] if kids else None
 
+    def standby_is_warm(self) -> bool:
+        """Whether a standby waits with its warm-up done: it then points its stdout (the pipe it
+        said ``warm`` on) where its stderr goes."""
+        pid = self.standby_pid()
+        if pid is None:
+            return False
+        try:
+            return not os.readlink(f"/proc/{pid}/fd/1").startswith("pipe:")
+        except OSError:
+            return False
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 

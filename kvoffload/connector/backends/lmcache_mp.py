@@ -25,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +80,9 @@ class ServerDisconnected(ConnectionError):
     """The LMCache server's connection dropped (it died or restarted) while a request waited on it."""
 
 
-def fail_requests_on_disconnect(client: Any) -> bool:
+def fail_requests_on_disconnect(client: Any, on_disconnect: Callable[[], None] | None = None) -> bool:
     """Make requests waiting on ``client`` fail as soon as its connection to the server drops,
-    rather than at their timeouts: a killed server never answers them.
+    rather than at their timeouts: a killed server never answers them; then call ``on_disconnect``.
 
     LMCache's ZMQ client polling loop already watches the socket's disconnect events, but only
     wakes subscription streams (``cancel_streams``); this extends that callback, on the loop's own
@@ -100,6 +101,8 @@ def fail_requests_on_disconnect(client: Any) -> bool:
         pending.clear()
         for future, _spec in waiting:
             future.set_exception(ServerDisconnected("the LMCache server's connection dropped"))
+        if on_disconnect is not None:
+            on_disconnect()
 
     mq.cancel_streams = cancel_streams_and_requests
     return True
@@ -424,8 +427,14 @@ class LMCacheMPClient:
 
     def _new_client(self) -> Any:
         client = RequestClientFactory.create(self._settings.server_url, context=self._zmq)
-        fail_requests_on_disconnect(client)
+        fail_requests_on_disconnect(client, lambda: self._on_disconnect(client))
         return client
+
+    def _on_disconnect(self, client: Any) -> None:
+        """The server's connection dropped: down at once, so the next request fails fast instead of
+        waiting out its timeout on a dead server, and reconnecting starts now."""
+        if client is self._client and self._up.is_set():
+            self._fail("heartbeat", "unavailable", "the LMCache server's connection dropped")
 
     def _reset_client(self) -> None:
         """New socket; the old one's queued requests are dropped (LINGER 0)."""

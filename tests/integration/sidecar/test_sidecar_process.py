@@ -116,6 +116,26 @@ def test_without_a_warm_standby_a_killed_server_is_started_cold(make_sidecar: Ca
     assert sidecar.server_pid() != old and sidecar.standby_pid() is None
 
 
+STANDBY_PROBE = """
+import contextlib, io, sys
+from kvoffload.sidecar.standby import warm_up
+warm_up()
+import lmcache.cli.main as cli
+before = set(sys.modules)
+with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+    cli.main(["server", "--help"])  # the command line a promotion parses, without serving
+print(len(set(sys.modules) - before), sorted(set(sys.modules) - before)[:5])
+"""
+
+
+def test_a_warm_standby_has_imported_what_the_server_command_line_needs() -> None:
+    """A promotion pays the server's own start only: parsing ``lmcache server``'s command line
+    imports nothing the standby's warm-up did not (LMCache's L2 adapters were 2 s of it)."""
+    out = subprocess.run([sys.executable, "-c", STANDBY_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].startswith("0 "), out.stdout
+
+
 def test_sigterm_drains_and_exits_zero_within_the_grace_period(make_sidecar: Callable[..., Sidecar]) -> None:
     grace = 20.0
     sidecar = make_sidecar(**{contract.ENV_GRACE_SECONDS: str(grace)})

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import contract
+from kvoffload.sidecar import supervisor as supervisor_module
 from kvoffload.sidecar.command import ServerCommand
 from kvoffload.sidecar.lifecycle import HealthLimits
 from kvoffload.sidecar.settings import load_settings
@@ -95,4 +96,23 @@ def test_a_wedged_server_fails_liveness_and_recovers(tmp_path: Path) -> None:
         wait_for(lambda: supervisor.verdict().ready and supervisor.verdict().live, 30, "recovery")
         assert supervisor.server_pid == pid, "the supervisor leaves a wedged server to kubelet"
     finally:
+        _stop(supervisor, thread)
+
+
+def test_a_restarted_server_is_checked_at_once_not_after_the_ready_poll_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The monitor sleeps long between checks of a ready server; a server spawned meanwhile (after
+    a crash) is checked at once, so readiness, the next standby and the crash count follow it."""
+    monkeypatch.setattr(supervisor_module, "POLL_READY_SECONDS", 3600.0)
+    supervisor = _supervisor(tmp_path, grace=5)
+    thread, _ = _run(supervisor)
+    try:
+        old = supervisor.server_pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: supervisor.server_pid not in (None, old), 30, "the restart")
+        wait_for(lambda: supervisor.verdict().ready, 30, "the restarted server seen ready")
+    finally:
+        (tmp_path / "done").write_text("")
         _stop(supervisor, thread)
