@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -38,19 +36,17 @@ from .lifecycle import (
 )
 from .metrics import SidecarMetricsState, inflight_work
 from .settings import SidecarSettings
+from .standby_handle import ServerProcess, Standby
 
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_SECONDS = 2.0
-STANDBY_MODULE = "kvoffload.sidecar.standby"
-STANDBY_WARM_LINE = b"warm"
-"""What a standby writes on its stdout once its warm-up is done."""
 STANDBY_RETRY_SECONDS = 60.0
 """After a standby exited on its own, the next one waits this long (a broken one never spins)."""
 POLL_READY_SECONDS = 5.0
 POLL_NOT_READY_SECONDS = 0.1
-"""A starting server is checked this often: a promoted standby serves within about 0.1 s, and the
-next standby is spawned (and a kill counted as a crash or not) on the check that sees it ready."""
+"""A starting server is checked this often: one forked by the standby serves within about 0.1 s,
+and a kill is counted as a crash or not by whether a check saw it ready."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -100,19 +96,6 @@ def tcp_accepts(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def standby_is_warm(standby: subprocess.Popen[bytes]) -> bool:
-    """Whether the standby said it finished its warm-up (its first line, ``warm``), without waiting;
-    the pipe is closed either way (the standby writes nothing more to it)."""
-    out = standby.stdout
-    if out is None:
-        return False
-    try:
-        ready, _w, _x = select.select([out], [], [], 0)
-        return bool(ready) and out.readline().strip() == STANDBY_WARM_LINE
-    finally:
-        out.close()
-
-
 class Supervisor:
     """Keeps one LMCache server running until asked to stop, then drains and stops it."""
 
@@ -134,12 +117,9 @@ class Supervisor:
         self._check_now = threading.Event()
         """Set when a server is spawned: the monitor checks it at once, not after a ready server's 5 s."""
         self._stop_received_at: float | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._standby: subprocess.Popen[bytes] | None = None
-        self._standby_env: dict[str, str] | None = None
+        self._proc: ServerProcess | None = None
+        self._standby: Standby | None = None
         self._standby_retry_at = 0.0
-        self._promoted_warm = False
-        """The serving server is a standby that had finished its warm-up when it was promoted."""
         self._phase = Phase.STARTING
         self._phase_since = clock()
         self._spawned_at = clock()
@@ -243,7 +223,6 @@ class Supervisor:
         command = self._command_for_spawn()
         proc = self._promote_standby(command)
         if proc is None:
-            self._promoted_warm = False
             proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=_die_with_parent)
         with self._lock:
             self._proc = proc
@@ -262,59 +241,44 @@ class Supervisor:
         )
 
     def _keep_standby(self) -> None:
-        """Have a standby beside the server: once it is ready, or at once beside a warm promoted one
-        (spawned from the main loop: see ``_die_with_parent``)."""
-        if not self.settings.warm_standby or (self._standby is not None and self._standby.poll() is None):
+        """Once the server is ready, have a standby beside it (spawned from the main loop: see
+        ``_die_with_parent``); it stays through promotions, forking each new server."""
+        if not self.settings.warm_standby or (self._standby is not None and self._standby.alive()):
             return
         if self._standby is not None:  # it exited on its own: try again later, not every tick
-            log.warning("event=standby_exited pid=%d code=%s", self._standby.pid, self._standby.returncode)
-            self._standby, self._standby_retry_at = None, self._clock() + STANDBY_RETRY_SECONDS
+            log.warning("event=standby_exited pid=%d", self._standby.pid)
+            self._stop_standby()
+            self._standby_retry_at = self._clock() + STANDBY_RETRY_SECONDS
         with self._lock:
-            # A starting server goes first (a standby's imports would slow it); one promoted from a
-            # warm standby serves at once, so the next standby starts now: a crash soon after finds it warm.
-            if (self._last_ok_at is None and not self._promoted_warm) or self._clock() < self._standby_retry_at:
+            # A starting server goes first: on few cores a standby's imports would slow it.
+            if self._last_ok_at is None or self._clock() < self._standby_retry_at:
                 return
         command = self._command_for_spawn()
         if command.lmcache_arguments is None:  # not LMCache's server (tests run stand-ins): nothing to stand in for
             self._standby_retry_at = self._clock() + STANDBY_RETRY_SECONDS
             return
-        self._standby = subprocess.Popen(
-            [command.argv[0], "-m", STANDBY_MODULE], env=command.env, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, preexec_fn=_die_with_parent,
-        )  # fmt: skip
-        self._standby_env = dict(command.env)
+        self._standby = Standby(command.argv[0], command.env, _die_with_parent)
         log.info("event=standby_started pid=%d", self._standby.pid)
 
-    def _promote_standby(self, command: ServerCommand) -> subprocess.Popen[bytes] | None:
-        """The standby, told to serve ``command``; None (and no standby left) when there is none
-        that can: not started, exited, or started with another environment."""
-        standby, self._standby = self._standby, None
+    def _promote_standby(self, command: ServerCommand) -> ServerProcess | None:
+        """A server forked by the standby for ``command``; None (and no standby left) when there is
+        none that can: not started, exited, or started with another environment."""
+        standby, arguments = self._standby, command.lmcache_arguments
         if standby is None:
             return None
-        arguments = command.lmcache_arguments
-        if (arguments is not None and standby.stdin is not None and standby.poll() is None
-                and self._standby_env == dict(command.env)):  # fmt: skip
-            warm = standby_is_warm(standby)
-            try:
-                standby.stdin.write(json.dumps(list(arguments)).encode() + b"\n")
-                standby.stdin.close()
-                log.info("event=standby_promoted pid=%d warm=%s", standby.pid, warm)
-                self._promoted_warm = warm
-                return standby
-            except OSError:
-                pass
-        self._stop_standby(standby)
+        if arguments is not None and standby.alive() and standby.env == dict(command.env):
+            warm = standby.warm
+            server = standby.serve(arguments)
+            if server is not None:
+                log.info("event=standby_promoted pid=%d server=%d warm=%s", standby.pid, server.pid, warm)
+                return server
+        self._stop_standby()
         return None
 
-    @staticmethod
-    def _stop_standby(standby: subprocess.Popen[bytes] | None) -> None:
-        if standby is None:
-            return
-        if standby.poll() is None:
-            standby.kill()
-            standby.wait()
-        if standby.stdout is not None:
-            standby.stdout.close()
+    def _stop_standby(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.stop()
 
     def _check(self) -> bool:
         answer = http_get(self._lmcache_base + "/healthcheck", CHECK_TIMEOUT_SECONDS)
@@ -345,8 +309,6 @@ class Supervisor:
             self._check_now.clear()
 
     def _drain_and_stop(self) -> int:
-        self._stop_standby(self._standby)
-        self._standby = None
         received = self._stop_received_at if self._stop_received_at is not None else self._clock()
         plan = plan_drain(received, self.settings.grace_seconds)
         self._set_phase(Phase.DRAINING)
@@ -368,6 +330,7 @@ class Supervisor:
                 log.warning("event=server_killed pid=%d reason=grace_exhausted", proc.pid)
                 proc.kill()
                 proc.wait()
+        self._stop_standby()  # after the server: a server it forked dies with it
         self._set_phase(Phase.STOPPED)
         log.info("event=sidecar_stopped restarts=%d", self._restarts)
         return 0

@@ -210,6 +210,7 @@ def test_a_server_killed_beside_a_warm_standby_is_replaced_by_it(
         _check(stream, WARM_KILLS)
         promotions = [ln for ln in sidecar.log_path.read_text().splitlines() if "event=standby_promoted" in ln]
         assert len(promotions) == WARM_KILLS and all("warm=True" in ln for ln in promotions), promotions
+        assert len({ln.split("pid=")[1].split()[0] for ln in promotions}) == 1, "one standby forked every server"
     finally:
         executor.close()
 

@@ -133,13 +133,14 @@ class Sidecar:
         return body
 
     def server_pid(self) -> int:
-        """The LMCache server serving now: the child listening on the request port (a warm standby
-        beside it listens on nothing until it takes over)."""
+        """The LMCache server serving now: the process listening on the request port, the sidecar's
+        child (a cold start) or the standby's (forked by it); the standby listens on nothing."""
         import psutil
 
         assert self.proc is not None
         kids = children_of(self.proc.pid)
-        serving = [kid for kid in kids if listens_on(kid, self.request_port)]
+        # a cold-started server is the sidecar's child, one forked by the standby its grandchild
+        serving = [p for p in [*kids, *(g for k in kids for g in children_of(k))] if listens_on(p, self.request_port)]
         assert len(serving) == 1, (
             f"expected one LMCache child listening on {self.request_port}, found {serving} of {kids}"
         )
@@ -156,15 +157,9 @@ class Sidecar:
         return kids[0] if kids else None
 
     def standby_is_warm(self) -> bool:
-        """Whether a standby waits with its warm-up done: it then points its stdout (the pipe it
-        said ``warm`` on) where its stderr goes."""
+        """Whether a standby waits with its warm-up done (the supervisor logs its report)."""
         pid = self.standby_pid()
-        if pid is None:
-            return False
-        try:
-            return not os.readlink(f"/proc/{pid}/fd/1").startswith("pipe:")
-        except OSError:
-            return False
+        return pid is not None and f"event=standby_warm pid={pid}" in self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

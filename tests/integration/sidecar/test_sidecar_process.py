@@ -160,10 +160,10 @@ def test_sigterm_drains_and_exits_zero_within_the_grace_period(make_sidecar: Cal
 
 
 def _kill_server_and_wait_for_restart(sidecar: Sidecar) -> None:
-    """SIGKILL the serving LMCache server; the warm standby (started once the server was ready, its
-    imports done) takes over, and a new standby follows once it serves."""
+    """SIGKILL the serving LMCache server; the warm standby (started once the server was ready)
+    forks the next one and stays, warm, for the next crash."""
     old = sidecar.server_pid()
-    wait_for(lambda: sidecar.standby_pid() is not None, 60, "a warm standby beside the ready server")
+    wait_for(sidecar.standby_is_warm, 120, "a warm standby beside the ready server")
     standby = sidecar.standby_pid()
     os.kill(old, signal.SIGKILL)
     live_statuses: list[int] = []
@@ -175,8 +175,9 @@ def _kill_server_and_wait_for_restart(sidecar: Sidecar) -> None:
 
     wait_for(restarted, 180, "the LMCache server's supervised restart")
     assert set(live_statuses) == {200}, "liveness stays OK during a supervised restart"
-    assert sidecar.server_pid() == standby != old, "the standby took over"
-    wait_for(lambda: sidecar.standby_pid() not in (None, standby), 60, "a new standby")
+    server = sidecar.server_pid()
+    assert server != old and server in children_of(standby), "the standby forked the new server"
+    assert sidecar.standby_pid() == standby, "the standby stays for the next crash"
 
 
 def test_kill9_restarts_counted_and_fs_l2_serves_earlier_kv(
@@ -195,6 +196,28 @@ def test_kill9_restarts_counted_and_fs_l2_serves_earlier_kv(
     assert lmcache_client(sidecar, "lookup", 12)["hit"] == 0
     body = sidecar.metrics()
     assert (sample_sum(body, "lmcache_mp_lookup_hit_l2_tokens_total") or 0) >= 512, "served from L2"
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_a_server_the_standby_forked_drains_on_sigterm_then_the_standby_stops(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    grace = 20.0
+    sidecar = make_sidecar(**{contract.ENV_GRACE_SECONDS: str(grace)})
+    sidecar.wait_ready()
+    _kill_server_and_wait_for_restart(sidecar)
+    standby, server = sidecar.standby_pid(), sidecar.server_pid()
+    assert standby is not None and sidecar.proc is not None
+    sidecar.proc.send_signal(signal.SIGTERM)
+    assert sidecar.proc.wait(timeout=grace) == 0
+    log = sidecar.log_path.read_text(errors="replace")
+    # The first server was SIGKILLed: a graceful close can only be the forked one's.
+    assert "MPCacheServer closed" in log, "the forked server stops through LMCache's own shutdown"
+    assert f"event=server_stopped pid={server} code=" in log
+    wait_for(lambda: _gone(server) and _gone(standby), 10, "the server and the standby to exit")
 
 
 def test_redis_l2_serves_earlier_kv_after_restart(
