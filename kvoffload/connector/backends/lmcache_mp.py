@@ -138,10 +138,11 @@ class LMCacheMPClient:
         # receive PREPARE/LOOKUP messages that were meant for its predecessor.
         self._zmq.setsockopt(zmq.LINGER, 0)
         self._lock = threading.RLock()
-        self._client: Any = self._new_client()
-        self._up = threading.Event()
+        self._stop = threading.Event()
+        self._up = threading.Event()  # these before the client: its disconnect callback reads them
         self._wake_heartbeat = threading.Event()
         """Set when the backend goes down (or closes): reconnecting starts at once, not at the next tick."""
+        self._client: Any = self._new_client()
         self._needs_reset = False
         self._needs_register = False
         self._pool: Any = None
@@ -160,7 +161,6 @@ class LMCacheMPClient:
         self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
-        self._stop = threading.Event()
         self._commits: queue.Queue[DeferredCommit | None] = queue.Queue()
         self._committer = threading.Thread(target=self._commit_loop, name=f"kvoffload-commit-{role}", daemon=True)
         self._committer.start()
@@ -433,7 +433,7 @@ class LMCacheMPClient:
     def _on_disconnect(self, client: Any) -> None:
         """The server's connection dropped: down at once, so the next request fails fast instead of
         waiting out its timeout on a dead server, and reconnecting starts now."""
-        if client is self._client and self._up.is_set():
+        if client is self._client and self._up.is_set() and not self._stop.is_set():  # not our own close
             self._fail("heartbeat", "unavailable", "the LMCache server's connection dropped")
 
     def _reset_client(self) -> None:
