@@ -220,10 +220,12 @@ def transfer_round(
     salt: str,
     order: str = "scattered",
     sync_after: bool = True,
+    engine_path: bool = False,
 ) -> dict[str, Any]:
-    """One store, lookup and retrieve; ``sync_after=False`` times each call alone (the backend returns
-    once its copies are done) instead of adding a device-wide synchronize, which under load would
-    wait for the stand-in engine's work too."""
+    """One store, lookup and retrieve (and with ``engine_path``, the same load as the engine runs
+    it); ``sync_after=False`` times each call alone (the backend returns once its copies are done)
+    instead of adding a device-wide synchronize, which under load would wait for the stand-in
+    engine's work too."""
     from kvoffload.connector.planning import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
@@ -252,7 +254,7 @@ def transfer_round(
     exact = bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
     scheduler.end_session(load.session_id)
     result = {"store_s": t_store, "retrieve_s": t_retrieve, "bit_exact": exact, "hit_tokens": hit}
-    if getattr(backend, "_use_fast_copies", False) and hasattr(backend, "prepare_secured"):
+    if engine_path:
         result.update(
             engine_path_load(
                 backend, scheduler, pool, token_ids, dst, src_idx, dst_idx, f"e{rep}-{tokens}-{salt}", salt
@@ -297,8 +299,10 @@ def measure(
     salt: str,
     order: str = "scattered",
     sync_after: bool = True,
+    engine_path: bool = False,
 ) -> dict[str, Any]:
-    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order, sync_after) for r in range(reps + 1)]
+    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order, sync_after, engine_path)
+              for r in range(reps + 1)]  # fmt: skip
     nbytes = tokens * BYTES_PER_TOKEN
     warm = rounds[1:] if reps > 0 else rounds
     store_gbps, store_ms = _median_gbps(nbytes, [r["store_s"] for r in warm])
@@ -572,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                            "block_order": order, "raw": raw_copy_baseline(nbytes)}  # fmt: skip
                     salt = f"fast{chunk_size}{order}"
                     timings.medians()  # forget phases logged by anything measured before this row
-                    row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt, order)
+                    row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt, order, engine_path=True)
                     row["phases_ms"] = timings.medians()
                     print(json.dumps(row), flush=True)
                     results["sizes"].append(row)

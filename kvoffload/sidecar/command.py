@@ -20,7 +20,10 @@ Why each fixed flag is there:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +49,19 @@ _NOT_INHERITED = (
 
 LMCACHE_CLI_MODULE = "lmcache.cli.main"
 """The module ``python -m`` runs for ``lmcache server`` (the ``lmcache`` console script's)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in a forked child
+    """Linux: this process gets SIGKILL when its parent dies without stopping it (a server when the
+    sidecar or the standby that forked it dies, the standby when the sidecar does).
+
+    The signal follows the *thread* that forked, so fork only from a long-lived thread.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

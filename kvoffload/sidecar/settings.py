@@ -80,8 +80,8 @@ class SidecarSettings:
     policy_file: str | None
     """The policy file the settings were read from, ``None`` when none was mounted."""
     warm_standby: bool = True
-    """Keep a standby LMCache server with its imports done (about 0.3 GiB resident), which serves at
-    once when the running one crashes (``KVOFFLOAD_WARM_STANDBY``)."""
+    """Keep a standby process with LMCache's server imported (about 0.65 GiB resident), which forks
+    a new server at once when the running one crashes (``KVOFFLOAD_WARM_STANDBY``)."""
     request_host: str = "127.0.0.1"
     """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
     node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""

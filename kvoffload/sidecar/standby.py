@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -26,9 +25,9 @@ import signal
 import sys
 from typing import Any, TextIO
 
+from .command import die_with_parent
 from .standby_handle import EXITED, SERVING, WARM
 
-_PR_SET_PDEATHSIG = 1
 _REAP_EVERY_S = 0.05
 
 
@@ -55,8 +54,7 @@ def _serve(arguments: list[str], standby_pid: int) -> None:  # pragma: no cover 
     """The forked child: die with the standby, default signal handling, then LMCache's server."""
     code = 1
     try:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent()
         if os.getppid() != standby_pid:  # the standby died before the prctl
             os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

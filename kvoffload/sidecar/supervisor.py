@@ -7,7 +7,6 @@ counts as in-flight work) live in ``lifecycle`` and ``metrics``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -22,7 +21,7 @@ from collections.abc import Callable
 
 from kvoffload import contract
 
-from .command import ServerCommand
+from .command import ServerCommand, die_with_parent
 from .lifecycle import (
     BackoffPolicy,
     HealthFacts,
@@ -47,16 +46,6 @@ POLL_READY_SECONDS = 5.0
 POLL_NOT_READY_SECONDS = 0.1
 """A starting server is checked this often: one forked by the standby serves within about 0.1 s,
 and a kill is counted as a crash or not by whether a check saw it ready."""
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """Linux: the LMCache server gets SIGKILL if the sidecar dies without stopping it.
-
-    The signal follows the *thread* that forked, so spawn only from the long-lived main loop.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def shm_free_bytes(shm_name: str, mount: str = contract.SHM_MOUNT_PATH) -> int | None:
@@ -223,7 +212,7 @@ class Supervisor:
         command = self._command_for_spawn()
         proc = self._promote_standby(command)
         if proc is None:
-            proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(list(command.argv), env=command.env, preexec_fn=die_with_parent)
         with self._lock:
             self._proc = proc
             self._spawned_at = self._clock()
@@ -242,7 +231,7 @@ class Supervisor:
 
     def _keep_standby(self) -> None:
         """Once the server is ready, have a standby beside it (spawned from the main loop: see
-        ``_die_with_parent``); it stays through promotions, forking each new server."""
+        ``die_with_parent``); it stays through promotions, forking each new server."""
         if not self.settings.warm_standby or (self._standby is not None and self._standby.alive()):
             return
         if self._standby is not None:  # it exited on its own: try again later, not every tick
@@ -257,7 +246,7 @@ class Supervisor:
         if command.lmcache_arguments is None:  # not LMCache's server (tests run stand-ins): nothing to stand in for
             self._standby_retry_at = self._clock() + STANDBY_RETRY_SECONDS
             return
-        self._standby = Standby(command.argv[0], command.env, _die_with_parent)
+        self._standby = Standby(command.argv[0], command.env, die_with_parent)
         log.info("event=standby_started pid=%d", self._standby.pid)
 
     def _promote_standby(self, command: ServerCommand) -> ServerProcess | None:
