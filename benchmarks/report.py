@@ -309,8 +309,8 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         result = key.split('"result": "')[-1].split('"')[0]
         results_by_kind[result] = results_by_kind.get(result, 0.0) + value
     out += [
-        f"Of these, the operator's own requests (Server-Side Apply of the Deployment and its ConfigMap, its "
-        f"Events) are {own:.2f} per workload; the rest is the controllers reacting to the changed template "
+        f"Of these, the operator's own requests (its Server-Side Applies: the Deployment, and in template mode "
+        f"the generated ConfigMap; its Events) are {own:.2f} per workload; the rest is the controllers reacting to the changed template "
         "(a new ReplicaSet, status updates). Operator reconciles over the whole run before the restart: "
         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(results_by_kind.items()))
         + (
@@ -361,7 +361,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         ),
         "",
         "Leases and node status come from kwok and the controllers (the idle row). A periodic resync re-checks "
-        "every opted-in workload against the live object and its ConfigMap and applies only where something "
+        "every opted-in workload against the live object (and its ConfigMap, in template mode) and applies only where something "
         "drifted (an apply the apiserver would find unchanged still counts as a write request; etcd puts show "
         "whether anything was stored).",
     ]

@@ -104,9 +104,10 @@ def run_group(name: str, counts: Counts, injection: str = "admission") -> dict[s
 
 
 def previous_groups(out_dir: Path, missing: Sequence[str]) -> dict[str, tuple[str, dict[str, Any]]]:
-    """For each group in ``missing``: (file name, group results) from the newest results file holding it."""
+    """For each group in ``missing``: (file name, group results) from the newest results file holding
+    it. Newest by the UTC start time in the name: a clone gives every file the same mtime."""
     found: dict[str, tuple[str, dict[str, Any]]] = {}
-    for path in sorted(out_dir.glob("cpu-*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+    for path in sorted(out_dir.glob("cpu-*.json"), key=lambda p: p.name, reverse=True):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):

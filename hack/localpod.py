@@ -30,6 +30,18 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, str(err)
 
 
+def downward_api_value(pod: dict[str, Any], field_path: str) -> str:
+    """What the kubelet writes for a downward API ``fieldPath`` (the parts our pods use)."""
+    meta = pod["metadata"]
+    for part in ("annotations", "labels"):
+        prefix = f"metadata.{part}['"
+        if field_path.startswith(prefix) and field_path.endswith("']"):
+            return str((meta.get(part) or {})[field_path[len(prefix) : -2]])
+    if field_path in ("metadata.name", "metadata.namespace", "metadata.uid"):
+        return str(meta[field_path.split(".")[1]])
+    raise LookupError(f"downward API field {field_path!r} is not supported by the local pod runner")
+
+
 @dataclass
 class LocalPod:
     """A pod's containers run as local processes, with volumes as local folders."""
@@ -48,7 +60,8 @@ class LocalPod:
         raise LookupError(f"pod {self.pod['metadata']['name']} has no container {name!r}")
 
     def materialize_volumes(self, bundle_source: Path) -> None:
-        """emptyDirs become folders; ConfigMap volumes get their keys as files; the bundle is 'copied' in."""
+        """emptyDirs become folders; ConfigMap volumes get their keys as files, downward API volumes the
+        pod's fields; the bundle is 'copied' in."""
         ns = self.pod["metadata"]["namespace"]
         for volume in self.pod["spec"].get("volumes", []):
             path = self.workdir / "volumes" / volume["name"]
@@ -61,6 +74,9 @@ class LocalPod:
                 items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in cm.get("data", {})]
                 for item in items:
                     (path / item["path"]).write_text(cm["data"][item["key"]])
+            elif "downwardAPI" in volume:
+                for item in volume["downwardAPI"]["items"]:
+                    (path / item["path"]).write_text(downward_api_value(self.pod, item["fieldRef"]["fieldPath"]))
         # The connector-bundle init container copies /kvoffload-bundle/. into its volume;
         # locally the same files come from a --target install of this checkout.
         if contract.VOLUME_BUNDLE in self.volume_dirs:

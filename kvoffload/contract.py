@@ -149,7 +149,7 @@ ENV_SHM_NAME: Final = "KVOFFLOAD_SHM_NAME"
 ENV_GRACE_SECONDS: Final = "KVOFFLOAD_GRACE_SECONDS"
 ENV_LMCACHE_TRACK_USAGE: Final = "LMCACHE_TRACK_USAGE"
 ENV_WARM_STANDBY: Final = "KVOFFLOAD_WARM_STANDBY"
-"""Sidecar: keep a standby LMCache server with its imports done, which takes over at once after a crash."""
+"""Sidecar: keep a standby process with LMCache's server imported, which forks a new server at once after a crash."""
 
 # --- Connector entry points named in TensorRT-LLM's kv_connector_config ------
 CONNECTOR_MODULE: Final = "kvoffload.connector.trtllm"
@@ -247,8 +247,15 @@ LABEL_INJECT: Final = "kvoffload.io/inject"
 """The one field the operator writes into a workload's pod template in admission mode: the hash of
 the injection record its pods are created with. The webhook's objectSelector matches it, and a
 new value rolls the pods exactly once."""
-INJECTION_RECORD_FILE: Final = "injection.json"
-"""Key of the generated ConfigMap holding the injection record the webhook renders pods from."""
+ANN_INJECTION_RECORD: Final = "kvoffload.io/injection-record"
+"""On the workload itself (admission mode, written in the same apply as ``LABEL_INJECT``): the
+injection record (JSON) the webhook renders the workload's pods from."""
+FILE_ANNOTATIONS: Final = {
+    TRTLLM_OPTIONS_FILE: "kvoffload.io/extra-llm-api-options.yaml",
+    POLICY_FILE: "kvoffload.io/policy.json",
+}
+"""Admission mode: the pod annotation holding each of the pod's files, mounted through a
+downward API volume (no generated ConfigMap)."""
 WEBHOOK_PORT: Final = 8443
 WEBHOOK_PATH: Final = "/mutate-pods"
 WEBHOOK_CONFIGURATION_NAME: Final = "kvoffload-pod-injection"

@@ -1,6 +1,7 @@
 """Injection at pod admission, pure: the record a workload's pods are injected from, what the
-operator writes for it (one template label and the generated ConfigMap), and the pod the webhook
-admits (the user's pod with the injection merged in, as a JSON patch).
+operator writes for it (one apply of the workload: the record as an annotation and one template
+label naming its hash), and the pod the webhook admits (the user's pod with the injection merged
+in, its files as pod annotations, as a JSON patch).
 
 The workload's template stays the user's: a GitOps tool that applies its manifest, by any apply,
 finds nothing to fight over. The record holds what the operator decided (settings, the user's
@@ -22,10 +23,11 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
-from .fragment import RenderedInjection, configmap_body, render
+from .fragment import RenderedInjection, render
 from .injection_plan import ClusterInfo, InjectionPlan, NodeCacheWiring, choose_engine, plan_injection
+from .managed_fields import owned_by
 from .settings import InjectionSettings
-from .workload_view import SUPPORTED_KINDS, configmap_name, empty_apply_body, workload_meta
+from .workload_view import SUPPORTED_KINDS, empty_apply_body
 
 
 @dataclass(frozen=True)
@@ -77,19 +79,24 @@ def record_of(plan: InjectionPlan) -> InjectionRecord:
 
 
 def render_admission(plan: InjectionPlan) -> RenderedInjection:
-    """What the operator applies in admission mode: the template label naming the record's hash,
-    and the generated ConfigMap holding the record beside the options and policy files."""
-    in_template = render(plan)  # its warnings, and the options/policy files the pods mount
+    """What the operator applies in admission mode, one write: the record as an annotation of the
+    workload and the template label naming the hash of the record and the files it gives the pods."""
+    in_template = render(plan, files_on_pod=True)  # its warnings, and the files the pods get
     record = record_of(plan).to_json()
-    data = {**in_template.configmap_apply["data"], c.INJECTION_RECORD_FILE: record}
-    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps({**in_template.files, _RECORD_KEY: record}, sort_keys=True).encode()
+                            ).hexdigest()[:16]  # fmt: skip
     body = empty_apply_body(plan.workload)
+    body["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: record}
     body["spec"] = {"template": {"metadata": {"labels": {c.LABEL_INJECT: digest}}}}
-    cm_name = configmap_name(str(workload_meta(plan.workload).get("name")))
     return RenderedInjection(
-        workload_apply=body, configmap_apply=configmap_body(plan.workload, cm_name, data, digest), config_hash=digest,
+        workload_apply=body, configmap_apply=None, files=in_template.files, config_hash=digest,
         engine_container=in_template.engine_container, forceable_fields=(), warnings=in_template.warnings,
     )  # fmt: skip
+
+
+_RECORD_KEY = "injection.json"
+"""The record's key beside the files in the hash (the key the ConfigMap of earlier versions used:
+an upgrade rolls no pods for the move alone)."""
 
 
 def render_for(plan: InjectionPlan) -> RenderedInjection:
@@ -118,16 +125,15 @@ def pod_owner(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def record_from_configmap(configmap: Mapping[str, Any] | None, kind: str, name: str) -> InjectionRecord | str:
-    """The record in a workload's generated ConfigMap, or why there is none to use."""
-    if configmap is None:
-        return f"no ConfigMap {configmap_name(name)}: the operator has not injected {kind} {name} yet"
-    owners = (configmap.get("metadata") or {}).get("ownerReferences") or []
-    if not any(o.get("kind") == kind and o.get("name") == name for o in owners):
-        return f"ConfigMap {configmap_name(name)} is not the one kvoffload generated for {kind} {name}"
-    text = (configmap.get("data") or {}).get(c.INJECTION_RECORD_FILE)
+def record_from_workload(workload: Mapping[str, Any] | None, kind: str, name: str) -> InjectionRecord | str:
+    """The record the operator wrote on a workload, or why there is none to use."""
+    if workload is None:
+        return f"{kind} {name} is not there"
+    text = ((workload.get("metadata") or {}).get("annotations") or {}).get(c.ANN_INJECTION_RECORD)
     if text is None:
-        return f"ConfigMap {configmap_name(name)} holds no {c.INJECTION_RECORD_FILE} (an operator in template mode?)"
+        return f"the operator has not injected {kind} {name} yet (no {c.ANN_INJECTION_RECORD} annotation)"
+    if not owned_by(workload, ("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}"), c.FIELD_MANAGER):
+        return f"{kind} {name}: its {c.ANN_INJECTION_RECORD} annotation was not written by kvoffload"
     return InjectionRecord.from_json(text)
 
 
@@ -152,7 +158,7 @@ def injected_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str, r
                           record.node_cache)  # fmt: skip
     if isinstance(plan, PolicyError):
         return plan
-    template = render(plan).workload_apply["spec"]["template"]
+    template = render(plan, files_on_pod=True).workload_apply["spec"]["template"]
     result = copy.deepcopy(dict(pod))
     meta = result.setdefault("metadata", {})
     for part in ("labels", "annotations"):

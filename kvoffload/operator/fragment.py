@@ -40,7 +40,11 @@ class RenderedInjection:
     """What one reconcile applies for an opted-in workload."""
 
     workload_apply: dict[str, Any]
-    configmap_apply: dict[str, Any]
+    configmap_apply: dict[str, Any] | None
+    """The generated ConfigMap holding ``files`` (template mode); None where the pods carry the
+    files themselves (admission mode: pod annotations read through a downward API volume)."""
+    files: dict[str, str]
+    """The files the pods mount: the engine's options file, and the policy file with a sidecar."""
     config_hash: str
     engine_container: str
     forceable_fields: tuple[str, ...]
@@ -84,7 +88,16 @@ def _engine_fragment(plan: InjectionPlan) -> dict[str, Any]:
     return fragment
 
 
-def _volumes(plan: InjectionPlan, cm_name: str) -> list[dict[str, Any]]:
+def _file_volume(name: str, file: str, cm_name: str | None) -> dict[str, Any]:
+    """A volume holding one of the pod's files: a key of the generated ConfigMap, or (``cm_name``
+    None) the pod's own annotation ``FILE_ANNOTATIONS[file]`` through the downward API."""
+    if cm_name is not None:
+        return {"name": name, "configMap": {"name": cm_name, "items": [{"key": file, "path": file}]}}
+    field = f"metadata.annotations['{c.FILE_ANNOTATIONS[file]}']"
+    return {"name": name, "downwardAPI": {"items": [{"path": file, "fieldRef": {"fieldPath": field}}]}}
+
+
+def _volumes(plan: InjectionPlan, cm_name: str | None) -> list[dict[str, Any]]:
     settings = plan.settings
     volumes: list[dict[str, Any]] = []
     if plan.node_cache is not None:
@@ -97,15 +110,9 @@ def _volumes(plan: InjectionPlan, cm_name: str) -> list[dict[str, Any]]:
     volumes.append({"name": c.VOLUME_RUN, "emptyDir": {"sizeLimit": RUN_VOLUME_SIZE}})
     if settings.connector_source == "init-container":
         volumes.append({"name": c.VOLUME_BUNDLE, "emptyDir": {"sizeLimit": BUNDLE_VOLUME_SIZE}})
-    volumes.append({
-        "name": c.VOLUME_TRTLLM_OPTIONS,
-        "configMap": {"name": cm_name, "items": [{"key": c.TRTLLM_OPTIONS_FILE, "path": c.TRTLLM_OPTIONS_FILE}]},
-    })  # fmt: skip
+    volumes.append(_file_volume(c.VOLUME_TRTLLM_OPTIONS, c.TRTLLM_OPTIONS_FILE, cm_name))
     if plan.uses_sidecar:
-        volumes.append({
-            "name": c.VOLUME_POLICY,
-            "configMap": {"name": cm_name, "items": [{"key": c.POLICY_FILE, "path": c.POLICY_FILE}]},
-        })  # fmt: skip
+        volumes.append(_file_volume(c.VOLUME_POLICY, c.POLICY_FILE, cm_name))
         if settings.fs_tier:
             volumes.append(
                 {"name": c.VOLUME_L2_FS, "emptyDir": {"sizeLimit": format_bytes(settings.fs_tier.size_bytes)}}
@@ -113,7 +120,7 @@ def _volumes(plan: InjectionPlan, cm_name: str) -> list[dict[str, Any]]:
     return volumes
 
 
-def _pod_spec_fragment(plan: InjectionPlan, cm_name: str) -> dict[str, Any]:
+def _pod_spec_fragment(plan: InjectionPlan, cm_name: str | None) -> dict[str, Any]:
     settings, native = plan.settings, plan.cluster.native_sidecars
     init_containers: list[dict[str, Any]] = []
     containers: list[dict[str, Any]] = [_engine_fragment(plan)]
@@ -157,10 +164,11 @@ def configmap_body(workload: Mapping[str, Any], cm_name: str, data: dict[str, st
     }
 
 
-def render(plan: InjectionPlan) -> RenderedInjection:
-    """The SSA bodies (workload fragment and generated ConfigMap) of a plan."""
+def render(plan: InjectionPlan, files_on_pod: bool = False) -> RenderedInjection:
+    """The SSA bodies (workload fragment and generated ConfigMap) of a plan; with ``files_on_pod``
+    (the webhook's pods) the files are pod annotations instead and there is no ConfigMap."""
     workload, uses_sidecar = plan.workload, plan.uses_sidecar
-    cm_name = configmap_name(str(workload_meta(workload).get("name")))
+    cm_name = None if files_on_pod else configmap_name(str(workload_meta(workload).get("name")))
     pod_spec = _pod_spec_fragment(plan, cm_name)
     configmap_data = {
         c.TRTLLM_OPTIONS_FILE: plan.options_text,
@@ -178,6 +186,8 @@ def render(plan: InjectionPlan) -> RenderedInjection:
     if isinstance(plan.engine.options, MergeFromConfigMap):
         annotations[c.ANN_ORIGINAL_OPTIONS_PATH] = plan.engine.options.path
     annotations[c.ANN_INJECTED_VERSION] = plan.cluster.operator_version
+    if files_on_pod:
+        annotations.update({c.FILE_ANNOTATIONS[file]: text for file, text in configmap_data.items()})
     labels = {c.LABEL_INJECTED: "true", **(plan.node_cache.pod_labels if plan.node_cache else {})}
     digest = config_hash({"metadata": {"annotations": annotations, "labels": labels}, "spec": pod_spec}, configmap_data)
     annotations[c.ANN_CONFIG_HASH] = digest
@@ -187,8 +197,9 @@ def render(plan: InjectionPlan) -> RenderedInjection:
     forceable: tuple[str, ...] = ()
     if plan.engine_args is not None and not isinstance(plan.engine.options, AlreadyOurs):
         forceable = (conflict_path("containers", plan.engine.name, "args"),)
+    configmap = None if cm_name is None else configmap_body(workload, cm_name, configmap_data, digest)
     return RenderedInjection(
-        workload_apply=body, configmap_apply=configmap_body(workload, cm_name, configmap_data, digest), config_hash=digest,
+        workload_apply=body, configmap_apply=configmap, files=configmap_data, config_hash=digest,
         engine_container=plan.engine.name, forceable_fields=forceable, warnings=tuple(warnings),
     )  # fmt: skip
 

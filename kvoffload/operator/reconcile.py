@@ -272,17 +272,19 @@ class Reconciler:
 
     def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
                          ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip
-        """Apply the ConfigMap and the workload fragment; the result label and the object the
-        apiserver returned (None when nothing was applied)."""
+        """Apply the generated ConfigMap (template mode) and the workload fragment; the result label
+        and the object the apiserver returned (None when nothing was applied)."""
         kind = str(obj.get("kind"))
         meta = obj.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        try:
-            self.kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply, c.FIELD_MANAGER)
-        except KubeApiError as exc:
-            if exc.status == 409 and exc.field_conflicts:
-                return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state), None
-            raise
+        if rendered.configmap_apply is not None:
+            try:
+                self.kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply,
+                                c.FIELD_MANAGER)  # fmt: skip
+            except KubeApiError as exc:
+                if exc.status == 409 and exc.field_conflicts:
+                    return self._conflict(obj, exc, f"ConfigMap {configmap_name(name)}", state), None
+                raise
         # Both applies are locked to the resourceVersion the fragment was computed from (a stale
         # fragment must never land: it would roll the pods twice). A 409 caused only by a status
         # write refreshes the lock instead of waiting for the next event (``_locked_apply``).

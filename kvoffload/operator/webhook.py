@@ -15,11 +15,10 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.httpreply import send_reply
 
-from .admission import Admission, admission_response, admit, pod_owner, record_from_configmap
-from .kube import Kube, KubeApiError, configmap_path
+from .admission import Admission, admission_response, admit, pod_owner, record_from_workload
+from .kube import Kube, KubeApiError, workload_path
 from .metrics import OperatorMetrics
 from .webhook_tls import TlsMaterial
-from .workload_view import configmap_name
 
 log = logging.getLogger("kvoffload.operator")
 MAX_REVIEW_BYTES = 8 * 2**20
@@ -34,10 +33,9 @@ def review_pod(kube: Kube, review: dict[str, Any]) -> tuple[str, Admission]:
     record = None
     if owner is not None and c.LABEL_INJECT in ((pod.get("metadata") or {}).get("labels") or {}):
         try:
-            cm = kube.get(configmap_path(namespace, configmap_name(owner[1])))
-            record = record_from_configmap(cm, *owner)
+            record = record_from_workload(kube.get(workload_path(owner[0], namespace, owner[1])), *owner)
         except KubeApiError as exc:
-            record = f"reading its ConfigMap failed: {exc}"
+            record = f"reading {owner[0]} {owner[1]} failed: {exc}"
     return str(request.get("uid", "")), admit(pod, namespace, record, owner)
 
 

@@ -68,9 +68,11 @@ def changed_since(kube: Kube, path: str, meta: Mapping[str, Any]) -> bool:
 
 
 def carries_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
-    """Whether the live workload and its ConfigMap hold every field the apply would set."""
+    """Whether the live workload and its ConfigMap (if it has one) hold every field the apply would set."""
     if not object_carries(rendered.workload_apply, obj):
         return False
+    if rendered.configmap_apply is None:
+        return True
     meta = obj.get("metadata") or {}
     cm = kube.get(configmap_path(str(meta.get("namespace")), configmap_name(str(meta.get("name")))))
     return object_carries(rendered.configmap_apply, cm)

@@ -229,3 +229,13 @@ def test_a_rerender_keeps_the_hand_written_gpu_runs_below_the_placeholder(tmp_pa
     docs.write_text(f"old\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")
     assert run.keep_after_gpu_placeholder(f"new\n{GPU_PLACEHOLDER}\n", docs) == (
         f"new\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")  # fmt: skip
+
+
+def test_groups_not_run_come_from_the_newest_results_file_by_its_start_time_not_its_mtime(tmp_path: Path) -> None:
+    import os
+
+    newer, older = tmp_path / "cpu-20261201T003932Z.json", tmp_path / "cpu-20261130T121055Z.json"
+    newer.write_text(json.dumps({"groups": {"connector": {"which": "newer"}}}))
+    older.write_text(json.dumps({"groups": {"connector": {"which": "older"}}}))
+    os.utime(older, (newer.stat().st_mtime + 60, newer.stat().st_mtime + 60))  # as a fresh clone may leave them
+    assert run.previous_groups(tmp_path, ["connector"]) == {"connector": (newer.name, {"which": "newer"})}

@@ -89,6 +89,10 @@ def operator_writes(obj: dict[str, Any]) -> list[Any]:
             if m.get("manager") == c.FIELD_MANAGER]  # fmt: skip
 
 
+def generated_configmaps(cluster: LocalCluster, namespace: str) -> list[dict[str, Any]]:
+    return list_objects(cluster, "configmap", namespace, f"{c.LABEL_MANAGED_BY}={c.LABEL_MANAGED_BY_VALUE}")
+
+
 def pods(cluster: LocalCluster, name: str, namespace: str) -> list[dict[str, Any]]:
     return [p for p in list_objects(cluster, "pods", namespace, f"app={name}")
             if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
@@ -156,18 +160,18 @@ def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
     assert "initContainers" not in template["spec"] and not template["spec"].get("volumes")
     writes = operator_writes(dep)
     assert len(writes) == 1, writes
+    assert c.ANN_INJECTION_RECORD in dep["metadata"]["annotations"], "the record rides on the same write"
+    assert not generated_configmaps(cluster, namespace), "admission mode writes no ConfigMap"
     assert gitops_diff(cluster, method, opted_in) == "", "kubectl diff of the user's manifest must be empty"
 
-    # re-apply of the same manifest: nothing changes, nobody writes
-    configmap = get(cluster, "configmap", name + c.GENERATED_CONFIGMAP_SUFFIX, namespace)
+    # re-apply of the same manifest: nothing changes, nobody writes, the record stays
     start = revision(cluster, name, namespace)
     gitops_apply(cluster, method, opted_in)
     time.sleep(SETTLE_S)
     counts["re-apply"] = revision(cluster, name, namespace) - start
     dep = live(cluster, name, namespace)
     assert operator_writes(dep) == writes, "the operator wrote after a re-apply"
-    assert get(cluster, "configmap", name + c.GENERATED_CONFIGMAP_SUFFIX, namespace)["metadata"]["resourceVersion"] \
-        == configmap["metadata"]["resourceVersion"]  # fmt: skip
+    assert c.ANN_INJECTION_RECORD in dep["metadata"]["annotations"], "the GitOps apply took the record away"
     assert gitops_diff(cluster, method, opted_in) == ""
 
     # image change from git: exactly one rollout, the new pods injected, still no operator write
@@ -185,8 +189,7 @@ def test_gitops_applies_cause_no_operator_write_and_exactly_the_users_rollouts(
     dep = live(cluster, name, namespace)
     assert operator_writes(dep) == [], "the operator's label must be gone"
     assert c.LABEL_INJECT not in dep["spec"]["template"]["metadata"]["labels"]
-    wait_for(lambda: not list_objects(cluster, "configmap", namespace, f"{c.LABEL_MANAGED_BY}={c.LABEL_MANAGED_BY_VALUE}"),
-             30, what="the generated ConfigMap deleted")  # fmt: skip
+    assert c.ANN_INJECTION_RECORD not in dep["metadata"].get("annotations", {}), "the record must go with the label"
     assert gitops_diff(cluster, method, opted_out) == ""
     print(f"gitops matrix [{method}] rollouts: {counts}")
     assert counts == {"opt-in": 1, "re-apply": 0, "image change": 1, "opt-out": 1}, counts
@@ -223,7 +226,8 @@ def test_pods_created_while_the_webhook_is_down_start_as_written_and_are_evicted
 def test_a_webhook_pod_equals_the_template_modes_injection(
     cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
 ) -> None:
-    """The webhook renders the same injection template mode writes (same renderer, applied to the pod)."""
+    """The webhook renders the same injection template mode writes (same renderer, applied to the
+    pod); only the files come from the pod's own annotations instead of a generated ConfigMap."""
     from kvoffload.operator.fragment import render_injection_fragment
     from kvoffload.operator.injection_plan import ClusterInfo
     from kvoffload.operator.settings import resolve_settings
@@ -236,8 +240,19 @@ def test_a_webhook_pod_equals_the_template_modes_injection(
     settings = resolve_settings(body["metadata"]["annotations"], None, operator_defaults(), namespace)
     rendered = render_injection_fragment(copy.deepcopy(body), settings, ClusterInfo(native_sidecars=True))  # type: ignore[arg-type]
     assert not isinstance(rendered, type(None))
-    fragment = rendered.workload_apply["spec"]["template"]["spec"]  # type: ignore[union-attr]
+    fragment = copy.deepcopy(rendered.workload_apply["spec"]["template"]["spec"])  # type: ignore[union-attr]
+    file_volumes = {c.VOLUME_TRTLLM_OPTIONS: c.TRTLLM_OPTIONS_FILE, c.VOLUME_POLICY: c.POLICY_FILE}
+    fragment["volumes"] = [v for v in fragment["volumes"] if v["name"] not in file_volumes]
     assert contains(fragment, pod["spec"]), "the webhook's pod lacks part of template mode's injection"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for volume, file in file_volumes.items():
+        (item,) = volumes[volume]["downwardAPI"]["items"]
+        annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+        assert item["path"] == file
+        assert pod["metadata"]["annotations"][annotation] == rendered.configmap_apply["data"][file], (  # type: ignore[union-attr,index]
+            f"{file}: the pod's copy differs from template mode's"
+        )
+    assert not generated_configmaps(cluster, namespace)
     assert contains(rendered.workload_apply["spec"]["template"]["metadata"]["labels"],  # type: ignore[union-attr]
                     pod["metadata"]["labels"])  # fmt: skip
 

@@ -20,7 +20,7 @@ from kvoffload.operator.admission import (
     json_patch,
     merge_pod_spec,
     pod_owner,
-    record_from_configmap,
+    record_from_workload,
     render_admission,
 )
 from kvoffload.operator.fragment import render
@@ -59,14 +59,16 @@ def test_the_record_round_trips_every_setting() -> None:
     assert "not readable" in str(InjectionRecord.from_json("{"))
 
 
-def test_admission_mode_writes_one_template_label_and_the_record() -> None:
+def test_admission_mode_writes_one_object_the_workload_with_the_record_and_one_template_label() -> None:
     workload = trtllm_deployment("llm", "ns")
     rendered = render_admission(plan_of(workload))
     assert rendered.workload_apply["spec"] == {
         "template": {"metadata": {"labels": {c.LABEL_INJECT: rendered.config_hash}}}
     }
-    data = rendered.configmap_apply["data"]
-    assert set(data) == {c.TRTLLM_OPTIONS_FILE, c.POLICY_FILE, c.INJECTION_RECORD_FILE}
+    assert rendered.configmap_apply is None, "no generated ConfigMap: one write per workload"
+    record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
+    assert isinstance(record, InjectionRecord) and record.settings == InjectionSettings()
+    assert set(rendered.files) == {c.TRTLLM_OPTIONS_FILE, c.POLICY_FILE}
     assert rendered.forceable_fields == ()
     other = render_admission(plan_of(workload, InjectionSettings(l1_bytes=5 * 2**30)))
     assert other.config_hash != rendered.config_hash, "a settings change must roll the pods"
@@ -77,13 +79,24 @@ def test_admission_mode_writes_one_template_label_and_the_record() -> None:
     )
 
 
+def test_moving_the_record_out_of_the_configmap_keeps_the_template_label_so_an_upgrade_rolls_nothing() -> None:
+    import hashlib
+
+    plan = plan_of(trtllm_deployment("llm", "ns"))
+    rendered = render_admission(plan)
+    record = rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD]
+    earlier_configmap_data = {**render(plan).configmap_apply["data"], "injection.json": record}  # type: ignore[index]
+    earlier_label = hashlib.sha256(json.dumps(earlier_configmap_data, sort_keys=True).encode()).hexdigest()[:16]
+    assert rendered.config_hash == earlier_label
+
+
 def test_the_webhook_pod_is_the_template_modes_injection_applied_to_the_pod() -> None:
     workload = trtllm_deployment("llm", "ns")
     record = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True)
     pod = pod_of(workload)
     new = injected_pod(pod, "Deployment", "llm", "ns", record)
     assert not isinstance(new, type(None)) and isinstance(new, dict)
-    fragment = render(plan_of(workload, admission=False)).workload_apply["spec"]["template"]
+    fragment = render(plan_of(workload, admission=False), files_on_pod=True).workload_apply["spec"]["template"]
     assert merge_pod_spec(pod["spec"], fragment["spec"]) == new["spec"]
     assert new["metadata"]["labels"][c.LABEL_INJECTED] == "true"
     assert new["metadata"]["labels"]["pod-template-hash"] == "5d8f7c9b4", "the pod's own labels stay"
@@ -92,6 +105,22 @@ def test_the_webhook_pod_is_the_template_modes_injection_applied_to_the_pod() ->
         engine["args"].count("--extra_llm_api_options") == 1
         and engine["image"] == pod["spec"]["containers"][0]["image"]
     )
+
+
+def test_the_webhook_pod_carries_its_files_and_mounts_them_through_the_downward_api() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    plan = plan_of(workload)
+    new = injected_pod(pod_of(workload), "Deployment", "llm", "ns", InjectionRecord(plan.settings, None, None,
+                                                                                   "0.1.0", True))  # fmt: skip
+    assert isinstance(new, dict)
+    files = render_admission(plan).files
+    volumes = {v["name"]: v for v in new["spec"]["volumes"]}
+    for volume, file in ((c.VOLUME_TRTLLM_OPTIONS, c.TRTLLM_OPTIONS_FILE), (c.VOLUME_POLICY, c.POLICY_FILE)):
+        assert "configMap" not in volumes[volume]
+        (item,) = volumes[volume]["downwardAPI"]["items"]
+        assert item["path"] == file
+        annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+        assert new["metadata"]["annotations"][annotation] == files[file]
 
 
 def test_merging_keeps_the_users_list_items_and_replaces_ours_by_key() -> None:
@@ -141,10 +170,17 @@ def test_a_pod_without_a_usable_record_is_admitted_as_written_with_a_warning() -
     workload = trtllm_deployment("llm", "ns")
     pod = pod_of(workload)
     pod["metadata"]["labels"][c.LABEL_INJECT] = "abc"
-    missing = admit(pod, "ns", record_from_configmap(None, "Deployment", "llm"), ("Deployment", "llm"))
+    missing = admit(pod, "ns", record_from_workload(workload, "Deployment", "llm"), ("Deployment", "llm"))
     assert missing.patch == [] and missing.result == "not_injected" and "has not injected" in missing.warnings[0]
-    foreign = {"metadata": {"ownerReferences": [{"kind": "Deployment", "name": "other"}]}, "data": {}}
-    assert "not the one" in str(record_from_configmap(foreign, "Deployment", "llm"))
+    text = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True).to_json()
+    foreign = copy.deepcopy(workload)
+    foreign["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: text}
+    foreign["metadata"]["managedFields"] = [{"manager": "kubectl", "operation": "Update", "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}}]  # fmt: skip
+    assert "not written by kvoffload" in str(record_from_workload(foreign, "Deployment", "llm"))
+    ours = copy.deepcopy(foreign)
+    ours["metadata"]["managedFields"][0]["manager"] = c.FIELD_MANAGER
+    assert isinstance(record_from_workload(ours, "Deployment", "llm"), InjectionRecord)
     unlabelled = admit(pod_of(workload), "ns", None, ("Deployment", "llm"))
     assert unlabelled.result == "ignored" and unlabelled.patch == []
     record = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True)
