@@ -42,6 +42,7 @@ from .workload_view import SUPPORTED_KINDS, configmap_name
 from .workload_writes import (
     carries_injection,
     changed_since,
+    delete_generated_configmap,
     locked_apply,
     ours_annotations_digest,
     remove_injection,
@@ -321,6 +322,11 @@ class Reconciler:
                 log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
                 return "skipped", None
             answer = forced_answer
+        # Injected by an earlier version, which kept the record in a ConfigMap: the record is on the
+        # workload now and nothing reads the ConfigMap any more (running pods keep their files).
+        upgraded = rendered.configmap_apply is None and _record_in_configmap(obj)
+        if upgraded and delete_generated_configmap(self.kube, namespace, name):
+            log.info("%s: deleted the ConfigMap an earlier version kept the record in", _ref(obj))
         changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
         if changed:
             what = (f"its pods are created through the kvoffload webhook with the cache sidecar and the connector "
@@ -399,6 +405,15 @@ class Reconciler:
 def _template_injected(obj: Mapping[str, Any]) -> bool:
     """Whether the operator owns the injection inside the pod template (template mode's mark)."""
     return owned_by(obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECTED}"), c.FIELD_MANAGER)
+
+
+def _record_in_configmap(obj: Mapping[str, Any]) -> bool:
+    """Whether the operator labelled the template for admission without a record on the workload
+    (what versions that kept the record in the generated ConfigMap left)."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return c.ANN_INJECTION_RECORD not in annotations and owned_by(
+        obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}"), c.FIELD_MANAGER
+    )
 
 
 def _ref(obj: Mapping[str, Any]) -> str:

@@ -107,10 +107,18 @@ def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
         current = {"kind": kind, **live}
     else:
         return "skipped"
-    cm = kube.get(configmap_path(namespace, configmap_name(name)))
-    if cm and ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) == c.LABEL_MANAGED_BY_VALUE:
-        kube.delete(configmap_path(namespace, configmap_name(name)))
+    delete_generated_configmap(kube, namespace, name)
     return "removed"
+
+
+def delete_generated_configmap(kube: Kube, namespace: str, workload_name: str) -> bool:
+    """Delete the workload's generated ConfigMap if there is one kvoffload made; whether it did."""
+    path = configmap_path(namespace, configmap_name(workload_name))
+    cm = kube.get(path)
+    if not cm or ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) != c.LABEL_MANAGED_BY_VALUE:
+        return False
+    kube.delete(path)
+    return True
 
 
 def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -216,6 +216,22 @@ def test_opt_out_removes_and_deletes_the_configmap() -> None:
     assert len(kube.calls) == calls
 
 
+def test_an_upgrade_from_the_record_in_a_configmap_deletes_that_configmap_once_the_record_is_on_the_workload(
+) -> None:  # fmt: skip
+    kube = FakeKube()
+    metrics = OperatorMetrics()
+    r = Reconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True, injection="admission"),  # type: ignore[arg-type]
+                   metrics=metrics, events=EventRecorder(kube))  # type: ignore[arg-type]  # fmt: skip
+    configmap = "/api/v1/namespaces/ns/configmaps/llama-kvoffload"
+    kube.objects[configmap] = {"metadata": {"labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}}}
+    assert r.reconcile(enabled()) == "applied"
+    assert ("delete", configmap, False) not in kube.calls, "a first injection has no ConfigMap to delete"
+    earlier = applied(enabled(), {"spec": {"template": {"metadata": {"labels": {c.LABEL_INJECT: "0123456789abcdef"}}}}})
+    earlier["metadata"]["uid"] = "uid-upgraded"
+    assert r.reconcile(earlier) == "applied"
+    assert ("delete", configmap, False) in kube.calls
+
+
 def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_more() -> None:
     """Our own removal's intermediate versions arrive late; re-running its steps from one of them
     would re-claim the args and start the cycle again (a write loop seen under load)."""
