@@ -3,8 +3,8 @@
 A new operator pod (a RollingUpdate, a ``helm upgrade`` or ``rollback``, a second replica) waits,
 live and ready, until the Lease is free: released by the old pod when it stops, or expired
 ``LEASE_DURATION_S`` after its last renewal if it died. The holder renews every
-``RENEW_INTERVAL_S``; one that cannot renew before its Lease would expire stops its handlers
-(another may already hold the Lease). The same identity (the pod's name, kept across container
+``RENEW_INTERVAL_S``; one that finds the Lease taken, or is refused for a whole term
+(``keep_renewing``), stops its handlers. The same identity (the pod's name, kept across container
 restarts) takes its own Lease back at once.
 """
 
@@ -79,6 +79,21 @@ def lease_body(
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
+def keep_renewing(status: int, refused_since: datetime.datetime | None, now: datetime.datetime) -> bool:
+    """Whether a holder whose renewal failed with ``status`` retries (every second) or gives up.
+
+    Unreachable or failing (0, 5xx), the apiserver lets nobody write or take the Lease through
+    it: retry. A refusal (a 403 while a restarted apiserver warms its RBAC cache) is retried for a
+    lease term counted from the first refusal (``refused_since``), not from the last renewal: an
+    apiserver that was down longer than a term must not cost the operator its life the moment it
+    answers; rights really taken away end it after one term. Every retry also sees at once a Lease
+    another operator took meanwhile.
+    """
+    if status == 0 or status >= 500:
+        return True
+    return refused_since is not None and (now - refused_since).total_seconds() < LEASE_DURATION_S
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -134,25 +149,21 @@ class Leadership:
         """Renew in the background; ``on_lost`` runs once if the Lease cannot be kept."""
 
         def renew() -> None:
-            interval, last_ok = RENEW_INTERVAL_S, _now()
+            interval, refused_since = RENEW_INTERVAL_S, None
             while not self._stop.wait(interval):
                 interval = RENEW_INTERVAL_S
                 try:
                     if self._try():
-                        last_ok = _now()
+                        refused_since = None
                         continue
                     log.error("leader election: lease %s/%s taken by another operator", self.namespace, self.name)
                 except KubeApiError as exc:
-                    # Unreachable or failing, the apiserver lets nobody write or take the Lease through it;
-                    # refusals (a 403 while a restarted apiserver warms its RBAC cache) are retried until
-                    # this holder's term would have ended. Every second: once it answers, a Lease another
-                    # operator took meanwhile is seen within that second.
-                    transient = exc.status == 0 or exc.status >= 500
-                    if transient or (_now() - last_ok).total_seconds() < LEASE_DURATION_S:
+                    refused_since = refused_since if exc.status == 0 or exc.status >= 500 else refused_since or _now()
+                    if keep_renewing(exc.status, refused_since, _now()):
                         log.warning("leader election: renewal failed, retrying: %s", exc)
                         interval = RETRY_INTERVAL_S
                         continue
-                    log.error("leader election: renewal refused past the lease term: %s", exc)
+                    log.error("leader election: renewal refused for a whole lease term: %s", exc)
                 self.lost = True
                 on_lost()
                 return

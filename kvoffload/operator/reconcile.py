@@ -68,6 +68,8 @@ class Reconciler:
     """Input fingerprints already reconciled, per workload uid."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _object_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _checked_out: set[str] = field(default_factory=set)
+    """Opted-out workloads whose leftover generated ConfigMap this process has looked for."""
     retries: RetryQueue = field(default_factory=RetryQueue)
     """Passes that failed on the API, run again by ``run_due_retries`` with backoff."""
     options_sources: OptionsSources = field(default_factory=lambda: OptionsSources())
@@ -93,6 +95,7 @@ class Reconciler:
         with self._lock:
             self._done.pop(uid, None)
             self._object_locks.pop(uid, None)
+            self._checked_out.discard(uid)
         self.options_sources.track(obj, None)
         self.metrics.mark_injected(str(obj.get("kind")), uid, False)
         self.policies.touch(obj)
@@ -347,6 +350,8 @@ class Reconciler:
             if exc.status == 409 and exc.field_conflicts:
                 return self._conflict(obj, exc, f"{kind} {meta.get('name')}", "removal")
             raise
+        if result == "noop":
+            self._delete_leftover_configmap(obj)
         if result != "removed":
             if result == "skipped":
                 log.info("%s changed while removing; the next event carries the new version", _ref(obj))
@@ -362,6 +367,22 @@ class Reconciler:
         log.info("removed injection from %s", _ref(obj))
         self.policies.touch(obj)
         return "removed"
+
+    def _delete_leftover_configmap(self, obj: Mapping[str, Any]) -> None:
+        """A removal stopped between its last apply and the ConfigMap's deletion (the operator was
+        killed) leaves nothing of ours on the workload but the ConfigMap: the first pass of this
+        process over an opted-out workload that still has a ``kvoffload.io/`` annotation deletes it
+        (one GET per such workload and process; plain workloads cost nothing)."""
+        meta = obj.get("metadata") or {}
+        uid = str(meta.get("uid"))
+        if not any(k.startswith(c.ANNOTATION_PREFIX) for k in meta.get("annotations") or {}):
+            return
+        with self._lock:
+            if uid in self._checked_out:
+                return
+            self._checked_out.add(uid)
+        if delete_generated_configmap(self.kube, str(meta.get("namespace")), str(meta.get("name"))):
+            log.info("%s: deleted the generated ConfigMap an interrupted removal left", _ref(obj))
 
     def _reject(self, obj: Mapping[str, Any], error: PolicyError, state: str) -> str:
         """Bad input: a Warning Event naming field, value and what is allowed; nothing applied."""

@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from kvoffload.operator.leadership import LEASE_DURATION_S, MICROTIME, lease_body, lease_state
+from kvoffload.operator.leadership import LEASE_DURATION_S, MICROTIME, keep_renewing, lease_body, lease_state
 
 pytestmark = pytest.mark.operator
 NOW = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
@@ -44,3 +44,16 @@ def test_a_takeover_counts_a_transition_and_a_renewal_keeps_the_acquire_time() -
     assert renewed["spec"]["renewTime"] == later.strftime(MICROTIME) and renewed["spec"]["leaseTransitions"] == 1
     first = lease_body("kvoffload-operator", "ns", "me", NOW, None)
     assert first["spec"]["leaseTransitions"] == 0 and "resourceVersion" not in first["metadata"]
+
+
+def test_a_refusal_right_after_an_apiserver_outage_longer_than_the_lease_term_is_retried() -> None:
+    """Seen in CI: the apiserver was down 11 s, then its RBAC cache refused the renewal (403) 16 s
+    after the last one; counting from the last renewal, the operator gave up the moment it answered."""
+    assert keep_renewing(0, None, NOW), "unreachable: nobody can take the Lease through it"
+    assert keep_renewing(503, None, NOW)
+    assert keep_renewing(403, NOW, NOW), "the first refusal after the outage"
+    later = NOW + datetime.timedelta(seconds=LEASE_DURATION_S - 1)
+    assert keep_renewing(403, NOW, later)
+    assert not keep_renewing(403, NOW, NOW + datetime.timedelta(seconds=LEASE_DURATION_S)), (
+        "rights really taken away end it after one term of refusals"
+    )

@@ -232,6 +232,23 @@ def test_an_upgrade_from_the_record_in_a_configmap_deletes_that_configmap_once_t
     assert ("delete", configmap, False) in kube.calls
 
 
+def test_a_configmap_left_by_a_removal_killed_before_deleting_it_is_deleted_by_the_next_process() -> None:
+    """Seen in CI: the operator was SIGKILLed after the removal's last apply; the next one found
+    nothing of its own on the workload and left the ConfigMap forever."""
+    kube = FakeKube()
+    r, _ = reconciler(kube)
+    configmap = "/api/v1/namespaces/ns/configmaps/llama-kvoffload"
+    kube.objects[configmap] = {"metadata": {"labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}}}
+    plain = deployment()
+    assert r.reconcile(plain) == "noop"
+    assert kube.calls == [], "a workload without kvoffload annotations is never looked at"
+    opted_out = deployment(annotations={c.ANN_POLICY: "p"})
+    assert r.reconcile(opted_out) == "noop"
+    assert kube.calls == [("delete", configmap, False)]
+    r.reconcile(opted_out)
+    assert len(kube.calls) == 1, "looked for once per workload and process"
+
+
 def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_more() -> None:
     """Our own removal's intermediate versions arrive late; re-running its steps from one of them
     would re-claim the args and start the cycle again (a write loop seen under load)."""
