@@ -72,3 +72,11 @@ def list_objects(cluster: LocalCluster, kind: str, namespace: str, selector: str
 def wait_for(predicate: Any, timeout: float = 60, interval: float = 0.5, what: str = "condition") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
     return wait_until(predicate, timeout, what, interval)
+
+
+def wait_for_default_service_account(cluster: Any, namespace: str) -> None:
+    """Wait for the ``default`` ServiceAccount the controller-manager puts in a new namespace:
+    until it exists the apiserver refuses every pod there, even a dry run (a busy controller-manager
+    took over 10 s once, and the ReplicaSet's FailedCreate events failed a test)."""
+    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode == 0,
+             timeout=120, interval=0.2, what=f"the default ServiceAccount in {namespace}")  # fmt: skip

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from hack.localcluster import LocalCluster
+from hack.workloads import wait_for_default_service_account
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,5 +59,6 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
         },
     }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(ns))
+    wait_for_default_service_account(cluster, name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
-from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
+from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for, wait_for_default_service_account
 from kvoffload import contract as c
 from tests.support.operator_support import (
     OPERATOR_NAMESPACE,
@@ -136,6 +136,7 @@ def _pod_from_template(tpl: dict[str, Any], name: str, keep: set[str] | None = N
 def _restricted_namespace(cluster: LocalCluster, name: str) -> None:
     apply(cluster, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {
         "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}}})  # fmt: skip
+    wait_for_default_service_account(cluster, name)
 
 
 def _dry_run_pod(cluster: LocalCluster, pod: dict[str, Any], namespace: str) -> subprocess.CompletedProcess[str]:
