@@ -79,6 +79,12 @@ def lease_body(
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
+def unanswered(status: int) -> bool:
+    """Whether a failed request means the apiserver did not judge it (unreachable, 5xx), as
+    opposed to refusing it."""
+    return status == 0 or status >= 500
+
+
 def keep_renewing(status: int, refused_since: datetime.datetime | None, now: datetime.datetime) -> bool:
     """Whether a holder whose renewal failed with ``status`` retries (every second) or gives up.
 
@@ -89,7 +95,7 @@ def keep_renewing(status: int, refused_since: datetime.datetime | None, now: dat
     answers; rights really taken away end it after one term. Every retry also sees at once a Lease
     another operator took meanwhile.
     """
-    if status == 0 or status >= 500:
+    if unanswered(status):
         return True
     return refused_since is not None and (now - refused_since).total_seconds() < LEASE_DURATION_S
 
@@ -158,7 +164,8 @@ class Leadership:
                         continue
                     log.error("leader election: lease %s/%s taken by another operator", self.namespace, self.name)
                 except KubeApiError as exc:
-                    refused_since = refused_since if exc.status == 0 or exc.status >= 500 else refused_since or _now()
+                    if not unanswered(exc.status):
+                        refused_since = refused_since or _now()
                     if keep_renewing(exc.status, refused_since, _now()):
                         log.warning("leader election: renewal failed, retrying: %s", exc)
                         interval = RETRY_INTERVAL_S
