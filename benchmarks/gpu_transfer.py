@@ -221,9 +221,10 @@ def transfer_round(
     order: str = "scattered",
     sync_after: bool = True,
     engine_path: bool = False,
+    forward: EngineLoad | None = None,
 ) -> dict[str, Any]:
-    """One store, lookup and retrieve (and with ``engine_path``, the same load as the engine runs
-    it); ``sync_after=False`` times each call alone (the backend returns once its copies are done)
+    """One store, lookup and retrieve (and with ``engine_path``, the same load and, on CUDA with a
+    ``forward``, the same store as the engine runs them); ``sync_after=False`` times each call alone (the backend returns once its copies are done)
     instead of adding a device-wide synchronize, which under load would wait for the stand-in
     engine's work too."""
     from kvoffload.connector.planning import TransferOp
@@ -260,7 +261,50 @@ def transfer_round(
                 backend, scheduler, pool, token_ids, dst, src_idx, dst_idx, f"e{rep}-{tokens}-{salt}", salt
             )
         )
+        if forward is not None:
+            result.update(engine_path_store(backend, scheduler, pool, tokens, rep, salt, forward))
     return result
+
+
+def engine_path_store(
+    backend: Any, scheduler: Any, pool: torch.Tensor, tokens: int, rep: int, salt: str, forward: EngineLoad
+) -> dict[str, Any]:
+    """The same store as the engine's saver runs it: handed over at ``wait_for_save`` while the
+    forward pass that writes the KV still runs on the engine's stream (stand-in: ``forward``'s
+    matmuls, then the KV written into the blocks); the saver's stream waits for the pass's event on
+    the device and calls ``store``. Timed from the pass's end to the store's return (CUDA events);
+    then retrieved into other blocks and checked against what the pass wrote."""
+    from kvoffload.connector.planning import TransferOp
+
+    salt = f"{salt}-engine-store"  # keys of their own: LMCache would skip chunks the round's store holds
+    nblocks = tokens // TOKENS_PER_BLOCK
+    src, dst = request_block_ids(nblocks, "scattered", seed=7919 * rep + tokens)
+    src_idx, dst_idx = torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+    gen = torch.Generator().manual_seed(7919 * rep + tokens)
+    token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
+    kv = torch.randn((nblocks, *pool.shape[1:]), dtype=torch.float32, device=DEVICE).to(pool.dtype)
+    pool.index_fill_(0, src_idx, float("nan"))
+    pool.index_fill_(0, dst_idx, float("nan"))
+    sync()
+    engine, saver = torch.cuda.Stream(), torch.cuda.Stream()
+    pass_end, stored = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(engine):
+        forward.queue_forward()
+        pool.index_copy_(0, src_idx, kv)  # the pass writes the KV last
+        pass_end.record(engine)
+    with torch.cuda.stream(saver):
+        saver.wait_event(pass_end)
+        backend.store(TransferOp(0, f"w{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt))
+        stored.record(saver)
+    stored.synchronize()
+    store_s = pass_end.elapsed_time(stored) / 1e3
+    load = TransferOp(0, f"v{rep}-{tokens}-{salt}", token_ids, 0, tokens, dst, 0, salt)
+    hit = scheduler.lookup(load.session_id, token_ids, tokens, salt)
+    backend.retrieve(load)
+    sync()
+    exact = hit == tokens and bool(torch.equal(kv.view(torch.int16), pool[dst_idx].view(torch.int16)))
+    scheduler.end_session(load.session_id)
+    return {"engine_store_s": store_s, "engine_store_bit_exact": exact}
 
 
 def engine_path_load(
@@ -300,8 +344,9 @@ def measure(
     order: str = "scattered",
     sync_after: bool = True,
     engine_path: bool = False,
+    forward: EngineLoad | None = None,
 ) -> dict[str, Any]:
-    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order, sync_after, engine_path)
+    rounds = [transfer_round(backend, scheduler, pool, tokens, r, salt, order, sync_after, engine_path, forward)
               for r in range(reps + 1)]  # fmt: skip
     nbytes = tokens * BYTES_PER_TOKEN
     warm = rounds[1:] if reps > 0 else rounds
@@ -312,6 +357,10 @@ def measure(
         load_gbps, load_ms = _median_gbps(nbytes, [r["secured_load_s"] for r in warm])
         engine_path = {"secured_load_gbps": load_gbps, "secured_load_ms": load_ms,
                        "secure_ms": statistics.median(r["secure_s"] for r in warm) * 1e3}  # fmt: skip
+    if all("engine_store_s" in r for r in rounds):
+        store_gbps_e, store_ms_e = _median_gbps(nbytes, [r["engine_store_s"] for r in warm])
+        engine_path.update(engine_store_gbps=store_gbps_e, engine_store_ms=store_ms_e,
+                           engine_store_bit_exact=all(r["engine_store_bit_exact"] for r in rounds))  # fmt: skip
     return {
         "store_gbps": store_gbps,
         "store_ms": store_ms,
@@ -348,6 +397,11 @@ class EngineLoad:
         self.matmuls_per_forward = max(1, round(forward_ms / per_matmul_ms))
         self.forward_ms = self.matmuls_per_forward * per_matmul_ms
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def queue_forward(self) -> None:
+        """Queue one stand-in forward pass (``forward_ms`` of matmuls) on the current stream."""
+        for _ in range(self.matmuls_per_forward):
+            self._a @ self._b
 
     def _run(self) -> None:
         with torch.cuda.stream(self._stream):
@@ -392,7 +446,7 @@ def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens:
         "raw": raw_copy_baseline(tokens * BYTES_PER_TOKEN),
     }
     row["idle"] = measure(backend, scheduler, pool, tokens, reps, salt="idle", sync_after=False)
-    shipped = backend._copies
+    shipped = backend._copies, backend._store_copies
     with EngineLoad() as load:
         row["forward_ms"] = load.forward_ms
         row["under_load_transfer_stream"] = measure(
@@ -401,7 +455,7 @@ def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens:
         real_store, real_retrieve = backend._store_fast, backend._retrieve_fast
 
         def store_old(edc: Any, key: Any, op: Any) -> bool:
-            backend._copies = DeviceWideSync(before_copies=True)
+            backend._store_copies = DeviceWideSync(before_copies=True)
             return bool(real_store(edc, key, op))
 
         def retrieve_old(edc: Any, key: Any, op: Any) -> bool:
@@ -415,7 +469,7 @@ def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens:
             )
         finally:
             backend._store_fast, backend._retrieve_fast = real_store, real_retrieve
-            backend._copies = shipped
+            backend._copies, backend._store_copies = shipped
     return row
 
 
@@ -531,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time this size while a stand-in engine keeps the GPU busy (0: skip)")  # fmt: skip
     parser.add_argument("--batch-loads", type=int, nargs=2, default=None, metavar=("COUNT", "TOKENS"),
                         help="also time COUNT loads of TOKENS each in one iteration: one by one vs secured at lookup")  # fmt: skip
+    parser.add_argument("--store-forward-ms", type=float, default=10.0,
+                        help="the stand-in forward pass the engine's store is handed over during (0: skip)")  # fmt: skip
     parser.add_argument("--out", default="-")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
@@ -564,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype=torch.bfloat16,
         device=DEVICE,
     )
+    forward = EngineLoad(args.store_forward_ms) if DEVICE == "cuda" and args.store_forward_ms > 0 else None
+    if forward is not None:
+        results["store_forward_ms"] = forward.forward_ms
     for index, chunk_size in enumerate(args.chunk_sizes):
         sidecar, url, _ = start_sidecar(args.l1, workdir, chunk_size)
         try:
@@ -576,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
                            "block_order": order, "raw": raw_copy_baseline(nbytes)}  # fmt: skip
                     salt = f"fast{chunk_size}{order}"
                     timings.medians()  # forget phases logged by anything measured before this row
-                    row["kvoffload"] = measure(fast, scheduler, pool, tokens, args.reps, salt, order, engine_path=True)
+                    row["kvoffload"] = measure(
+                        fast, scheduler, pool, tokens, args.reps, salt, order, engine_path=True, forward=forward
+                    )
                     row["phases_ms"] = timings.medians()
                     print(json.dumps(row), flush=True)
                     results["sizes"].append(row)
@@ -632,6 +693,14 @@ def main(argv: list[str] | None = None) -> int:
         if "secured_load_gbps" in k:
             print(f"  {row['tokens']} tokens: secure at lookup {k['secure_ms']:.1f} ms, then load "
                   f"{k['secured_load_gbps']:.1f} GB/s ({k['secured_load_ms']:.1f} ms; raw H2D {row['raw']['h2d_gbps']:.1f} GB/s)")  # fmt: skip
+    if "store_forward_ms" in results:
+        print(f"\nThe engine's store path (handed over during a {results['store_forward_ms']:.1f} ms forward pass, "
+              "timed from its end):")  # fmt: skip
+        for row in results["sizes"]:
+            k = row["kvoffload"]
+            if "engine_store_gbps" in k:
+                print(f"  {row['tokens']} tokens: store {k['engine_store_gbps']:.1f} GB/s ({k['engine_store_ms']:.1f} ms; "
+                      f"raw D2H {row['raw']['d2h_gbps']:.1f} GB/s), bit-exact {k['engine_store_bit_exact']}")  # fmt: skip
     if "shipped" in results:
         s = results["shipped"]["lmcache_shipped"]
         print(

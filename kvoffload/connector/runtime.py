@@ -78,13 +78,22 @@ def count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
 def use_private_stream(device: Any) -> None:
     """Make this thread's current CUDA stream its own (no-op off CUDA).
 
-    The saver waits for the forward pass's event on the CPU; a backend then orders its copies after
-    this thread's current stream, which must not be one the engine keeps queueing work on.
+    The saver orders this stream after the forward pass's event (``order_after``); a backend then
+    orders its copies after this thread's current stream, which must not be one the engine keeps
+    queueing work on.
     """
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
 
         torch.cuda.set_stream(torch.cuda.Stream(device=device))
+
+
+def order_after(event: Any) -> None:
+    """This thread's current CUDA stream runs its later work after ``event`` (a CUDA event recorded
+    on the engine's stream): ordered on the device, the thread does not wait."""
+    import torch
+
+    torch.cuda.current_stream().wait_event(event)
 
 
 def prompt_tokens(request: Any) -> list[int]:

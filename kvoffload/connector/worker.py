@@ -18,6 +18,7 @@ from kvoffload.connector.runtime import (
     count_skip,
     kv_rank,
     make_backend,
+    order_after,
     use_private_stream,
 )
 from kvoffload.connector.settings import parse_settings
@@ -210,7 +211,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         if not isinstance(meta, planning.ConnectorMetadata) or not meta.saves:
             return
         if self._save_thread is not None:
-            # The saver must not copy before the forward pass wrote the KV: it waits on this event.
+            # The saver must not copy before the forward pass wrote the KV: its copies wait on this
+            # event on the device, while its PREPAREs already go to the server.
             event = stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
             with self._save_cv:
                 for op in meta.saves:
@@ -244,7 +246,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                     use_private_stream(self._kv_device)
                     on_private_stream = True
                 if event is not None:
-                    event.synchronize()
+                    order_after(event)
                 self._store(op)
             except Exception:  # the saver must survive anything, or finished requests would wait forever
                 logger.exception("event=save_error request=%d", op.request_id)

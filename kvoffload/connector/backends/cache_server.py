@@ -12,6 +12,7 @@ one the in-process backend hosts; the connection itself is :mod:`.lmcache_mp`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,17 @@ its transfer context (PREPARE_RETRIEVE must come from a registered worker instan
 
 class _Unsecured(Exception):
     """PREPARE_RETRIEVE handed out fewer chunks than the load needs (a miss, not a failure)."""
+
+
+@dataclasses.dataclass
+class _IssuedStore:
+    """A store whose PREPAREs went and whose copies are queued: what its COMMITs need."""
+
+    transfer: Any
+    """The transfer context that prepared it (its COMMITs go there, or nowhere if it was replaced)."""
+    keys: list[IPCCacheServerKey] = dataclasses.field(default_factory=list)
+    blocks: int = 0
+    prepare_s: float = 0.0
 
 
 class CacheServerBackend(LMCacheMPClient):
@@ -293,15 +305,16 @@ class CacheServerBackend(LMCacheMPClient):
 
     def _run_transfer(
         self, operation: str, timeout_s: float, op: TransferOp, fast: Any, submit: Callable[[Any, Any], Any]
-    ) -> bool:
-        """One store or retrieve: our own copies inside PREPARE/COMMIT where they apply (``fast``),
-        else LMCache's ``submit`` (gather/scatter); a failed call marks the backend down."""
+    ) -> Any:
+        """One store or retrieve: our own copies inside PREPARE/COMMIT where they apply (``fast``, its
+        answer as it gives it), else LMCache's ``submit`` (gather/scatter, whether it succeeded); a
+        failed call marks the backend down."""
         transfer = self._acquire(operation, timeout_s)
         try:
             transfer.engine_driven_context.mq_timeout = timeout_s
             key = self._key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
             if self._fast_copies():
-                return bool(fast(transfer.engine_driven_context, key, op))
+                return fast(transfer.engine_driven_context, key, op)
             return bool(submit(transfer, key).result(timeout=timeout_s))
         except Exception as exc:
             raise self._fail(operation, failure_reason(exc), repr(exc)) from exc
@@ -366,52 +379,69 @@ class CacheServerBackend(LMCacheMPClient):
 
     def store(self, op: TransferOp) -> int:
         """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache)."""
-        ok = self._run_transfer("store", self._store_timeout_s, op, self._store_fast, lambda transfer, key: (
+        issued = self._run_transfer("store", self._store_timeout_s, op, self._store_fast, lambda transfer, key: (
             transfer.submit_store(
                 op.session_id, key, {KV_POOL_NAME: self._pool}, [list(op.block_ids)],
                 transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
                 self._blocks_per_chunk,
             )
         ))  # fmt: skip
-        if not ok:
+        if not issued:
             raise self._fail("store", "server_error", f"session={op.session_id}")
+        if isinstance(issued, _IssuedStore):
+            self._finish_store(issued, commit=True)
         return len(op.block_ids) * self._block_bytes
 
-    def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
-        """PREPARE, copy, COMMIT, one group of chunks at a time: each group's PREPARE_STORE is sent
-        while the previous group's copies run on the transfer stream (``key`` is the whole op's)."""
+    def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> _IssuedStore:
+        """PREPARE and queue the copies, one group of chunks at a time: each group's PREPARE_STORE is
+        sent while the previous group's copies run (``key`` is the whole op's). The copies wait on
+        the device for the caller's stream (the forward pass that writes the KV), so the PREPAREs
+        overlap it; ``store`` waits for the copies after the transfer context is free again."""
         assert self._instance_id is not None
         bpc, block = self._blocks_per_chunk, self._settings.tokens_per_block
-        prepare_s, committed_keys, copied_blocks = 0.0, [], 0
-        # PREPARE needs no KV: it overlaps the forward pass still running; the copies are ordered
-        # after it on the device (after_caller).
-        for a, b in planning.pipeline_groups(op.start, op.end, self.chunk_size, STORE_PIPELINE_GROUPS):
-            group_key = key if (a, b) == (op.start, op.end) else self._key(
-                op.session_id, op.token_ids[:b], a, b, op.salt, worker=True
-            )  # fmt: skip
-            t0 = time.perf_counter()
-            prepared = edc.prepare_store(group_key, self._instance_id)
-            prepare_s += time.perf_counter() - t0
-            if prepared is None:
-                raise RuntimeError("server answered PREPARE_STORE without SHM slots")
-            slots, indices = prepared
-            if not indices:
-                continue  # LMCache already holds every chunk of this group
-            blocks = op.block_ids[(a - op.start) // block : (b - op.start) // block]
-            with self._copies.after_caller():
-                gather_chunks(self._pool, blocks, slots, indices, bpc)
-            committed_keys.append(group_key)
-            copied_blocks += len(indices) * bpc
+        issued = _IssuedStore(self._transfer)
+        with self._retired_lock:
+            self._stores_copying += 1  # the segment stays mapped until these copies finished
+        try:
+            for a, b in planning.pipeline_groups(op.start, op.end, self.chunk_size, STORE_PIPELINE_GROUPS):
+                group_key = key if (a, b) == (op.start, op.end) else self._key(
+                    op.session_id, op.token_ids[:b], a, b, op.salt, worker=True
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                prepared = edc.prepare_store(group_key, self._instance_id)
+                issued.prepare_s += time.perf_counter() - t0
+                if prepared is None:
+                    raise RuntimeError("server answered PREPARE_STORE without SHM slots")
+                slots, indices = prepared
+                if not indices:
+                    continue  # LMCache already holds every chunk of this group
+                blocks = op.block_ids[(a - op.start) // block : (b - op.start) // block]
+                with self._store_copies.after_caller():
+                    gather_chunks(self._pool, blocks, slots, indices, bpc)
+                issued.keys.append(group_key)
+                issued.blocks += len(indices) * bpc
+        except BaseException:
+            self._finish_store(issued, commit=False)
+            raise
+        return issued
+
+    def _finish_store(self, issued: _IssuedStore, commit: bool) -> None:
+        """Wait for a store's copies (the slots hold the KV before COMMIT publishes them), then queue
+        its COMMITs for the context that prepared them (a refused COMMIT is counted by the committer)."""
+        t0 = time.perf_counter()
+        try:
+            self._store_copies.synchronize()
+        finally:
+            with self._retired_lock:
+                self._stores_copying -= 1
         t1 = time.perf_counter()
-        self._copies.synchronize()  # the slots hold the KV before COMMIT publishes them
-        t2 = time.perf_counter()
-        for group_key in committed_keys:  # a COMMIT the server refuses is counted as a store error by the committer
-            self._commit_later("store", group_key)
+        if commit:
+            for group_key in issued.keys:
+                self._commit_later("store", group_key, issued.transfer)
         logger.debug(
             "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
-            copied_blocks,
-            prepare_s * 1e3,
-            (t2 - t1) * 1e3,
-            (time.perf_counter() - t2) * 1e3,
+            issued.blocks,
+            issued.prepare_s * 1e3,
+            (t1 - t0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
         )
-        return True

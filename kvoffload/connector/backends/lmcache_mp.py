@@ -146,7 +146,10 @@ class LMCacheMPClient:
         self._needs_reset = False
         self._needs_register = False
         self._pool: Any = None
-        self._copies: TransferStream  # set with the pool (register)
+        self._copies: TransferStream  # loads' copies; set with the pool (register)
+        self._store_copies: TransferStream  # stores' copies, apart: a store may wait for a forward pass
+        self._stores_copying = 0
+        """Stores whose copies were issued and not yet waited for (under ``_retired_lock``)."""
         self._geometry: KvGeometry | None = None
         self._block_bytes = 0
         self._transfer: Any = None
@@ -249,6 +252,7 @@ class LMCacheMPClient:
         """Register the pool now; on failure the heartbeat keeps trying."""
         self._pool = kv_pool
         self._copies = TransferStream(kv_pool.device)
+        self._store_copies = TransferStream(kv_pool.device)
         self._geometry = geometry
         self._block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
         try:
@@ -332,7 +336,7 @@ class LMCacheMPClient:
             self._close_retired_locked(older_than_s)
 
     def _close_retired_locked(self, older_than_s: float) -> None:
-        if self._async_outstanding:  # an asynchronous load may still copy from a retired segment
+        if self._async_outstanding or self._stores_copying:  # copies may still use a retired segment
             return
         now = time.monotonic()
         keep = []
@@ -348,11 +352,11 @@ class LMCacheMPClient:
         self._retired = keep
 
     # --- deferred COMMIT ----------------------------------------------------------------
-    def _commit_later(self, operation: str, key: IPCCacheServerKey) -> None:
-        """Queue the COMMIT of a finished copy (for the current transfer context; one queued for a
-        context replaced before it is sent is dropped: that server is gone)."""
+    def _commit_later(self, operation: str, key: IPCCacheServerKey, transfer: Any = None) -> None:
+        """Queue the COMMIT of a finished copy for ``transfer`` (default: the current transfer context;
+        one queued for a context replaced before it is sent is dropped: that server is gone)."""
         PENDING_COMMITS.add()
-        self._commits.put(DeferredCommit(operation, self._transfer, key))
+        self._commits.put(DeferredCommit(operation, transfer if transfer is not None else self._transfer, key))
 
     def _commit_loop(self) -> None:
         while True:
