@@ -464,6 +464,8 @@ class LMCacheMPClient:
         self._close_retired(0.0)
         with self._lock:
             transfer, self._transfer = self._transfer, None
+        if self._pool is not None:
+            self._store_copies.synchronize()  # a store's copies may still write into the segment
         if transfer is not None:
             if self._up.is_set():
                 try:

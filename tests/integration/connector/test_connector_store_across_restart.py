@@ -1,0 +1,84 @@
+"""A store waits for its copies after it has released the transfer context (the copies may wait for
+a forward pass on the device), so the server can restart and the backend re-register in between:
+that store's COMMITs belong to the server that prepared it, which is gone."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from kvoffload.connector.backends.base import KvGeometry
+from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.commits import PENDING_COMMITS
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.settings import parse_settings
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import BLOCK, CHUNK, connector_llm_args, make_prompt
+
+HEADS, HEAD_DIM, LAYERS = 2, 8, 2
+
+
+def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
+    env = {
+        "KVOFFLOAD_STORE_TIMEOUT_MS": "5000",
+        "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "5000",
+        "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "2000",
+        "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "200",
+    }
+    settings = parse_settings(env, connector_llm_args("store-across-restart", server.url, block=BLOCK))
+    backend = CacheServerBackend(
+        settings, rank=0, role=role, metrics=ConnectorMetrics("store-across-restart", "sidecar", enabled=False)
+    )
+    if pool is not None:
+        backend.register(pool, KvGeometry(HEADS, BLOCK, HEAD_DIM))
+    return backend
+
+
+def _wait(condition: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_store_whose_server_restarted_before_its_commit_is_dropped_not_committed_to_the_new_server(
+    doomed_server: LMCacheServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokens = 4 * CHUNK
+    blocks = tokens // BLOCK
+    pool = torch.randn(2 * blocks + 1, LAYERS, 2, HEADS * BLOCK * HEAD_DIM)
+    worker = _backend(doomed_server, "worker", pool)
+    assert worker.is_up()
+    prepared_on = worker._transfer
+    finish = worker._finish_store
+
+    def restart_then_finish(issued: Any, commit: bool) -> None:
+        # Between the PREPAREs and the copy wait: the server restarts and the heartbeat re-registers.
+        doomed_server.kill()
+        doomed_server.start()
+        _wait(lambda: worker.is_up() and worker._transfer is not prepared_on, "the re-registration")
+        finish(issued, commit)
+
+    worker._finish_store = restart_then_finish  # type: ignore[method-assign]
+    token_ids = tuple(make_prompt(7, tokens))
+    caplog.set_level(logging.WARNING, logger="kvoffload.connector")
+    try:
+        worker.store(TransferOp(0, "restarted-store", token_ids, 0, tokens, tuple(range(blocks)), 0, "t"))
+        assert PENDING_COMMITS.wait_idle(10.0), "the store's COMMITs were never sent or dropped"
+        logged = caplog.text
+        assert "event=commit_dropped operation=store" in logged
+        assert "commit_refused" not in logged and "operation=store reason=" not in logged, logged
+        scheduler = _backend(doomed_server, "scheduler")
+        try:
+            _wait(scheduler.is_up, "the scheduler's connection")
+            assert scheduler.lookup("after-restart", token_ids, tokens, "t") == 0  # the new server holds none of it
+        finally:
+            scheduler.close()
+        assert worker.is_up()
+    finally:
+        worker.close()
