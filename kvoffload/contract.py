@@ -263,5 +263,11 @@ WEBHOOK_CONFIGURATION_NAME: Final = "kvoffload-pod-injection"
 WEBHOOK_TLS_SECRET: Final = "kvoffload-webhook-tls"
 """Secret in the operator's namespace holding the webhook's CA and serving certificate."""
 INJECTION_MODES: Final = ("template", "admission")
+EVENTS_WARNINGS: Final = "warnings"
+EVENTS_ALL: Final = "all"
+EVENT_LEVELS: Final = (EVENTS_WARNINGS, EVENTS_ALL)
+"""The operator's ``--events``: Warning Events only (default: one write per workload fewer at scale;
+the injection record, the policy's status and the metrics show what was injected) or Normal ones too
+(``KvoffloadInjected``, ``KvoffloadRemoved``)."""
 M_OPERATOR_ADMISSIONS: Final = "kvoffload_operator_admissions"
 M_OPERATOR_EVICTIONS: Final = "kvoffload_operator_evictions"

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         "admission mode: the operator's Service (in its namespace) the apiserver calls")  # fmt: skip
     add("--webhook-url", "KVOFFLOAD_WEBHOOK_URL", "",
         "admission mode: an https URL the apiserver calls instead (an operator outside the cluster)")  # fmt: skip
+    add("--events", "KVOFFLOAD_EVENTS", c.EVENTS_WARNINGS,
+        "Events on workloads: warnings (what needs attention) or all (also KvoffloadInjected and "
+        "KvoffloadRemoved, one more write per injected workload)")  # fmt: skip
     add("--resync-seconds", "KVOFFLOAD_RESYNC_SECONDS", "600", "full re-reconcile period (0: off)")
     add("--workers", "KVOFFLOAD_OPERATOR_WORKERS", "8", "threads running reconciles")
     add("--kubeconfig", "KUBECONFIG", "", "kubeconfig (empty: in-cluster service account)")
@@ -144,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = defaults_from(args)
     if args.default_eviction_policy not in EVICTION_POLICIES or args.gpu_access not in GPU_ACCESS_MODES:
         raise SystemExit(f"{PROG}: --default-eviction-policy or --gpu-access has a value that is not allowed")
+    if args.events not in c.EVENT_LEVELS:
+        raise SystemExit(f"{PROG}: --events {args.events!r}: allowed " + ", ".join(c.EVENT_LEVELS))
     kubeconfig = args.kubeconfig or None
     if kubeconfig:
         os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
@@ -158,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _remove_all(kube, tuple(namespaces), admission)
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
-    events = EventRecorder(kube)
+    events = EventRecorder(kube, normal=args.events == c.EVENTS_ALL)
     reconciler = Reconciler(
         kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native, injection=args.injection),
         metrics=metrics, events=events, namespaces=tuple(namespaces),

@@ -1,4 +1,5 @@
-"""Events on workloads: each distinct (object, state, message) posted once, as ``kvoffload-operator``."""
+"""Events on workloads: each distinct (object, state, message) posted once, as ``kvoffload-operator``;
+Normal ones only when asked for (``--events all``)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ def now_timestamp() -> str:
 
 @dataclass
 class EventRecorder:
-    """Posts core/v1 Events about workloads, each distinct (object, state, message) once."""
+    """Posts core/v1 Events about workloads, each distinct (object, state, message) once; Normal ones
+    (what went as asked: injected, removed) only with ``normal``."""
 
     kube: Kube
+    normal: bool = False
     _seen: dict[tuple[str, ...], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def post(self, obj: Mapping[str, Any], type_: str, reason: str, message: str, state: str = "") -> None:
+        if type_ == "Normal" and not self.normal:
+            return
         meta = obj.get("metadata") or {}
         dedupe = (str(meta.get("uid")), state, reason, message)
         with self._lock:

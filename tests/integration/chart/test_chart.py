@@ -68,6 +68,7 @@ def test_helm_lint_is_clean_in_strict_mode() -> None:
         ("defaults.cache.chunkSize=100", "/defaults/cache/chunkSize"),
         ("operator.replicaCount=-1", "/operator/replicaCount"),
         ("operator.logLevel=loud", "/operator/logLevel"),
+        ("operator.events=normal", "/operator/events"),
         ("defaults.connector.lookupTimeoutMs=0", "/defaults/connector/lookupTimeoutMs"),
         ("operator.watchNamespaces[0]=Bad_Name", "/operator/watchNamespaces/0"),
         ("unknownTopLevel=1", "unknownTopLevel"),
@@ -140,6 +141,11 @@ def test_admission_mode_passes_the_webhook_service_or_the_url_given() -> None:
     assert f"--webhook-url={url}" in operator_args(docs)
     assert not any(a.startswith("--webhook-service") for a in operator_args(docs))
     assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
+
+
+def test_the_operator_posts_warning_events_only_unless_all_are_asked_for() -> None:
+    assert "--events=warnings" in operator_args(render())
+    assert "--events=all" in operator_args(render("operator.events=all"))
 
 
 def test_node_mode_adds_exactly_its_rules_file_and_turns_the_operator_flag_on() -> None:

@@ -67,10 +67,10 @@ class FakeKube:
         return {}
 
 
-def reconciler(kube: FakeKube) -> tuple[Reconciler, OperatorMetrics]:
+def reconciler(kube: FakeKube, normal_events: bool = True) -> tuple[Reconciler, OperatorMetrics]:
     metrics = OperatorMetrics()
     r = Reconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True), metrics=metrics,  # type: ignore[arg-type]
-                   events=EventRecorder(kube))  # type: ignore[arg-type]  # fmt: skip
+                   events=EventRecorder(kube, normal=normal_events))  # type: ignore[arg-type]  # fmt: skip
     return r, metrics
 
 
@@ -88,6 +88,15 @@ def test_only_an_args_conflict_is_forced() -> None:
     assert r.reconcile(enabled()) == "applied"
     assert workload_applies(kube) == [False, True]
     assert [e["reason"] for e in kube.events] == ["KvoffloadInjected"]
+
+
+def test_by_default_an_injection_posts_no_event_but_a_rejection_posts_its_warning() -> None:
+    kube = FakeKube()
+    r, _ = reconciler(kube, normal_events=False)
+    assert r.reconcile(enabled()) == "applied"
+    assert kube.events == []
+    r.reconcile(enabled(**{c.ANN_POLICY: "no-such-policy"}))
+    assert [(e["type"], e["reason"]) for e in kube.events] == [("Warning", "KvoffloadInvalid")]
 
 
 def test_both_applies_are_locked_and_a_status_only_409_refreshes_the_lock() -> None:

@@ -173,3 +173,11 @@ def test_fuzz_annotations_give_settings_or_an_error_never_an_exception(annotatio
         assert result.l1_bytes > 0 and result.shm_bytes > 0 and result.mode in ("sidecar", "node")
         if result.mode == "node":
             assert result.policy_name is not None and result.backend == c.BACKEND_SIDECAR
+
+
+def test_an_events_level_other_than_warnings_or_all_stops_the_operator_with_one_line_before_any_request() -> None:
+    from kvoffload.operator.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--events", "normal", "--kubeconfig", "/nonexistent/kubeconfig"])
+    assert str(stopped.value) == "kvoffload-operator: --events 'normal': allowed warnings, all"
