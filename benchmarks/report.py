@@ -310,7 +310,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         results_by_kind[result] = results_by_kind.get(result, 0.0) + value
     out += [
         f"Of these, the operator's own requests (its Server-Side Applies: the Deployment, and in template mode "
-        f"the generated ConfigMap; its Events) are {own:.2f} per workload; the rest is the controllers reacting to the changed template "
+        f"the generated ConfigMap; its Events, Warnings only unless `--events all`) are {own:.2f} per workload; the rest is the controllers reacting to the changed template "
         "(a new ReplicaSet, status updates). Operator reconciles over the whole run before the restart: "
         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(results_by_kind.items()))
         + (
