@@ -12,6 +12,7 @@ Three cases, decided purely from the engine container and the pod's volumes:
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -189,9 +190,11 @@ TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
 """``kv_cache_config.tokens_per_block`` when an options file sets none (TensorRT-LLM's ``KvCacheConfig``)."""
 
 
+@functools.lru_cache(maxsize=256)
 def chunk_size_problem(options_yaml: str, chunk_size: int) -> str | None:
     """Why LMCache chunks of ``chunk_size`` tokens cannot hold whole KV blocks of the engine these
-    options configure (the connector would refuse them at engine start), or None."""
+    options configure (the connector would refuse them at engine start), or None. Cached: a fleet
+    shares a few options files, and parsing one is most of a reconcile's CPU."""
     loaded = yaml.safe_load(options_yaml) or {}
     cache_config = loaded.get("kv_cache_config") if isinstance(loaded, dict) else None
     block = (cache_config or {}).get("tokens_per_block", TRTLLM_DEFAULT_TOKENS_PER_BLOCK)
@@ -250,8 +253,9 @@ def user_options_problem(options: Mapping[str, Any]) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
-    """Our options merged over the user's; (YAML text, error message or None)."""
+    """Our options merged over the user's; (YAML text, error message or None). Cached, as above."""
     base: dict[str, Any] = {}
     if user_yaml:
         try:

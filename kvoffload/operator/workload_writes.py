@@ -32,7 +32,7 @@ def locked_apply(kube: Kube, path: str, body: Mapping[str, Any], meta: Mapping[s
     """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
     computed from; status writes in between only refresh the lock (a few tries). None: the
     inputs changed (the next event carries them). Field conflicts are raised to the caller."""
-    locked = copy.deepcopy(dict(body))
+    locked = {**body, "metadata": dict(body["metadata"])}  # only the resourceVersion changes
     version = meta.get("resourceVersion")
     ours = ours_annotations_digest(meta.get("annotations") or {})
     for _attempt in range(LOCKED_APPLY_TRIES):
