@@ -211,6 +211,16 @@ def request_block_ids(nblocks: int, order: str, seed: int) -> tuple[tuple[int, .
     return scattered_block_ids(nblocks, seed)
 
 
+def round_inputs(
+    tokens: int, order: str, seed: int
+) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """One round's source and destination block ids (also as device tensors) and its prompt tokens."""
+    src, dst = request_block_ids(tokens // TOKENS_PER_BLOCK, order, seed)
+    gen = torch.Generator().manual_seed(seed)
+    token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
+    return src, dst, torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE), token_ids
+
+
 def transfer_round(
     backend: Any,
     scheduler: Any,
@@ -230,11 +240,7 @@ def transfer_round(
     from kvoffload.connector.planning import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
-    src, dst = request_block_ids(nblocks, order, seed=1000 * rep + tokens)
-    src_idx = torch.tensor(src, device=DEVICE)
-    dst_idx = torch.tensor(dst, device=DEVICE)
-    gen = torch.Generator().manual_seed(1000 * rep + tokens)
-    token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
+    src, dst, src_idx, dst_idx, token_ids = round_inputs(tokens, order, seed=1000 * rep + tokens)
     # fresh KV in the source blocks for this round, poison in the destination
     pool[: 2 * nblocks].copy_(torch.randn(pool[: 2 * nblocks].shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
     pool.index_fill_(0, dst_idx, float("nan"))
@@ -278,10 +284,7 @@ def engine_path_store(
 
     salt = f"{salt}-engine-store"  # keys of their own: LMCache would skip chunks the round's store holds
     nblocks = tokens // TOKENS_PER_BLOCK
-    src, dst = request_block_ids(nblocks, "scattered", seed=7919 * rep + tokens)
-    src_idx, dst_idx = torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
-    gen = torch.Generator().manual_seed(7919 * rep + tokens)
-    token_ids = tuple(int(t) for t in torch.randint(1, 120000, (tokens,), generator=gen))
+    src, dst, src_idx, dst_idx, token_ids = round_inputs(tokens, "scattered", seed=7919 * rep + tokens)
     kv = torch.randn((nblocks, *pool.shape[1:]), dtype=torch.float32, device=DEVICE).to(pool.dtype)
     pool.index_fill_(0, src_idx, float("nan"))
     pool.index_fill_(0, dst_idx, float("nan"))
