@@ -23,7 +23,7 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
-from kvoffload.connector.backends.commits import PENDING_COMMITS
+from kvoffload.connector.backends.commits import PENDING_COMMITS, chain_of
 from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, AsyncLoad, LMCacheMPClient, failure_reason
 from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 
@@ -72,9 +72,10 @@ class CacheServerBackend(LMCacheMPClient):
         """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
         if not self._up.is_set():
             raise BackendError("lookup", "unavailable")
-        # Read this process's own stores: wait (at most one lookup timeout) for their COMMITs.
-        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
         key = self._key(session_id, token_ids, 0, end, salt, worker=False)
+        # Read this process's own stores on this prompt's chain: wait (at most one lookup timeout)
+        # for their COMMITs; other requests' COMMITs cannot change this answer.
+        PENDING_COMMITS.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
         client = self._client
         deadline = time.monotonic() + self._lookup_timeout_s
         try:
@@ -93,17 +94,18 @@ class CacheServerBackend(LMCacheMPClient):
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str
     ) -> None:
-        """Release lookup read locks on chunk ranges that will not be retrieved."""
-        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
+        """Release lookup read locks on chunk ranges that will not be retrieved (after the session's
+        queued COMMITs, as the server would see synchronous ones)."""
+        PENDING_COMMITS.wait_session(session_id, self._lookup_timeout_s)
         if not self._up.is_set():
             return
         for start, end in ranges:
             self._client.free_lookup_locks(self._key(session_id, token_ids, start, end, salt, worker=False), 1)
 
     def end_session(self, session_id: str) -> None:
-        """Tell the server the request ended, after this process's queued COMMITs (the server sees
+        """Tell the server the request ended, after the session's queued COMMITs (the server sees
         a session's COMMIT before its end, as with synchronous COMMITs)."""
-        PENDING_COMMITS.wait_idle(self._lookup_timeout_s)
+        PENDING_COMMITS.wait_session(session_id, self._lookup_timeout_s)
         if self._up.is_set():
             self._client.end_session(session_id)
 

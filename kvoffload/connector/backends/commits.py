@@ -1,38 +1,23 @@
-"""COMMITs sent off the engine's path, and the count lookups wait on so they read this process's writes."""
+"""COMMITs sent off the engine's path, and what lookups and session ends wait for among them."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
-
-class PendingCommits:
-    """COMMITs queued in this process and not yet answered; lookups wait for none to be left."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._idle = threading.Condition()
-
-    def add(self) -> None:
-        with self._idle:
-            self._count += 1
-
-    def done(self) -> None:
-        with self._idle:
-            self._count -= 1
-            if self._count == 0:
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """True when none is pending (at once, or within ``timeout_s``)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)
+Chain = tuple[str, str, tuple[int, ...]]
+"""(model, salt, first chunk's tokens): LMCache hashes a prompt's chunks as a chain from its first
+chunk, so only a store on the same chain can change what a lookup finds."""
 
 
-PENDING_COMMITS = PendingCommits()
+def chain_of(key: IPCCacheServerKey, chunk_size: int) -> Chain:
+    """The chain the tokens of a lookup's or a store's ``key`` are on."""
+    return (key.model_name, key.cache_salt, tuple(key.token_ids[:chunk_size]))
 
 
 @dataclass(frozen=True)
@@ -42,3 +27,58 @@ class DeferredCommit:
     operation: str
     transfer: Any
     key: IPCCacheServerKey
+    chain: Chain | None = None
+    """A store's chain (lookups on it wait for this COMMIT); None for a retrieve's."""
+
+
+class PendingCommits:
+    """COMMITs queued in this process and not yet answered, counted per session and per store chain.
+
+    A lookup waits only for the stores on its own chain (it reads this process's writes without
+    waiting for unrelated requests' COMMITs); a session's end waits only for that session's."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._by_tag: Counter[Hashable] = Counter()
+        self._changed = threading.Condition()
+
+    def add(self, commit: DeferredCommit) -> None:
+        with self._changed:
+            self._count += 1
+            self._by_tag.update(self._tags(commit))
+
+    def done(self, commit: DeferredCommit) -> None:
+        with self._changed:
+            self._count -= 1
+            self._by_tag.subtract(self._tags(commit))
+            for tag in self._tags(commit):
+                if self._by_tag[tag] <= 0:
+                    del self._by_tag[tag]
+            self._changed.notify_all()
+
+    def wait_chain(self, chain: Chain, timeout_s: float) -> bool:
+        """True when no store on ``chain`` is pending (at once, or within ``timeout_s``)."""
+        return self._wait(("chain", chain), timeout_s)
+
+    def wait_session(self, session_id: str, timeout_s: float) -> bool:
+        """True when none of ``session_id``'s COMMITs is pending (at once, or within ``timeout_s``)."""
+        return self._wait(("session", session_id), timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True when no COMMIT at all is pending (at once, or within ``timeout_s``)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count == 0, timeout=timeout_s)
+
+    def _wait(self, tag: Hashable, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._by_tag[tag] <= 0, timeout=timeout_s)
+
+    @staticmethod
+    def _tags(commit: DeferredCommit) -> list[Hashable]:
+        tags: list[Hashable] = [("session", commit.key.request_id)]
+        if commit.chain is not None:
+            tags.append(("chain", commit.chain))
+        return tags
+
+
+PENDING_COMMITS = PendingCommits()

@@ -37,7 +37,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
-from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
 from kvoffload.connector.keys import cache_model_name
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
@@ -355,8 +355,10 @@ class LMCacheMPClient:
     def _commit_later(self, operation: str, key: IPCCacheServerKey, transfer: Any = None) -> None:
         """Queue the COMMIT of a finished copy for ``transfer`` (default: the current transfer context;
         one queued for a context replaced before it is sent is dropped: that server is gone)."""
-        PENDING_COMMITS.add()
-        self._commits.put(DeferredCommit(operation, transfer if transfer is not None else self._transfer, key))
+        chain = chain_of(key, self.chunk_size) if operation == "store" else None
+        commit = DeferredCommit(operation, transfer if transfer is not None else self._transfer, key, chain)
+        PENDING_COMMITS.add(commit)
+        self._commits.put(commit)
 
     def _commit_loop(self) -> None:
         while True:
@@ -368,7 +370,7 @@ class LMCacheMPClient:
             except Exception:  # the committer must outlive any one COMMIT
                 logger.exception("event=commit_failed operation=%s", item.operation)
             finally:
-                PENDING_COMMITS.done()
+                PENDING_COMMITS.done(item)
 
     def _commit_now(self, item: DeferredCommit) -> None:
         with self._lock:

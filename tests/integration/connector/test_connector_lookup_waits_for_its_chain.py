@@ -1,0 +1,86 @@
+"""A lookup reads this process's own stores (it waits for their deferred COMMITs), but only those on
+its prompt's chain: another request's COMMIT still queued never holds up the scheduler."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvoffload.connector.backends.base import KvGeometry
+from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.settings import parse_settings
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import BLOCK, CHUNK, connector_llm_args, make_prompt
+
+HEADS, HEAD_DIM, LAYERS = 2, 8, 2
+LOOKUP_TIMEOUT_S = 60.0
+"""Far above any answer's time: a lookup that waited for the held COMMIT would take all of it."""
+
+
+def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
+    env = {
+        "KVOFFLOAD_STORE_TIMEOUT_MS": "10000",
+        "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "10000",
+        "KVOFFLOAD_LOOKUP_TIMEOUT_MS": str(int(LOOKUP_TIMEOUT_S * 1000)),
+    }
+    settings = parse_settings(env, connector_llm_args("lookup-chain", server.url, block=BLOCK))
+    backend = CacheServerBackend(
+        settings, rank=0, role=role, metrics=ConnectorMetrics("lookup-chain", "sidecar", enabled=False)
+    )
+    if pool is not None:
+        backend.register(pool, KvGeometry(HEADS, BLOCK, HEAD_DIM))
+    return backend
+
+
+def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
+    lmcache_server: LMCacheServer,
+) -> None:
+    tokens = 2 * CHUNK
+    blocks = tokens // BLOCK
+    pool = torch.randn(2 * blocks + 1, LAYERS, 2, HEADS * BLOCK * HEAD_DIM)
+    worker = _backend(lmcache_server, "worker", pool)
+    scheduler = _backend(lmcache_server, "scheduler")
+    held, release = threading.Event(), threading.Event()
+    send = worker._commit_now
+
+    def hold_store_commits(item: DeferredCommit) -> None:
+        if item.operation == "store":
+            held.set()
+            release.wait(LOOKUP_TIMEOUT_S)
+        send(item)
+
+    worker._commit_now = hold_store_commits  # type: ignore[method-assign]
+    stored, other = tuple(make_prompt(41, tokens)), tuple(make_prompt(42, tokens))
+    try:
+        assert worker.is_up() and scheduler.is_up()
+        worker.store(TransferOp(0, "stored", stored, 0, tokens, tuple(range(blocks)), 0, "t"))
+        assert held.wait(10.0), "the store's COMMIT never reached the committer"
+
+        answers: dict[str, int] = {}
+        unrelated = threading.Thread(target=lambda: answers.update(other=scheduler.lookup("other", other, tokens, "t")))
+        unrelated.start()
+        unrelated.join(LOOKUP_TIMEOUT_S / 3)
+        assert not unrelated.is_alive(), "a lookup of another prompt waited for an unrelated COMMIT"
+        assert answers["other"] == 0 and not release.is_set()
+
+        same_chain = threading.Thread(
+            target=lambda: answers.update(stored=scheduler.lookup("again", stored, tokens, "t"))
+        )
+        same_chain.start()
+        same_chain.join(0.5)
+        assert same_chain.is_alive(), "a lookup of the stored prompt did not wait for its COMMIT"
+        release.set()
+        same_chain.join(LOOKUP_TIMEOUT_S / 3)
+        assert not same_chain.is_alive()
+        assert answers["stored"] == tokens, "the lookup ran before the COMMIT it waited for"
+    finally:
+        release.set()
+        assert PENDING_COMMITS.wait_idle(10.0)
+        for session in ("other", "again"):
+            scheduler.end_session(session)
+        scheduler.close()
+        worker.close()
