@@ -50,8 +50,8 @@ class PendingCommits:
     def done(self, commit: DeferredCommit) -> None:
         with self._changed:
             self._count -= 1
-            self._by_tag.subtract(self._tags(commit))
             for tag in self._tags(commit):
+                self._by_tag[tag] -= 1
                 if self._by_tag[tag] <= 0:
                     del self._by_tag[tag]
             self._changed.notify_all()

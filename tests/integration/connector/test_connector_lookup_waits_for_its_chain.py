@@ -5,35 +5,21 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
-from kvoffload.connector.backends.base import KvGeometry
-from kvoffload.connector.backends.cache_server import CacheServerBackend
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
-from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
-from kvoffload.connector.settings import parse_settings
+from tests.support.direct_backend import direct_backend, pool_for
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import BLOCK, CHUNK, connector_llm_args, make_prompt
+from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
-HEADS, HEAD_DIM, LAYERS = 2, 8, 2
 LOOKUP_TIMEOUT_S = 60.0
 """Far above any answer's time: a lookup that waited for the held COMMIT would take all of it."""
 
 
-def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
-    env = {
-        "KVOFFLOAD_STORE_TIMEOUT_MS": "10000",
-        "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "10000",
-        "KVOFFLOAD_LOOKUP_TIMEOUT_MS": str(int(LOOKUP_TIMEOUT_S * 1000)),
-    }
-    settings = parse_settings(env, connector_llm_args("lookup-chain", server.url, block=BLOCK))
-    backend = CacheServerBackend(
-        settings, rank=0, role=role, metrics=ConnectorMetrics("lookup-chain", "sidecar", enabled=False)
-    )
-    if pool is not None:
-        backend.register(pool, KvGeometry(HEADS, BLOCK, HEAD_DIM))
-    return backend
+ENV = {
+    "KVOFFLOAD_STORE_TIMEOUT_MS": "10000",
+    "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "10000",
+    "KVOFFLOAD_LOOKUP_TIMEOUT_MS": str(int(LOOKUP_TIMEOUT_S * 1000)),
+}
 
 
 def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
@@ -41,9 +27,8 @@ def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
 ) -> None:
     tokens = 2 * CHUNK
     blocks = tokens // BLOCK
-    pool = torch.randn(2 * blocks + 1, LAYERS, 2, HEADS * BLOCK * HEAD_DIM)
-    worker = _backend(lmcache_server, "worker", pool)
-    scheduler = _backend(lmcache_server, "scheduler")
+    worker = direct_backend(lmcache_server, "lookup-chain", "worker", ENV, pool_for(2 * blocks + 1))
+    scheduler = direct_backend(lmcache_server, "lookup-chain", "scheduler", ENV)
     held, release = threading.Event(), threading.Event()
     send = worker._commit_now
 

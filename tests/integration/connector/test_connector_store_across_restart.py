@@ -11,32 +11,23 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.connector.backends.base import KvGeometry
 from kvoffload.connector.backends.cache_server import CacheServerBackend
 from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
-from kvoffload.connector.settings import parse_settings
+from tests.support.direct_backend import direct_backend, pool_for
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import BLOCK, CHUNK, connector_llm_args, make_prompt
+from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
-HEADS, HEAD_DIM, LAYERS = 2, 8, 2
+ENV = {
+    "KVOFFLOAD_STORE_TIMEOUT_MS": "5000",
+    "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "5000",
+    "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "2000",
+    "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "200",
+}
 
 
 def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
-    env = {
-        "KVOFFLOAD_STORE_TIMEOUT_MS": "5000",
-        "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "5000",
-        "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "2000",
-        "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "200",
-    }
-    settings = parse_settings(env, connector_llm_args("store-across-restart", server.url, block=BLOCK))
-    backend = CacheServerBackend(
-        settings, rank=0, role=role, metrics=ConnectorMetrics("store-across-restart", "sidecar", enabled=False)
-    )
-    if pool is not None:
-        backend.register(pool, KvGeometry(HEADS, BLOCK, HEAD_DIM))
-    return backend
+    return direct_backend(server, "store-across-restart", role, ENV, pool)
 
 
 def _wait(condition: Any, what: str, timeout_s: float = 30.0) -> None:
@@ -51,7 +42,7 @@ def test_a_store_whose_server_restarted_before_its_commit_is_dropped_not_committ
 ) -> None:
     tokens = 4 * CHUNK
     blocks = tokens // BLOCK
-    pool = torch.randn(2 * blocks + 1, LAYERS, 2, HEADS * BLOCK * HEAD_DIM)
+    pool = pool_for(2 * blocks + 1)
     worker = _backend(doomed_server, "worker", pool)
     assert worker.is_up()
     prepared_on = worker._transfer
