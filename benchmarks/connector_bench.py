@@ -37,6 +37,8 @@ MODEL = "bench-model"
 KEY_MODEL = cache_model_name(MODEL)
 """The model name in LMCache keys, as the connector writes it (the raw client must find its chunks)."""
 KV_NAME = "trtllm_kv_pool"
+QUEUED_COMMITS = 8
+"""Unrelated store COMMITs queued when a lookup + secure is timed (``lookup_beside_commits``)."""
 
 
 @dataclass(frozen=True)
@@ -252,8 +254,10 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     pool = _pool(shape, num_blocks=4 * bpc)
     src, dst = tuple(range(bpc)), tuple(range(bpc, 2 * bpc))
     chunk_bytes = chunk * shape.bytes_per_token
+    beside_reps = max(10, reps // 3)
     # Enough L1 for every stored chunk (no eviction during the run).
-    l1_gb = max(0.5, round((5 * (reps + warmup) + 16) * chunk_bytes / 2**30 * 1.3, 2))
+    stored_chunks = 5 * (reps + warmup) + QUEUED_COMMITS * (beside_reps + warmup) + 16
+    l1_gb = max(0.5, round(stored_chunks * chunk_bytes / 2**30 * 1.3, 2))
     with _server(chunk, l1_gb) as server:
         url = server.url
         off = ConnectorMetrics(MODEL, "sidecar", enabled=False)
@@ -334,14 +338,21 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             # --- retrieve (each preceded by an untimed lookup, as TensorRT-LLM does) ---------
             exact: dict[str, bool] = {}
 
-            def retrieve_with(name: str, fn: Any, key: tuple[int, ...] = hot_key) -> Any:
+            def retrieve_with(
+                name: str, fn: Any, key: tuple[int, ...] = hot_key, prepare: Any = None, finish: Any = None
+            ) -> Any:
+                """Time ``fn`` (its argument: ``prepare(sid)``, or the session id); ``finish`` untimed after."""
+
                 def run(_: int) -> float:
                     sid = f"rr{next(ids)}"
                     assert raw.lookup(sid, key, chunk) == chunk
                     pool[list(dst)] = 0
+                    arg = prepare(sid) if prepare is not None else sid
                     t0 = time.perf_counter()
-                    ok = fn(sid)
+                    ok = fn(arg)
                     dt = time.perf_counter() - t0
+                    if finish is not None:
+                        finish(arg)
                     raw.client.end_session(sid)
                     assert ok is not False, "retrieve failed"
                     same = bool(torch.equal(pool[list(src)].view(torch.int16), pool[list(dst)].view(torch.int16)))
@@ -353,16 +364,42 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             def op(sid: str, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> Any:
                 return TransferOp(0, sid, tokens, 0, len(tokens), blocks, 0, "")
 
+            def hook_secure(metrics: bool) -> Any:
+                """The scheduler hook's lookup + secure (untimed), and the load op it hands the worker."""
+                scheduler = hooks[metrics][0]
+
+                def prepare(_sid: str) -> tuple[Any, Any]:
+                    request = StandinLlmRequest(PromptRequest(next(ids), list(hot)))
+                    matched, _async = scheduler.get_num_new_matched_tokens(request, 0)
+                    state = scheduler._requests[request.request_id]
+                    assert matched == chunk and state.secured is not None, matched
+                    load = TransferOp(
+                        request.request_id, state.session_id, hot_key, 0, chunk, dst, 0, "", secured=state.secured
+                    )
+                    state.secured = None  # handed to the worker, as build_connector_meta does
+                    return request, load
+
+                return prepare
+
             def hook_load(metrics: bool) -> Any:
                 worker = hooks[metrics][1]
 
-                def run(sid: str) -> bool:
-                    worker.bind_connector_meta(ConnectorMetadata(loads=(op(sid, hot_key, dst),)))
+                def run(prepared: tuple[Any, Any]) -> bool:
+                    worker.bind_connector_meta(ConnectorMetadata(loads=(prepared[1],)))
                     worker.start_load_kv(None)
                     worker._clear_connector_meta()
-                    return True
+                    return not worker._unloaded  # the hook logs a failed load; the forward would raise
 
                 return run
+
+            def hook_done(metrics: bool) -> Any:
+                scheduler, worker = hooks[metrics]
+
+                def finish(prepared: tuple[Any, Any]) -> None:
+                    worker.get_finished([], [])  # rank 0 gives the loaded chunks back after the iteration
+                    scheduler.request_finished(prepared[0], [])
+
+                return finish
 
             retrieve = interleaved(
                 [
@@ -376,8 +413,10 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                         ),
                     ),
                     ("backend", retrieve_with("backend", lambda sid: backend.retrieve(op(sid, hot_key, dst)) > 0)),
-                    ("hook_metrics_off", retrieve_with("hook_metrics_off", hook_load(False))),
-                    ("hook_metrics_on", retrieve_with("hook_metrics_on", hook_load(True))),
+                    *[
+                        (name, retrieve_with(name, hook_load(m), prepare=hook_secure(m), finish=hook_done(m)))
+                        for name, m in (("hook_metrics_off", False), ("hook_metrics_on", True))
+                    ],
                 ],
                 reps,
                 warmup,
@@ -420,6 +459,32 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                 reps,
                 warmup,
             )
+
+            # --- lookup + secure while other prompts' store COMMITs are still queued ----------
+            from kvoffload.connector.backends import cache_server
+
+            securing = cache_server._LOCAL_WORKERS[url]  # the worker the scheduler secures through
+
+            def lookup_secure(queued: int) -> Any:
+                def run(_: int) -> float:
+                    for _ in range(queued):  # other requests' stores just ended: COMMITs queued
+                        n = next(ids)
+                        securing.store(op(f"bc{n}", _prompt(n, chunk), src))
+                    sid = f"ls{next(ids)}"
+                    t0 = time.perf_counter()
+                    hit = sched_backend.lookup(sid, hot_key, chunk, "")
+                    secured = sched_backend.secure(sid, hot_key, 0, chunk, "")
+                    dt = time.perf_counter() - t0
+                    assert hit == chunk and secured is not None, (hit, secured)
+                    sched_backend.release_secured(sid, hot_key, 0, chunk, "", secured)
+                    sched_backend.end_session(sid)
+                    return dt
+
+                return run
+
+            beside = interleaved(
+                [("idle", lookup_secure(0)), ("queued", lookup_secure(QUEUED_COMMITS))], beside_reps, warmup
+            )
         finally:
             for scheduler, worker in hooks.values():
                 worker.shutdown()
@@ -439,6 +504,12 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         "ops": {name: {variant: summarize(s) for variant, s in samples.items()} for name, samples in ops.items()},
         "samples_s": {name: samples for name, samples in ops.items()},
         "metrics_primitives": metrics_primitives(),
+        "lookup_beside_commits": {
+            "queued_commits": QUEUED_COMMITS,
+            "reps": beside_reps,
+            "latency": {name: summarize(v) for name, v in beside.items()},
+            "samples_s": beside,
+        },
     }
 
 

@@ -162,7 +162,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             load = state.load
             token_ids = tuple(state.tokens[: load.retrieve_end])
             self._backend.release_secured(
-                state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt
+                state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt, state.secured
             )
         self._backend.end_session(state.session_id)
         return state

@@ -44,6 +44,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._save_queue: deque[tuple[planning.TransferOp, Any]] = deque()
         self._save_cv = threading.Condition()
         self._saving: dict[int, int] = {}
+        self._session_of: dict[int, str] = {}  # saving requests' LMCache sessions (their COMMITs)
         self._storing: planning.TransferOp | None = None  # the op the saver is working on
         self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
         self._finished_waiting: set[int] = set()
@@ -217,6 +218,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             with self._save_cv:
                 for op in meta.saves:
                     self._saving[op.request_id] = self._saving.get(op.request_id, 0) + 1
+                    self._session_of[op.request_id] = op.session_id
                     self._save_queue.append((op, event))
                 self._save_cv.notify_all()
             return
@@ -259,8 +261,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        """Step 6: requests whose async saves are done, and parked requests whose KV is in the pool
-        (each id only after TensorRT-LLM passed it in)."""
+        """Step 6: requests whose async saves are done (copied and COMMITted), and parked requests
+        whose KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
         with self._load_cv:
             failures, self._load_failures = self._load_failures, []
@@ -278,9 +280,17 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             return [], done_loading
         with self._save_cv:
             self._finished_waiting.update(finished_gen_req_ids)
-            done = [rid for rid in self._finished_waiting if rid not in self._saving]
+            done = [rid for rid in self._finished_waiting if rid not in self._saving and not self._publishing(rid)]
             self._finished_waiting.difference_update(done)
+            for rid in done:
+                self._session_of.pop(rid, None)
         return done, done_loading
+
+    def _publishing(self, request_id: int) -> bool:
+        """Whether the request's stored chunks still wait for their COMMITs: its save is reported done
+        only once lookups find it, on every rank (TensorRT-LLM waits for all ranks' reports)."""
+        session = self._session_of.get(request_id)
+        return session is not None and self._backend.commits_pending(session)
 
     def shutdown(self) -> None:
         """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""

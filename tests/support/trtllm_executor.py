@@ -387,8 +387,26 @@ class RankState:
             shutdown()
 
 
-def _follower_main(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], env: dict[str, str]) -> None:
+def _lag_commits(seconds: float) -> None:
+    """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may:
+    TensorRT-LLM's ranks never promise to finish a save together."""
+    from kvoffload.connector.backends.lmcache_mp import LMCacheMPClient
+
+    send = LMCacheMPClient._commit_now
+
+    def late(self: Any, item: Any) -> None:
+        time.sleep(seconds)
+        send(self, item)
+
+    LMCacheMPClient._commit_now = late  # type: ignore[method-assign]
+
+
+def _follower_main(
+    conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], env: dict[str, str], commit_lag_s: float
+) -> None:
     os.environ.update(env)
+    if commit_lag_s:
+        _lag_commits(commit_lag_s)
     try:
         state = RankState(rank, llm_args, geometry)
         conn.send({"ready": True})
@@ -506,7 +524,9 @@ class StandinExecutor:
         enable_partial_reuse: bool = False,
         overlap_scheduler: bool = False,
         attention_dp_rank: int = 0,
+        follower_commit_lag_s: float = 0.0,
     ) -> None:
+        """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``_lag_commits``)."""
         _ensure_paths()
         self.llm_args = llm_args
         self.attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
@@ -546,7 +566,11 @@ class StandinExecutor:
             validate_attention_dp(worker_cls, scheduler_cls)  # KvCacheConnectorManager.__init__
         for rank in range(1, 1 if self.attention_dp else self.tp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_follower_main, args=(child, rank, llm_args, geometry, child_env), daemon=True)
+            proc = ctx.Process(
+                target=_follower_main,
+                args=(child, rank, llm_args, geometry, child_env, follower_commit_lag_s),
+                daemon=True,
+            )
             proc.start()
             self.followers.append((parent, proc))
         # TensorRT-LLM builds rank 0's scheduler and worker concurrently; sequential is equivalent here.

@@ -116,7 +116,9 @@ class KVBackend(Protocol):
     ) -> SecuredLoad | None:
         """Scheduler: have the server hand out and lock a load's chunks for every rank, or None."""
 
-    def release_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+    def release_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, secured: SecuredLoad
+    ) -> None:
         """Scheduler: give back a secured load that will not be copied."""
 
     def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
@@ -142,6 +144,10 @@ class KVBackend(Protocol):
 
     def store(self, op: TransferOp) -> int:
         """Store ``op``'s blocks; returns bytes moved; raises BackendError."""
+
+    def commits_pending(self, session_id: str) -> bool:
+        """Worker: whether COMMITs of ``session_id`` are still queued here (its stored chunks are
+        copied but not yet visible to lookups); never waits."""
 
     def close(self) -> None:
         """Stop threads and release connections."""

@@ -117,11 +117,13 @@ class CacheServerBackend(LMCacheMPClient):
         local = _LOCAL_WORKERS.get(self._settings.server_url)
         return local.prepare_secured(session_id, token_ids, start, end, salt) if local is not None else None
 
-    def release_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+    def release_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, secured: SecuredLoad
+    ) -> None:
         """Give back a secured load that will never be copied (its request ended first)."""
         local = _LOCAL_WORKERS.get(self._settings.server_url)
         if local is not None:
-            local.commit_secured(session_id, token_ids, start, end, salt)
+            local.commit_secured(session_id, token_ids, start, end, salt, secured.segment)
 
     # --- secured loads ------------------------------------------------------------------
     def prepare_secured(
@@ -165,6 +167,8 @@ class CacheServerBackend(LMCacheMPClient):
                     )
             if len(per_rank) != self._settings.world_size:
                 raise _Unsecured
+            with self._retired_lock:
+                self._secured_open[segment] += 1  # its segment stays mapped until commit_secured
             return SecuredLoad(segment, tuple(per_rank))
         except _Unsecured:
             self._metrics.error("retrieve", "miss")
@@ -176,10 +180,17 @@ class CacheServerBackend(LMCacheMPClient):
             self._commit_later("retrieve", key)
         return None
 
-    def commit_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
-        """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks."""
+    def commit_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, segment: tuple[str, int]
+    ) -> None:
+        """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
+        segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
         for key in self._keys_of_every_rank(session_id, token_ids, start, end, salt):
             self._commit_later("retrieve", key)
+        with self._retired_lock:
+            self._secured_open[segment] -= 1
+            if self._secured_open[segment] <= 0:
+                del self._secured_open[segment]
 
     def _keys_of_every_rank(
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
@@ -284,7 +295,8 @@ class CacheServerBackend(LMCacheMPClient):
 
     def _commit_load(self, op: TransferOp) -> None:
         """Give a load's secured chunks back to the server (every rank's keys)."""
-        self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt)
+        if op.secured is not None:
+            self.commit_secured(op.session_id, op.token_ids, op.start, op.end, op.salt, op.secured.segment)
 
     def _secured_views(self, op: TransferOp) -> list[Any]:
         secured = op.secured
@@ -393,6 +405,10 @@ class CacheServerBackend(LMCacheMPClient):
         if isinstance(issued, _IssuedStore):
             self._finish_store(issued, commit=True)
         return len(op.block_ids) * self._block_bytes
+
+    def commits_pending(self, session_id: str) -> bool:
+        """Whether the session's queued COMMITs (its stores' publication) are not all answered yet."""
+        return PENDING_COMMITS.session_pending(session_id)
 
     def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> _IssuedStore:
         """PREPARE and queue the copies, one group of chunks at a time: each group's PREPARE_STORE is

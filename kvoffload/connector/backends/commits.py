@@ -64,6 +64,11 @@ class PendingCommits:
         """True when none of ``session_id``'s COMMITs is pending (at once, or within ``timeout_s``)."""
         return self._wait(("session", session_id), timeout_s)
 
+    def session_pending(self, session_id: str) -> bool:
+        """Whether a COMMIT of ``session_id`` is pending now (no waiting)."""
+        with self._changed:
+            return self._by_tag[("session", session_id)] > 0
+
     def wait_idle(self, timeout_s: float) -> bool:
         """True when no COMMIT at all is pending (at once, or within ``timeout_s``)."""
         with self._changed:

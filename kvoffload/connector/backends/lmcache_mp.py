@@ -7,9 +7,11 @@ the in-process backend hosts.
 
 COMMIT off the engine's path: after the copy (synchronised, so the KV is where it must be) the
 COMMIT that publishes a store or releases a retrieve's slots is sent by a committer thread
-while the engine goes on. Lookups in this process first wait for pending COMMITs (bounded by
-the lookup timeout), so a request never misses KV that a finished request of this process
-stored. A COMMIT that fails marks the backend down like any other failed call.
+while the engine goes on, without holding the transfer lock during its round trip. Lookups in
+this process first wait for the pending store COMMITs on their prompt's chain (bounded by the
+lookup timeout), and a request's save is reported done only once its COMMITs were answered, so a
+request never misses KV that a finished request stored. A COMMIT that fails marks the backend
+down like any other failed call.
 
 Failure handling: every call has its own timeout (settings, ms). A failed call
 marks the backend down; while down, calls fail at once (lookups answer 0, stores
@@ -25,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +59,8 @@ _RECONNECT_PING_TIMEOUT_S = 1.0
 """A PING to a server believed down: a restarted one answers a fresh socket in milliseconds."""
 _RETIRED_GRACE_S = 10.0
 """A replaced transfer context (server restarted) stays mapped until the end of the engine's
-iteration (``release_loaded``), or this long when the engine is idle: loads secured in its segment
-just before the restart still copy from it."""
+iteration (``release_loaded``), or this long when the engine is idle, and in any case while a load
+secured in its segment is open (rank 0 counts them): such loads still copy from it."""
 
 
 @dataclass
@@ -156,6 +159,9 @@ class LMCacheMPClient:
         self._shm_identity: tuple[str, int] | None = None
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
         self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
+        self._secured_open: Counter[tuple[str, int]] = Counter()
+        """Secured loads handed out (rank 0) and not yet given back, per segment (under ``_retired_lock``):
+        a replaced segment stays mapped while one is open, however long the restart took."""
         self._loaded: list[TransferOp] = []
         self._async_loads: list[AsyncLoad] = []
         """Asynchronous loads whose copies were issued and not yet reported finished."""
@@ -341,7 +347,7 @@ class LMCacheMPClient:
         now = time.monotonic()
         keep = []
         for transfer, identity, since in self._retired:
-            if now - since < older_than_s:
+            if now - since < older_than_s or (identity is not None and self._secured_open[identity] > 0):
                 keep.append((transfer, identity, since))
                 continue
             try:
@@ -373,29 +379,40 @@ class LMCacheMPClient:
                 PENDING_COMMITS.done(item)
 
     def _commit_now(self, item: DeferredCommit) -> None:
+        """Send one COMMIT and wait for its answer, without holding the transfer lock meanwhile (the
+        MQ client takes requests from any thread): lookups, secures and copies go on during it."""
         with self._lock:
-            if item.transfer is not self._transfer or item.transfer is None:
-                # Reconnected meanwhile: that server (and its reservation) is gone; a store is lost.
-                if item.operation == "store":
-                    self._metrics.error("store", "unavailable")
-                logger.warning("event=commit_dropped operation=%s session=%s", item.operation, item.key.request_id)
-                return
-            edc = item.transfer.engine_driven_context
-            start = time.perf_counter()
-            try:
-                ok = True
-                if item.operation == "store":
-                    ok = bool(edc.commit_store(item.key, self._instance_id, []))
-                else:
-                    edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
-            except Exception as exc:
+            current = item.transfer is not None and item.transfer is self._transfer
+        if not current:
+            self._commit_dropped(item)
+            return
+        edc = item.transfer.engine_driven_context
+        start = time.perf_counter()
+        try:
+            ok = True
+            if item.operation == "store":
+                ok = bool(edc.commit_store(item.key, self._instance_id, []))
+            else:
+                edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
+        except Exception as exc:
+            with self._lock:
+                replaced = item.transfer is not self._transfer
+            if replaced:  # the connection was reset under it: that server is gone
+                self._commit_dropped(item)
+            else:
                 self._fail(item.operation, failure_reason(exc), f"COMMIT: {exc!r}")
-                return
-            if not ok:
-                self._metrics.error(item.operation, "server_error")
-                logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
-            logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
-                         (time.perf_counter() - start) * 1e3)  # fmt: skip
+            return
+        if not ok:
+            self._metrics.error(item.operation, "server_error")
+            logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+        logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
+                     (time.perf_counter() - start) * 1e3)  # fmt: skip
+
+    def _commit_dropped(self, item: DeferredCommit) -> None:
+        """Reconnected meanwhile: that server (and its reservation) is gone; a store is lost."""
+        if item.operation == "store":
+            self._metrics.error("store", "unavailable")
+        logger.warning("event=commit_dropped operation=%s session=%s", item.operation, item.key.request_id)
 
     # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:

@@ -215,7 +215,8 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
 ) -> None:
     """The server restarts between the lookup and the load, and the worker has already registered
     with the new server (a new L1 segment) when the load runs: the load still copies from the old
-    segment, kept mapped until the end of the iteration and unmapped then."""
+    segment, kept mapped until the end of the iteration and unmapped then, even when the restart
+    outlasted the heartbeat's grace for replaced segments (its sweep runs before the load)."""
     ex = executor_factory("restart-model", doomed_server.url)
     prompt = make_prompt(90, 200)
     (first,) = ex.run([PromptRequest(1, prompt, 2)])
@@ -234,6 +235,7 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
             worker.heartbeat_once()
             time.sleep(0.05)
         segments.append(worker._shm_identity)
+        worker._close_retired(0.0)  # the heartbeat's sweep once a slow restart outlasted its grace
         return result
 
     ex.scheduler.get_num_new_matched_tokens = lookup_then_restart
@@ -242,6 +244,21 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK) and not again.failed
     assert again.output_tokens == first.output_tokens and ex.kv_mismatches == 0
     assert worker._retired == []
+
+
+def test_a_prompt_sent_after_a_tp2_save_finished_hits_on_every_rank_though_rank_1_commits_late(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """TensorRT-LLM releases a saving request once every rank reported its save (``get_finished``);
+    rank 1's COMMITs reach the server 0.3 s after rank 0's. A prompt sent after the release still
+    finds every chunk of both ranks: a save is reported only once its COMMITs were answered."""
+    ex = executor_factory("late-rank-model", lmcache_server.url, llm_args={"tp": 2}, follower_commit_lag_s=0.3)
+    prompt = make_prompt(95, 200)
+    (first,) = ex.run([PromptRequest(1, prompt, 2)])
+    assert ex.evict_device_cache() > 0
+    (again,) = ex.run([PromptRequest(2, prompt + make_prompt(96, 40), 2)])
+    assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK), again
+    assert not (first.failed or again.failed) and ex.kv_mismatches == 0
 
 
 def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_outputs_and_kv_exact(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ class FakeBackend:
         self.sessions_ended: list[str] = []
         self.secured: list[tuple[int, int]] = []
         self.released: list[tuple[int, int]] = []
+        self.publishing: set[str] = set()  # sessions whose COMMITs are still queued
 
     def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
         if self.fail:
@@ -53,7 +55,7 @@ class FakeBackend:
         self.secured.append((start, end))
         return planning.SecuredLoad(("seg", 1), ((),))
 
-    def release_secured(self, session_id: str, token_ids: Any, start: int, end: int, salt: str) -> None:
+    def release_secured(self, session_id: str, token_ids: Any, start: int, end: int, salt: str, secured: Any) -> None:
         self.released.append((start, end))
 
     def load_secured(self, ops: Any) -> list[LoadResult]:
@@ -79,6 +81,9 @@ class FakeBackend:
             raise BackendError("store", self.fail)
         self.stored.append(op)
         return 1
+
+    def commits_pending(self, session_id: str) -> bool:
+        return session_id in self.publishing
 
     def register(self, pool: Any, geometry: Any) -> None:
         pass
@@ -186,3 +191,23 @@ def test_a_model_with_several_kv_layer_groups_is_refused_at_start_by_name(fake: 
     layout = SimpleNamespace(groups=(SimpleNamespace(window_size=4096), SimpleNamespace(window_size=None)))
     with pytest.raises(RuntimeError, match=r"2 layer groups \(attention windows: 4096, full\)"):
         worker.register_kv_cache_layout(layout)
+
+
+def test_an_async_save_is_reported_done_only_once_its_commits_are_answered(
+    fake: FakeBackend, trtllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copied is not yet findable: the save is done for TensorRT-LLM (which waits for every rank's
+    report) when lookups would find it, so under TP a prompt sent after it hits on every rank."""
+    monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "true")
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    fake.publishing.add("s-1")
+    worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+    worker.wait_for_save(None)
+    deadline = time.monotonic() + 10
+    while (not fake.stored or worker._saving) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.stored == [op] and not worker._saving
+    assert worker.get_finished([1], []) == ([], [])
+    fake.publishing.clear()
+    assert worker.get_finished([], []) == ([1], [])
