@@ -124,7 +124,8 @@ def _connector_section(c: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "- `backend`: `CacheServerBackend.lookup/retrieve/store` (timeouts, lock, keys, failure handling).",
         "- `hook, metrics off/on`: the TensorRT-LLM hook doing the operation (`get_num_new_matched_tokens`, "
         "`start_load_kv`, synchronous `wait_for_save`) with `KVOFFLOAD_METRICS_ENABLED` false/true "
-        "(prometheus_client multiprocess mode, as deployed).",
+        "(prometheus_client multiprocess mode, as deployed). The hook's lookup also secures the load (its "
+        "PREPARE_RETRIEVE), so its retrieve is the local copy from the secured slots plus the hook.",
         "",
         "| operation | raw (baseline) | LMCache copies | backend | hook, metrics off | hook, metrics on "
         "| backend - raw (p50) | metrics on - off (p50) |",
