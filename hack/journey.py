@@ -115,11 +115,14 @@ class Journey:
         self.kubectl("label", "namespace", RELEASE_NAMESPACE, "pod-security.kubernetes.io/enforce=restricted",
                      "--overwrite")  # fmt: skip
         # A small L1 for a laptop-sized demo: LMCache allocates all of it up front in /dev/shm. The
+        # engine, the cache server and the control plane share a few cores here, so a lookup gets 1 s
+        # (the chart's 100 ms is for an engine on a host of its own; a lookup past it is a miss). The
         # operator runs here, outside the cluster: the apiserver calls its webhook on 127.0.0.1.
         port = free_port()
         notes = self.helm(
             "install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE,
             "--set", f"defaults.cache.l1Size={self.l1_size}", "--set", "defaults.shmSize=256Mi",
+            "--set", "defaults.connector.lookupTimeoutMs=1000",
             "--set", f"injection.webhookPort={port}",
             "--set", f"injection.webhookUrl=https://127.0.0.1:{port}{contract.WEBHOOK_PATH}",
         )  # fmt: skip

@@ -21,6 +21,8 @@ import pytest
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
+from kvoffload.operator.settings import OperatorDefaults
+from kvoffload.quantity import parse_bytes
 from tests.support.operator_support import (
     OperatorProcess,
     annotate,
@@ -57,11 +59,23 @@ def _l1_in_configmap(cluster: LocalCluster, namespace: str, name: str) -> str | 
     return json.loads(json.loads(out.stdout)["data"][c.POLICY_FILE])["cache"]["l1Size"]  # type: ignore[no-any-return]
 
 
+def _sidecar_memory_limit(obj: dict[str, Any]) -> int | None:
+    spec = obj["spec"]["template"]["spec"]
+    for container in spec.get("initContainers", []) + spec.get("containers", []):
+        if container["name"] == c.SIDECAR_CONTAINER:
+            return parse_bytes(container["resources"]["limits"]["memory"], "memory limit")
+    return None
+
+
 def _converged(cluster: LocalCluster, namespace: str, desired: dict[str, Desired], policy_l1: str) -> bool:
     for name, want in desired.items():
         obj = get(cluster, "deployment", name, namespace)
         if want.enabled:
-            if not is_injected(obj) or _l1_in_configmap(cluster, namespace, name) != (want.l1_annotation or policy_l1):
+            l1 = want.l1_annotation or policy_l1
+            if not is_injected(obj) or _l1_in_configmap(cluster, namespace, name) != l1:
+                return False
+            # The operator writes the ConfigMap before the workload: the template must carry the L1 too.
+            if _sidecar_memory_limit(obj) != parse_bytes(l1, "l1Size") + OperatorDefaults.sidecar_memory_overhead_bytes:
                 return False
         elif not is_clean(obj) or _l1_in_configmap(cluster, namespace, name) is not None:
             return False

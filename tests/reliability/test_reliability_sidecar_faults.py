@@ -302,12 +302,17 @@ def test_l2_disk_full_or_read_only_keeps_serving_l1_and_counts_the_error(
         # lookup is misread as a miss (the LOOKUP/WAIT race fixed in the connector, docs/reliability.md).
         assert hits == len(stream.outcomes) - 1, f"L1 stopped serving or a lookup missed: {stream.outcomes}"
         assert sidecar.proc is not None and sidecar.proc.poll() is None and sidecar.ready()
-        time.sleep(1)  # L2 stores finish in the background
-        metrics = sidecar.metrics()
-        submitted = sample_sum(metrics, "lmcache_mp_l2_store_submitted_objects_chunks_total") or 0.0
-        stored = sample_sum(metrics, "lmcache_mp_l2_store_completed_objects_chunks_total") or 0.0
-        log = sidecar.log_path.read_text(errors="replace")
-        error_lines = [line for line in log.splitlines() if "to adapter" in line and "failed" in line]
+        deadline = time.monotonic() + 60
+        while True:  # L2 stores finish in the background, after the COMMITs were answered
+            metrics = sidecar.metrics()
+            submitted = sample_sum(metrics, "lmcache_mp_l2_store_submitted_objects_chunks_total") or 0.0
+            stored = sample_sum(metrics, "lmcache_mp_l2_store_completed_objects_chunks_total") or 0.0
+            log = sidecar.log_path.read_text(errors="replace")
+            error_lines = [line for line in log.splitlines() if "to adapter" in line and "failed" in line]
+            settled = bool(error_lines) if fault != "healthy" else 0 < submitted == stored
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         print(f"L2 {fault}: {len(stream.outcomes)} requests, {hits} hits, {len(stream.errors)} failed; "
               f"L2 chunks submitted {submitted:.0f}, stored {stored:.0f}, failed {submitted - stored:.0f}; "
               f"{len(error_lines)} 'Store task .. to adapter 0 failed' log lines")  # fmt: skip

@@ -99,6 +99,11 @@ def test_policy_change_rolls_attached_workloads_exactly_once(
     wait_for(lambda: (h := _template_hash(cluster, "tuned-llm", namespace)) != first and h, what="the new config hash")
     second = _template_hash(cluster, "tuned-llm", namespace)
     wait_for(lambda: _status_hash(cluster, "tuned-llm", namespace) == second, what="policy status with the new hash")
+    # The rollout's ReplicaSet comes from kube-controller-manager, on its own time.
+    wait_for(
+        lambda: len(list_objects(cluster, "replicasets", namespace, "app=tuned-llm")) > replicasets,
+        what="the rollout's new ReplicaSet",
+    )
     time.sleep(2)  # let any (wrong) second change show up
     after = get(cluster, "deployment", "tuned-llm", namespace)
     assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
