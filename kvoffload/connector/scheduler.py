@@ -291,8 +291,9 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         )
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        """Step 5: forget the request; True (hold its blocks) only when async saves may still be running."""
+        """Step 5: forget the request; True (hold its blocks) when it had saves: ``get_finished``
+        reports it once they are copied and their COMMITs answered, on every rank (async or not)."""
         state = self._forget(int(request.request_id))
         if state is None:
             return False
-        return self._settings.async_save and state.saves_issued > 0
+        return state.saves_issued > 0

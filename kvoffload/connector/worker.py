@@ -44,7 +44,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._save_queue: deque[tuple[planning.TransferOp, Any]] = deque()
         self._save_cv = threading.Condition()
         self._saving: dict[int, int] = {}
-        self._session_of: dict[int, str] = {}  # saving requests' LMCache sessions (their COMMITs)
+        self._session_of: dict[int, str] = {}
+        """Requests whose saves are queued, copying or not yet COMMITted, and their LMCache sessions."""
         self._storing: planning.TransferOp | None = None  # the op the saver is working on
         self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
         self._finished_waiting: set[int] = set()
@@ -223,6 +224,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                 self._save_cv.notify_all()
             return
         for op in meta.saves:
+            self._session_of[op.request_id] = op.session_id  # reported once its COMMITs are answered
             self._store(op)
 
     def _store(self, op: planning.TransferOp) -> None:
@@ -276,21 +278,19 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         done_loading = sorted(self._loading_started & self._loaded_async)
         self._loading_started.difference_update(done_loading)
         self._loaded_async.difference_update(done_loading)
-        if self._save_thread is None:
-            return [], done_loading
         with self._save_cv:
+            # A save is done once copied and its COMMITs answered: lookups find it then, on every rank
+            # (TensorRT-LLM waits for all ranks' reports). Requests that ended without
+            # request_finished leave here too, once their saves are done.
+            self._session_of = {
+                rid: session
+                for rid, session in self._session_of.items()
+                if rid in self._saving or self._backend.commits_pending(session)
+            }
             self._finished_waiting.update(finished_gen_req_ids)
-            done = [rid for rid in self._finished_waiting if rid not in self._saving and not self._publishing(rid)]
+            done = [rid for rid in self._finished_waiting if rid not in self._session_of]
             self._finished_waiting.difference_update(done)
-            for rid in done:
-                self._session_of.pop(rid, None)
         return done, done_loading
-
-    def _publishing(self, request_id: int) -> bool:
-        """Whether the request's stored chunks still wait for their COMMITs: its save is reported done
-        only once lookups find it, on every rank (TensorRT-LLM waits for all ranks' reports)."""
-        session = self._session_of.get(request_id)
-        return session is not None and self._backend.commits_pending(session)
 
     def shutdown(self) -> None:
         """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""

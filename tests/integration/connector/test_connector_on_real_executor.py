@@ -246,12 +246,15 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     assert worker._retired == []
 
 
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
 def test_a_prompt_sent_after_a_tp2_save_finished_hits_on_every_rank_though_rank_1_commits_late(
-    lmcache_server: LMCacheServer, executor_factory: Any
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     """TensorRT-LLM releases a saving request once every rank reported its save (``get_finished``);
     rank 1's COMMITs reach the server 0.3 s after rank 0's. A prompt sent after the release still
-    finds every chunk of both ranks: a save is reported only once its COMMITs were answered."""
+    finds every chunk of both ranks: a save is reported only once its COMMITs were answered, whether
+    the saver thread or ``wait_for_save`` copied it."""
+    monkeypatch.setenv(contract.ENV_ASYNC_SAVE, str(async_save).lower())
     ex = executor_factory("late-rank-model", lmcache_server.url, llm_args={"tp": 2}, follower_commit_lag_s=0.3)
     prompt = make_prompt(95, 200)
     (first,) = ex.run([PromptRequest(1, prompt, 2)])

@@ -167,7 +167,8 @@ def test_tenants_with_different_salts_never_share(lmcache_server: LMCacheServer,
 def test_synchronous_saves_when_async_disabled(
     lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """KVOFFLOAD_ASYNC_SAVE=false: saves finish inside wait_for_save, request_finished returns False."""
+    """KVOFFLOAD_ASYNC_SAVE=false: saves are copied inside wait_for_save; the request is held until
+    their COMMITs are answered, as with async saves."""
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
     ex = executor_factory("sync-save-model", lmcache_server.url)
     p = make_prompt(6, 180)

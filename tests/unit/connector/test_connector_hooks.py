@@ -144,7 +144,7 @@ def test_hit_becomes_one_load_and_new_chunks_one_save(fake: FakeBackend, trtllm:
     (save,) = meta.saves  # [128, 192): the chunk this step completes
     assert (save.start, save.end, save.block_ids) == (128, 192, tuple(blocks[8:12]))
     assert save.token_ids == tuple(tokens[:192])
-    assert sched.request_finished(Req(1, tokens), blocks) is False  # synchronous saves
+    assert sched.request_finished(Req(1, tokens), blocks) is True  # held until its save is published
     assert fake.sessions_ended == [load.session_id]
 
 
@@ -180,7 +180,7 @@ def test_a_failed_load_never_raises_from_start_load_kv_but_stops_the_forward(fak
     worker.wait_for_layer_load(1, None)  # raised once
     worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
     worker.wait_for_save(None)  # logged and counted, never raised
-    assert worker.get_finished([1], []) == ([], [])
+    assert worker.get_finished([1], []) == ([1], [])  # nothing to publish: its blocks go back
 
 
 def test_a_model_with_several_kv_layer_groups_is_refused_at_start_by_name(fake: FakeBackend, trtllm: Any) -> None:
