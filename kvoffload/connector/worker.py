@@ -263,8 +263,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        """Step 6: requests whose async saves are done (copied and COMMITted), and parked requests
-        whose KV is in the pool (each id only after TensorRT-LLM passed it in)."""
+        """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
+        KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
         with self._load_cv:
             failures, self._load_failures = self._load_failures, []

@@ -25,6 +25,7 @@ from kvoffload.operator.settings import OperatorDefaults
 from kvoffload.quantity import parse_bytes
 from tests.support.operator_support import (
     OperatorProcess,
+    all_containers,
     annotate,
     assert_no_duplicates,
     is_clean,
@@ -60,8 +61,7 @@ def _l1_in_configmap(cluster: LocalCluster, namespace: str, name: str) -> str | 
 
 
 def _sidecar_memory_limit(obj: dict[str, Any]) -> int | None:
-    spec = obj["spec"]["template"]["spec"]
-    for container in spec.get("initContainers", []) + spec.get("containers", []):
+    for container in all_containers(obj):
         if container["name"] == c.SIDECAR_CONTAINER:
             return parse_bytes(container["resources"]["limits"]["memory"], "memory limit")
     return None

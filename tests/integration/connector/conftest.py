@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract
-from tests.support.connector_env import set_connector_env
+from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS, set_connector_env
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import CHUNK, STANDIN_PATH, StandinExecutor, connector_llm_args
 
@@ -32,7 +32,7 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
 @pytest.fixture
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Connector env as the operator injects it (timeouts short so failure tests stay quick)."""
-    return set_connector_env(monkeypatch, lookup_ms=2000, retrieve_ms=5000, store_ms=5000)
+    return set_connector_env(monkeypatch, lookup_ms=SHARED_CORES_LOOKUP_TIMEOUT_MS, retrieve_ms=5000, store_ms=5000)
 
 
 @pytest.fixture

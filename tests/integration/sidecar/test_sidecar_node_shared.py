@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvoffload import contract
+from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
 from tests.support.sidecar_harness import Sidecar
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -60,9 +61,7 @@ def _replica(tmp_path: Path, name: str, url: str, model: str, phases: list[Any])
         contract.ENV_BACKEND: contract.BACKEND_SIDECAR,
         contract.ENV_PYTHONHASHSEED: "0",
         contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(workdir),
-        # The product's 100 ms lookup deadline is for a dedicated host; two shared CI cores (the server,
-        # both ranks) can exceed it once, and a timed-out lookup answers 0 (a miss this test would misread).
-        contract.ENV_LOOKUP_TIMEOUT_MS: "2000",
+        contract.ENV_LOOKUP_TIMEOUT_MS: str(SHARED_CORES_LOOKUP_TIMEOUT_MS),
         contract.ENV_PYTHONPATH: os.pathsep.join([str(REPO), str(REPO / "tests" / "standin")]),
     })  # fmt: skip
     out = workdir / "results.json"
