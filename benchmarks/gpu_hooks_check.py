@@ -6,8 +6,9 @@ private stream, the backend's transfer stream) only runs here, on the lent GPU m
 1. ``register_kv_caches`` with a Llama-3-8B-shaped bf16 pool on ``cuda:0``;
 2. the "forward pass": big matmuls queued on the engine's stream, then the KV written into the
    source blocks on that same stream, so the KV lands tens of ms after ``wait_for_save`` returns;
-3. ``wait_for_save(stream)`` (async save: the saver waits on the stream's event) and
-   ``get_finished`` until the request's save is reported;
+3. ``wait_for_save(stream)`` (async save: the saver waits on the stream's event; with
+   ``--sync-save`` it copies before it returns) and ``get_finished`` until the request's save is
+   reported (its COMMITs answered);
 4. the scheduler's ``get_num_new_matched_tokens`` for the same prompt (which secures the load: the
    server hands out and locks its chunks in the shared L1 segment), then ``start_load_kv`` into
    other (scattered) blocks, checked bit-exact against the source blocks; ``get_finished`` then
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l1", default="16Gi")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     parser.add_argument("--kill-before-last-load", action="store_true")
+    parser.add_argument("--sync-save", action="store_true", help="KVOFFLOAD_ASYNC_SAVE=false: wait_for_save copies")
     args = parser.parse_args(argv)
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
@@ -107,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     nblocks = args.tokens // gt.TOKENS_PER_BLOCK
-    env = {contract.ENV_ASYNC_SAVE: "true", contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0"}  # the synchronous load path
+    env = {  # the synchronous load path; saves as asked
+        contract.ENV_ASYNC_SAVE: "false" if args.sync_save else "true", contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0",
+    }
     with connector_hooks(args.l1, nblocks, dev, env) as (sidecar, scheduler, worker, pool):
         engine = torch.cuda.Stream() if dev == "cuda" else None
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
                 "lookup_ms": round(lookup_ms, 2), "start_load_kv_ms": round(load_ms, 2), "bit_exact": exact,
-                "server_killed_before_load": killed,
+                "server_killed_before_load": killed, "async_save": not args.sync_save,
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
