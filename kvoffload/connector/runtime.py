@@ -3,7 +3,9 @@ the backend they act through, and the error a failed promised load raises."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from kvoffload import contract
@@ -33,6 +35,7 @@ __all__ = [
     "count_skip",
     "kv_rank",
     "make_backend",
+    "on_stream",
     "prompt_tokens",
     "use_private_stream",
 ]
@@ -86,6 +89,20 @@ def use_private_stream(device: Any) -> None:
         import torch
 
         torch.cuda.set_stream(torch.cuda.Stream(device=device))
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Run the block with ``stream`` (the one TensorRT-LLM passes a hook: its forward pass's) as this
+    thread's current CUDA stream, so what a backend orders after the caller's stream is ordered after
+    that pass; no-op without a CUDA stream (CPU, the stand-in's ``None``)."""
+    if stream is None or not hasattr(stream, "record_event"):
+        yield
+        return
+    import torch
+
+    with torch.cuda.stream(stream):
+        yield
 
 
 def order_after(event: Any) -> None:

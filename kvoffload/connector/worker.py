@@ -18,6 +18,7 @@ from kvoffload.connector.runtime import (
     count_skip,
     kv_rank,
     make_backend,
+    on_stream,
     order_after,
     use_private_stream,
 )
@@ -99,13 +100,14 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, planning.ConnectorMetadata):
             return
-        if meta.fresh_blocks:
-            if self._save_thread is not None:
-                self._fence_saves(meta.fresh_blocks)
-            self._fence_async_loads(meta.fresh_blocks)
-        if meta.loads:
-            for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
-                self._loaded(op, result)
+        with on_stream(stream):  # copies follow the engine's earlier work; its next pass follows them
+            if meta.fresh_blocks:
+                if self._save_thread is not None:
+                    self._fence_saves(meta.fresh_blocks)
+                self._fence_async_loads(meta.fresh_blocks)
+            if meta.loads:
+                for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
+                    self._loaded(op, result)
         if meta.async_loads:
             self._queue_async_loads(meta.async_loads)
 
@@ -223,9 +225,10 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                     self._save_queue.append((op, event))
                 self._save_cv.notify_all()
             return
-        for op in meta.saves:
-            self._session_of[op.request_id] = op.session_id  # reported once its COMMITs are answered
-            self._store(op)
+        with on_stream(stream):  # the copies wait for the forward pass that writes the KV, on its stream
+            for op in meta.saves:
+                self._session_of[op.request_id] = op.session_id  # reported once its COMMITs are answered
+                self._store(op)
 
     def _store(self, op: planning.TransferOp) -> None:
         t0 = time.perf_counter()
