@@ -12,8 +12,9 @@ private stream, the backend's transfer stream) only runs here, on the lent GPU m
 4. the scheduler's ``get_num_new_matched_tokens`` for the same prompt (which secures the load: the
    server hands out and locks its chunks in the shared L1 segment), then ``start_load_kv(stream)``
    into other (scattered) blocks, which the engine's stream clears (NaN) after more busy work: the
-   copies must follow that on the device; checked bit-exact against the source blocks;
-   ``get_finished`` then releases the chunks.
+   copies must follow that on the device (with ``--async-load`` the request is parked and the
+   loader thread issues them; ``get_finished`` reports the load); checked bit-exact against the
+   source blocks; ``get_finished`` then releases the chunks.
 
 With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
 between the last round's lookup and its load: the secured load must still arrive bit-exact.
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     parser.add_argument("--kill-before-last-load", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="KVOFFLOAD_ASYNC_SAVE=false: wait_for_save copies")
+    parser.add_argument("--async-load", action="store_true", help="loads answered (n, True): the loader thread copies")
     args = parser.parse_args(argv)
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
@@ -110,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     nblocks = args.tokens // gt.TOKENS_PER_BLOCK
-    env = {  # the synchronous load path; saves as asked
+    env = {  # loads and saves as asked
         contract.ENV_ASYNC_SAVE: "false" if args.sync_save else "true",
-        contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0",
+        contract.ENV_ASYNC_LOAD_MIN_TOKENS: "1" if args.async_load else "0",
     }
     with connector_hooks(args.l1, nblocks, dev, env) as (sidecar, scheduler, worker, pool):
         engine = torch.cuda.Stream() if dev == "cuda" else None
@@ -156,23 +158,29 @@ def main(argv: list[str] | None = None) -> int:
             killed = args.kill_before_last_load and rnd == args.rounds - 1
             if killed:
                 _kill_tree(sidecar.pid)
-            worker.bind_connector_meta(ConnectorMetadata(loads=(load,)))
+            worker.bind_connector_meta(ConnectorMetadata(**{"async_loads" if is_async else "loads": (load,)}))
             t1 = time.perf_counter()
             worker.start_load_kv(engine)  # its copies must follow the clearing on that stream
-            load_ms = (time.perf_counter() - t1) * 1e3
             worker._clear_connector_meta()
+            if is_async:  # parked: get_finished reports it once its KV is in the pool
+                started, loaded = [rid + 1000], []
+                while rid + 1000 not in loaded and time.monotonic() < deadline + 60:
+                    loaded = worker.get_finished([], started)[1]
+                    started = []
+                    time.sleep(0.001)
+            load_ms = (time.perf_counter() - t1) * 1e3
             worker.get_finished([], [])  # rank 0 releases the loaded chunks after the iteration
             scheduler.request_finished(request, [])
             sync()
             exact = matched == args.tokens and bool(
                 torch.equal(pool[dst_idx].view(torch.int16), fresh.view(torch.int16))
             )
-            failures += 0 if exact and rid in done and not is_async else 1
+            failures += 0 if exact and rid in done and is_async == args.async_load else 1
             print(json.dumps({
                 "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
-                "lookup_ms": round(lookup_ms, 2), "start_load_kv_incl_engine_work_ms": round(load_ms, 2), "bit_exact": exact,
-                "server_killed_before_load": killed, "async_save": not args.sync_save,
+                "lookup_ms": round(lookup_ms, 2), "load_done_incl_engine_work_ms": round(load_ms, 2), "bit_exact": exact,
+                "server_killed_before_load": killed, "async_save": not args.sync_save, "async_load": is_async,
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0

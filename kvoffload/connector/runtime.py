@@ -37,6 +37,7 @@ __all__ = [
     "make_backend",
     "on_stream",
     "prompt_tokens",
+    "stream_event",
     "use_private_stream",
 ]
 
@@ -103,6 +104,11 @@ def on_stream(stream: Any) -> Iterator[None]:
 
     with torch.cuda.stream(stream):
         yield
+
+
+def stream_event(stream: Any) -> Any:
+    """A CUDA event recorded now on ``stream`` (the engine's work queued so far), or None without one."""
+    return stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
 
 
 def order_after(event: Any) -> None:

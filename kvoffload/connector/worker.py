@@ -20,6 +20,7 @@ from kvoffload.connector.runtime import (
     make_backend,
     on_stream,
     order_after,
+    stream_event,
     use_private_stream,
 )
 from kvoffload.connector.settings import parse_settings
@@ -53,7 +54,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._loading_started: set[int] = set()  # parked requests TensorRT-LLM told us about (get_finished)
         self._loaded_async: set[int] = set()  # parked requests whose KV is in the pool, not yet reported
         # Async loads: one loader thread issues their copies, off the engine's thread.
-        self._load_queue: deque[planning.TransferOp] = deque()
+        self._load_queue: deque[tuple[planning.TransferOp, Any]] = deque()
+        """Parked requests' loads, each with an event on the engine's stream its copies wait for."""
         self._load_cv = threading.Condition()
         self._issuing: planning.TransferOp | None = None  # the op the loader is issuing copies for
         self._load_failures: list[tuple[planning.TransferOp, BackendError]] = []
@@ -109,27 +111,32 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                 for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
                     self._loaded(op, result)
         if meta.async_loads:
-            self._queue_async_loads(meta.async_loads)
+            self._queue_async_loads(meta.async_loads, stream_event(stream))
 
-    def _queue_async_loads(self, ops: tuple[planning.TransferOp, ...]) -> None:
-        """Hand parked requests' loads to the loader thread, which issues their copies."""
+    def _queue_async_loads(self, ops: tuple[planning.TransferOp, ...], event: Any) -> None:
+        """Hand parked requests' loads to the loader thread, which issues their copies after ``event``
+        on the device: a fresh block may still be written by a forward pass the engine queued before
+        it freed the block (the overlap scheduler's extra step)."""
         if self._load_thread is None:
             self._load_thread = threading.Thread(target=self._load_loop, name="kvoffload-load", daemon=True)
             self._load_thread.start()
         with self._load_cv:
             for op in ops:
                 self._backend.expect_async_load()
-                self._load_queue.append(op)
+                self._load_queue.append((op, event))
             self._load_cv.notify_all()
 
     def _load_loop(self) -> None:
-        use_private_stream(self._kv_device)  # ordered after nothing of the engine's: the blocks are fresh
+        use_private_stream(self._kv_device)  # ordered after the engine's stream only by each load's event
         while True:
             with self._load_cv:
                 while not self._load_queue:
                     self._load_cv.wait()
-                op = self._issuing = self._load_queue.popleft()
+                op, event = self._load_queue.popleft()
+                self._issuing = op
             try:
+                if event is not None:
+                    order_after(event)
                 error = self._backend.start_async_load(op)
             except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
                 logger.exception("event=load_error request=%d", op.request_id)
@@ -148,10 +155,10 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         copies on the device.
         """
         with self._load_cv:
-            keep: deque[planning.TransferOp] = deque()
-            for op in self._load_queue:
+            keep: deque[tuple[planning.TransferOp, Any]] = deque()
+            for op, event in self._load_queue:
                 if fresh.isdisjoint(op.block_ids):
-                    keep.append(op)
+                    keep.append((op, event))
                     continue
                 self._backend.drop_async_load(op)
                 self._metrics.error("retrieve", "blocks_reused")
@@ -217,7 +224,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         if self._save_thread is not None:
             # The saver must not copy before the forward pass wrote the KV: its copies wait on this
             # event on the device, while its PREPAREs already go to the server.
-            event = stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
+            event = stream_event(stream)
             with self._save_cv:
                 for op in meta.saves:
                     self._saving[op.request_id] = self._saving.get(op.request_id, 0) + 1
