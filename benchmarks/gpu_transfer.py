@@ -29,7 +29,6 @@ import logging
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import scattered_block_ids
+from hack.ports import free_port
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 32, 8, 128, 32
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # bf16
@@ -70,12 +70,6 @@ def _cuda_ops_loads() -> str:
     except Exception as exc:  # an ImportError, or an undefined symbol against this torch
         return f"no: {exc!r}"[:300]
     return "yes"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _median_gbps(nbytes: int, seconds: list[float]) -> tuple[float, float]:
@@ -129,7 +123,7 @@ class TransferTimings(logging.Handler):
 
 
 def start_sidecar(l1: str, workdir: Path, chunk_size: int = 256) -> tuple[subprocess.Popen[bytes], str, int]:
-    port, http_port, health_port = _free_port(), _free_port(), _free_port()
+    port, http_port, health_port = free_port(), free_port(), free_port()
     env = dict(os.environ)
     env.update(
         {

@@ -249,7 +249,8 @@ def _operator_args(injection: str, resync_s: int, webhook_port: int) -> list[str
 def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template") -> Iterator[tuple[Any, Any, Api]]:
     """A local control plane, the CRD, the operator's ServiceAccount with the chart's rules, the operator."""
 
-    from hack.localcluster import LocalCluster, free_port
+    from hack.localcluster import LocalCluster
+    from hack.ports import free_port
     from tests.support.operator_fixtures import bind_rules
     from tests.support.operator_support import (
         CRD_FILE,

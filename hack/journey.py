@@ -28,8 +28,9 @@ from typing import Any
 import yaml
 
 from hack import trtllm_image
-from hack.localcluster import LocalCluster, free_port
+from hack.localcluster import LocalCluster
 from hack.localpod import LocalPod, http_get
+from hack.ports import free_port
 from kvoffload import contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

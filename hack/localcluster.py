@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hack.pki import kubeconfig_yaml, make_pki
+from hack.ports import free_port
 
 CACHE_DIR = Path(
     os.environ.get("KVOFFLOAD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvoffload"
@@ -38,13 +38,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 class ControlPlaneError(RuntimeError):
     """The control plane could not be started; the message says which part and why."""
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def missing_binaries(bin_dir: Path = BIN_DIR) -> list[str]:

@@ -24,7 +24,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from hack.localcluster import LocalCluster, free_port
+from hack.localcluster import LocalCluster
+from hack.ports import free_port
 from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.settings import OperatorDefaults

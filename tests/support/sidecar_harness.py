@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localpod import http_get
+from hack.ports import free_port
 from kvoffload import contract
 
 READY_TIMEOUT_S = 180.0
 """Bound on start-up: LMCache imports torch and pins L1 on a shared 2-core machine."""
 CLIENT = Path(__file__).with_name("lmcache_client.py")
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:

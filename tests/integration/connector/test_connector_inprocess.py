@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hack.localcluster import free_port
+from hack.ports import free_port
 from kvoffload import contract
 from kvoffload.connector.metrics import flush_all
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from hack.localcluster import LocalCluster, free_port
+from hack.localcluster import LocalCluster
+from hack.ports import free_port
 from hack.workloads import get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from tests.support.operator_fixtures import operator_instead

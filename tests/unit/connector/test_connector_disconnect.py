@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import zmq
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
+from hack.ports import free_port
 from kvoffload.connector.backends.lmcache_mp import ServerDisconnected, fail_requests_on_disconnect
 
 pytestmark = pytest.mark.connector
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "lmcache-as-is"])
 def test_a_request_waiting_on_a_server_that_goes_away_fails_at_the_disconnect(hooked: bool) -> None:
     """A server that accepted the connection and never answers (as a killed one) goes away: with
     the hook the waiting PING fails at the disconnect; without it, it waits out its timeout."""
-    port = _free_port()
+    port = free_port()
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
     server.bind(f"tcp://127.0.0.1:{port}")

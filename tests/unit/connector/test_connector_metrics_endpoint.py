@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hack.localcluster import free_port
+from hack.ports import free_port
 from kvoffload import contract
 from kvoffload.connector.metrics_endpoint import MetricsEndpoint, render_connector_metrics
 from kvoffload.connector.settings import SettingsError, parse_settings
