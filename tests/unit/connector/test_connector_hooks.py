@@ -211,3 +211,44 @@ def test_an_async_save_is_reported_done_only_once_its_commits_are_answered(
     assert worker.get_finished([1], []) == ([], [])
     fake.publishing.clear()
     assert worker.get_finished([], []) == ([1], [])
+
+
+class _EngineStream:
+    """A stand-in CUDA stream: ``record_event`` returns a marker naming the stream's work so far."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def record_event(self) -> str:
+        self.recorded += 1
+        return f"engine-work-{self.recorded}"
+
+
+@pytest.mark.parametrize("path", ["async_load", "async_save"])
+def test_off_thread_copies_wait_on_the_device_for_the_stream_passed_to_the_hook(
+    path: str, fake: FakeBackend, trtllm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader and saver threads copy on streams of their own: each copy must first wait for an
+    event recorded on the stream TensorRT-LLM passed to ``start_load_kv``/``wait_for_save`` (a fresh
+    block may still be written by a forward pass queued before it was freed)."""
+    worker_module = importlib.import_module("kvoffload.connector.worker")
+    steps: list[str] = []
+    monkeypatch.setattr(worker_module, "order_after", lambda event: steps.append(f"after {event}"))
+    monkeypatch.setattr(fake, "expect_async_load", lambda: None, raising=False)
+    monkeypatch.setattr(fake, "start_async_load", lambda op: steps.append("load copies"), raising=False)
+    monkeypatch.setattr(fake, "store", lambda op: steps.append("save copies") or 1)
+    monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "true")
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    stream = _EngineStream()
+    if path == "async_load":
+        worker.bind_connector_meta(planning.ConnectorMetadata(async_loads=(op,)))
+        worker.start_load_kv(stream)
+    else:
+        worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+        worker.wait_for_save(stream)
+    deadline = time.monotonic() + 10
+    while len(steps) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    copies = "load copies" if path == "async_load" else "save copies"
+    assert steps == ["after engine-work-1", copies]
