@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +111,17 @@ class LMCacheServer:
                 return int(resp.status) == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP the server for the block: alive (its socket accepts) but answering nothing, as
+        one stalled by a long collection or a swapped-out page; SIGCONT after."""
+        assert self._proc is not None and self._proc.poll() is None, "the server is not running"
+        os.killpg(self._proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self._proc.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the server (a crash, not a graceful stop)."""

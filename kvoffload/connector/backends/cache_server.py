@@ -88,7 +88,7 @@ class CacheServerBackend(LMCacheMPClient):
                 timeout=max(0.0, deadline - time.monotonic()) + 0.05
             )
         except Exception as exc:
-            raise self._fail("lookup", failure_reason(exc), repr(exc)) from exc
+            raise self._request_failed("lookup", exc) from exc
         return int(chunks or 0) * self.chunk_size
 
     def free_lookup_locks(
@@ -173,7 +173,7 @@ class CacheServerBackend(LMCacheMPClient):
         except _Unsecured:
             self._metrics.error("retrieve", "miss")
         except Exception as exc:
-            self._fail("retrieve", failure_reason(exc), repr(exc))
+            self._request_failed("retrieve", exc)
         finally:
             self._lock.release()
         for key in asked:  # whatever was handed out goes back

@@ -204,6 +204,25 @@ class LMCacheMPClient:
         self._needs_reset = True
         return BackendError(operation, reason, detail)
 
+    def _slow(self, operation: str, detail: str) -> BackendError:
+        """A request on the engine's path outlived its deadline: that request fails (counted), the
+        backend stays up. Slow is not dead: a dropped connection marks it down at once, and the
+        heartbeat, woken now, marks it down if the server does not answer a PING either."""
+        self._metrics.error(operation, "timeout")
+        self._wake_heartbeat.set()
+        logger.debug(
+            "event=request_timeout backend=sidecar role=%s operation=%s detail=%s", self._role, operation, detail
+        )
+        return BackendError(operation, "timeout", detail)
+
+    def _request_failed(self, operation: str, exc: BaseException) -> BackendError:
+        """A lookup or secure that raised: a timeout fails this request only (``_slow``); a dropped
+        connection or a server error marks the backend down."""
+        reason = failure_reason(exc)
+        if reason == "timeout":
+            return self._slow(operation, repr(exc))
+        return self._fail(operation, reason, repr(exc))
+
     def _initial_chunk_size(self) -> int:
         wait_s = 2.0 if self._settings.chunk_size else _STARTUP_WAIT_S
         try:
@@ -325,7 +344,7 @@ class LMCacheMPClient:
         if not self._up.is_set():
             raise BackendError(operation, "unavailable")
         if not self._lock.acquire(timeout=timeout_s):
-            raise self._fail(operation, "timeout", "transfer context busy")
+            raise self._slow(operation, "transfer context busy")  # another transfer holds it: not the server's fault
         transfer = self._transfer
         if transfer is None:
             self._lock.release()
