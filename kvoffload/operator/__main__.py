@@ -149,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{PROG}: --default-eviction-policy or --gpu-access has a value that is not allowed")
     if args.events not in c.EVENT_LEVELS:
         raise SystemExit(f"{PROG}: --events {args.events!r}: allowed " + ", ".join(c.EVENT_LEVELS))
+    _check_listener_ports(args)
     kubeconfig = args.kubeconfig or None
     if kubeconfig:
         os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
@@ -227,6 +228,19 @@ def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool) -> int
     if not left and admission and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
         print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
     return 1 if left else 0
+
+
+def _check_listener_ports(args: argparse.Namespace) -> None:
+    """Each of the operator's listeners on a port of its own: the second on a shared port would
+    stop the operator with 'Address already in use' after it started."""
+    ports = {"--metrics-port": int(args.metrics_port), "--health-port": int(args.health_port)}
+    if args.injection == "admission":
+        ports["--webhook-port"] = int(args.webhook_port)
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in seen:
+            raise SystemExit(f"{PROG}: {seen[port]} and {flag} are both {port}: each needs a port of its own")
+        seen[port] = flag
 
 
 def _injection_mode(args: argparse.Namespace) -> str:

@@ -74,6 +74,8 @@ def test_helm_lint_is_clean_in_strict_mode() -> None:
         ("unknownTopLevel=1", "unknownTopLevel"),
         ("nodeMode.enabled=yes", "/nodeMode/enabled"),
         ("defaults.mode=node", "nodeMode.enabled is false"),
+        ("operator.healthPort=8080", "must differ: [8080 8080 8443]"),
+        ("injection.webhookPort=8081", "must differ: [8080 8081 8081]"),
     ],
 )
 def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:

@@ -181,3 +181,21 @@ def test_an_events_level_other_than_warnings_or_all_stops_the_operator_with_one_
     with pytest.raises(SystemExit) as stopped:
         main(["--events", "normal", "--kubeconfig", "/nonexistent/kubeconfig"])
     assert str(stopped.value) == "kvoffload-operator: --events 'normal': allowed warnings, all"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--metrics-port", "9000", "--health-port", "9000"], "--metrics-port and --health-port are both 9000"),
+        (["--injection", "admission", "--webhook-port", "8081", "--health-port", "8081"],
+         "--health-port and --webhook-port are both 8081"),
+    ],
+)  # fmt: skip
+def test_two_listeners_on_one_port_stop_the_operator_with_one_line_before_any_request(
+    flags: list[str], message: str
+) -> None:
+    from kvoffload.operator.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([*flags, "--kubeconfig", "/nonexistent/kubeconfig"])
+    assert str(stopped.value) == f"kvoffload-operator: {message}: each needs a port of its own"
