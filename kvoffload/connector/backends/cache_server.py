@@ -88,7 +88,7 @@ class CacheServerBackend(LMCacheMPClient):
                 timeout=max(0.0, deadline - time.monotonic()) + 0.05
             )
         except Exception as exc:
-            raise self._request_failed("lookup", exc) from exc
+            raise self._request_failed("lookup", exc, client) from exc
         return int(chunks or 0) * self.chunk_size
 
     def free_lookup_locks(
@@ -173,7 +173,7 @@ class CacheServerBackend(LMCacheMPClient):
         except _Unsecured:
             self._metrics.error("retrieve", "miss")
         except Exception as exc:
-            self._request_failed("retrieve", exc)
+            self._request_failed("retrieve", exc, transfer.engine_driven_context.req_client)
         finally:
             self._lock.release()
         for key in asked:  # whatever was handed out goes back
@@ -331,7 +331,9 @@ class CacheServerBackend(LMCacheMPClient):
                 return fast(transfer.engine_driven_context, key, op)
             return bool(submit(transfer, key).result(timeout=timeout_s))
         except Exception as exc:
-            raise self._fail(operation, failure_reason(exc), repr(exc)) from exc
+            raise self._fail(
+                operation, failure_reason(exc), repr(exc), transfer.engine_driven_context.req_client
+            ) from exc
         finally:
             self._lock.release()
 

@@ -55,6 +55,9 @@ _MIN_PING_TIMEOUT_S = 2.0
 _RECONNECT_S = 0.25
 """While the server is down the heartbeat tries this often, each time on a fresh socket, so a
 restarted server is found within about this long of its start (not a heartbeat interval or two)."""
+_PINGS_MISSED_FOR_DOWN = 2
+"""PINGs in a row a live connection may leave unanswered before the backend is down: one missed
+PING is a busy server (the next goes ``_RECONNECT_S`` later); a dropped connection is down at once."""
 _RECONNECT_PING_TIMEOUT_S = 1.0
 """A PING to a server believed down: a restarted one answers a fresh socket in milliseconds."""
 _RETIRED_GRACE_S = 10.0
@@ -143,6 +146,11 @@ class LMCacheMPClient:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._up = threading.Event()  # these before the client: its disconnect callback reads them
+        self._pings_missed = 0  # in a row, while up (heartbeat thread)
+        self._client_lock = threading.Lock()
+        """Held while the client is replaced and while a failure marks it down: a failure on a
+        connection already replaced must not take the new one down (a late error from a dead
+        server would reconnect to the new one again, dropping what was prepared there)."""
         self._wake_heartbeat = threading.Event()
         """Set when the backend goes down (or closes): reconnecting starts at once, not at the next tick."""
         self._client: Any = self._new_client()
@@ -187,21 +195,27 @@ class LMCacheMPClient:
         self._up.set()
         self._metrics.backend_up.set(1)
 
-    def _fail(self, operation: str, reason: str, detail: str = "") -> BackendError:
-        """Record a failure, mark the backend down and return the error to raise."""
+    def _fail(self, operation: str, reason: str, detail: str = "", client: Any = None) -> BackendError:
+        """Record a failure, mark the backend down (unless it happened on ``client``, a connection
+        already replaced) and return the error to raise."""
         self._metrics.error(operation, reason)
-        if self._up.is_set():
-            self._wake_heartbeat.set()
-            logger.warning(
-                "event=backend_down backend=sidecar role=%s operation=%s reason=%s detail=%s",
-                self._role,
-                operation,
-                reason,
-                detail,
-            )
-        self._up.clear()
-        self._metrics.backend_up.set(0)
-        self._needs_reset = True
+        with self._client_lock:
+            if client is not None and client is not self._client:
+                logger.debug("event=failure_on_replaced_connection operation=%s reason=%s", operation, reason)
+                return BackendError(operation, reason, detail)
+            if self._up.is_set():
+                self._wake_heartbeat.set()
+                logger.warning(
+                    "event=backend_down backend=sidecar role=%s operation=%s reason=%s detail=%s",
+                    self._role,
+                    operation,
+                    reason,
+                    detail,
+                )
+            self._up.clear()
+            self._pings_missed = 0
+            self._metrics.backend_up.set(0)
+            self._needs_reset = True
         return BackendError(operation, reason, detail)
 
     def _slow(self, operation: str, detail: str) -> BackendError:
@@ -215,13 +229,13 @@ class LMCacheMPClient:
         )
         return BackendError(operation, "timeout", detail)
 
-    def _request_failed(self, operation: str, exc: BaseException) -> BackendError:
-        """A lookup or secure that raised: a timeout fails this request only (``_slow``); a dropped
-        connection or a server error marks the backend down."""
+    def _request_failed(self, operation: str, exc: BaseException, client: Any) -> BackendError:
+        """A lookup or secure on ``client`` that raised: a timeout fails this request only
+        (``_slow``); a dropped connection or a server error marks the backend down."""
         reason = failure_reason(exc)
         if reason == "timeout":
             return self._slow(operation, repr(exc))
-        return self._fail(operation, reason, repr(exc))
+        return self._fail(operation, reason, repr(exc), client)
 
     def _initial_chunk_size(self) -> int:
         wait_s = 2.0 if self._settings.chunk_size else _STARTUP_WAIT_S
@@ -400,12 +414,11 @@ class LMCacheMPClient:
     def _commit_now(self, item: DeferredCommit) -> None:
         """Send one COMMIT and wait for its answer, without holding the transfer lock meanwhile (the
         MQ client takes requests from any thread): lookups, secures and copies go on during it."""
-        with self._lock:
-            current = item.transfer is not None and item.transfer is self._transfer
-        if not current:
+        transfer = self._commit_target(item)
+        if transfer is None:
             self._commit_dropped(item)
             return
-        edc = item.transfer.engine_driven_context
+        edc = transfer.engine_driven_context
         start = time.perf_counter()
         try:
             ok = True
@@ -415,7 +428,7 @@ class LMCacheMPClient:
                 edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
         except Exception as exc:
             with self._lock:
-                replaced = item.transfer is not self._transfer
+                replaced = transfer is not self._transfer
             if replaced:  # the connection was reset under it: that server is gone
                 self._commit_dropped(item)
             else:
@@ -427,6 +440,22 @@ class LMCacheMPClient:
         logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
                      (time.perf_counter() - start) * 1e3)  # fmt: skip
 
+    def _commit_target(self, item: DeferredCommit) -> Any:
+        """The transfer context to send ``item``'s COMMIT through: the one that prepared it while it
+        is current; the current one where the context was replaced on the same server segment (a
+        re-registration with the server that prepared it: without the COMMIT it would keep the
+        reservation, and refuse to store those chunks again, for good); None once that server is gone.
+        COMMITs name the instance and the key, not the connection."""
+        with self._lock:
+            current, segment = self._transfer, self._shm_identity
+        if item.transfer is None or current is None:
+            return None
+        if item.transfer is current:
+            return current
+        with self._retired_lock:
+            prepared_on = next((ident for t, ident, _ in self._retired if t is item.transfer), None)
+        return current if prepared_on is not None and prepared_on == segment else None
+
     def _commit_dropped(self, item: DeferredCommit) -> None:
         """Reconnected meanwhile: that server (and its reservation) is gone; a store is lost."""
         if item.operation == "store":
@@ -436,7 +465,8 @@ class LMCacheMPClient:
     # --- heartbeat ----------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         while True:
-            self._wake_heartbeat.wait(self._heartbeat_s if self._up.is_set() else min(self._heartbeat_s, _RECONNECT_S))
+            steady = self._up.is_set() and not self._pings_missed
+            self._wake_heartbeat.wait(self._heartbeat_s if steady else min(self._heartbeat_s, _RECONNECT_S))
             self._wake_heartbeat.clear()
             if self._stop.is_set():
                 return
@@ -447,17 +477,26 @@ class LMCacheMPClient:
                 logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
 
     def heartbeat_once(self) -> None:
-        """PING; on failure reconnect, on success (re)register the pool when needed."""
+        """PING; on success (re)register the pool when needed. A live connection's first missed PING
+        only brings the next one forward (a busy server); the second in a row, or any other failure,
+        marks the backend down, and the next call reconnects."""
         if self._needs_reset:
             self._reset_client()
         timeout_s = self._ping_timeout_s if self._up.is_set() else min(self._ping_timeout_s, _RECONNECT_PING_TIMEOUT_S)
         try:
             self._client.ping(self._instance_id).result(timeout=timeout_s)
         except Exception as exc:
+            reason = failure_reason(exc)
             if self._up.is_set():
-                self._fail("heartbeat", failure_reason(exc), repr(exc))
+                self._pings_missed += 1
+                if reason == "timeout" and self._pings_missed < _PINGS_MISSED_FOR_DOWN:
+                    self._metrics.error("heartbeat", reason)
+                    logger.info("event=ping_missed backend=sidecar role=%s missed=%d", self._role, self._pings_missed)
+                    return
+                self._fail("heartbeat", reason, repr(exc))
             self._needs_reset = True
             return
+        self._pings_missed = 0
         if self._pool is not None and (self._needs_register or self._shm_replaced()):
             try:
                 self._register_now()
@@ -476,14 +515,15 @@ class LMCacheMPClient:
         """The server's connection dropped: down at once, so the next request fails fast instead of
         waiting out its timeout on a dead server, and reconnecting starts now."""
         if client is self._client and self._up.is_set() and not self._stop.is_set():  # not our own close
-            self._fail("heartbeat", "unavailable", "the LMCache server's connection dropped")
+            self._fail("heartbeat", "unavailable", "the LMCache server's connection dropped", client)
 
     def _reset_client(self) -> None:
         """New socket; the old one's queued requests are dropped (LINGER 0)."""
         with self._lock:
-            old = self._client
-            self._client = self._new_client()
-            self._needs_reset = False
+            old, new = self._client, self._new_client()
+            with self._client_lock:
+                self._client = new
+                self._needs_reset = False
             if self._pool is not None:
                 self._needs_register = True
             transfer, self._transfer = self._transfer, None

@@ -88,8 +88,8 @@ def test_a_transfer_that_waits_out_its_deadline_behind_another_leaves_the_backen
 def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_once_it_answers(
     lmcache_server: LMCacheServer,
 ) -> None:
-    """A lookup's timeout wakes the heartbeat at once: a server that misses the PING too is down
-    (lookups answer at once instead of each waiting out its deadline) until it answers again."""
+    """A lookup's timeout wakes the heartbeat at once: a server that misses two PINGs in a row is
+    down (lookups answer at once instead of each waiting out its deadline) until it answers again."""
     env = {**ENV, "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "300", "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "1000"}
     scheduler = direct_backend(lmcache_server, "hung-server", "scheduler", env)
     prompt = tuple(make_prompt(53, CHUNK))
@@ -98,7 +98,7 @@ def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_onc
             with pytest.raises(BackendError):
                 scheduler.lookup("hung", prompt, CHUNK, "t")
             deadline = time.monotonic() + 30
-            while scheduler.is_up() and time.monotonic() < deadline:  # the woken PING waits 2 s
+            while scheduler.is_up() and time.monotonic() < deadline:  # two PINGs of 2 s each
                 time.sleep(0.05)
             assert not scheduler.is_up(), "a server answering no PING stayed up"
             with pytest.raises(BackendError) as down:
@@ -108,5 +108,30 @@ def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_onc
         while not scheduler.is_up() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert scheduler.is_up(), "the server answered again but the backend stayed down"
+    finally:
+        scheduler.close()
+
+
+def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(lmcache_server: LMCacheServer) -> None:
+    """A server too busy to answer one PING in time is not declared dead (that would drop the
+    connection and register the pool again); one that misses the next PING too is."""
+    scheduler = direct_backend(lmcache_server, "missed-ping", "scheduler", ENV)
+    scheduler._stop.set()  # this test PINGs by hand: the heartbeat thread stands aside
+    scheduler._wake_heartbeat.set()
+    scheduler._heartbeat.join(10)
+    scheduler._ping_timeout_s = 0.5
+    client = scheduler._client
+    try:
+        with lmcache_server.paused():
+            scheduler.heartbeat_once()
+            assert scheduler.is_up(), "one missed PING took the backend down"
+        scheduler.heartbeat_once()  # answered: the count starts again
+        with lmcache_server.paused():
+            scheduler.heartbeat_once()
+            assert scheduler.is_up() and scheduler._client is client
+            scheduler.heartbeat_once()
+            assert not scheduler.is_up(), "two missed PINGs in a row left the backend up"
+        scheduler.heartbeat_once()  # a fresh socket; the server answers again
+        assert scheduler.is_up() and scheduler._client is not client
     finally:
         scheduler.close()

@@ -1,0 +1,82 @@
+"""A reconnect to the LMCache server that is still there loses nothing it prepared: a store's
+COMMITs still go out, and a late failure from the replaced connection does not reconnect again.
+
+Found in the warm-standby kill test under load (1 run in 5): a secure that failed on the dead
+server's connection marked the backend down after the heartbeat had already reconnected, so it
+reconnected a second time to the new server; the COMMITs of a store prepared in between were
+dropped, the server kept their reservations for good, and that prompt never stored again.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.planning import TransferOp
+from tests.support.direct_backend import direct_backend, pool_for
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
+
+pytestmark = pytest.mark.connector
+
+ENV = {
+    "KVOFFLOAD_STORE_TIMEOUT_MS": "10000",
+    "KVOFFLOAD_RETRIEVE_TIMEOUT_MS": "10000",
+    "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "10000",
+    "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "600000",
+}
+
+
+def test_a_store_prepared_before_a_reconnect_to_the_same_server_is_still_committed(
+    lmcache_server: LMCacheServer,
+) -> None:
+    tokens = 2 * CHUNK
+    blocks = tokens // BLOCK
+    worker = direct_backend(lmcache_server, "same-server", "worker", ENV, pool_for(blocks + 1))
+    scheduler = direct_backend(lmcache_server, "same-server", "scheduler", ENV)
+    held, release = threading.Event(), threading.Event()
+    send = worker._commit_now
+
+    def hold_store_commits(item: DeferredCommit) -> None:
+        if item.operation == "store":
+            held.set()
+            release.wait(30)
+        send(item)
+
+    worker._commit_now = hold_store_commits  # type: ignore[method-assign]
+    prompt = tuple(make_prompt(61, tokens))
+    try:
+        worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+        assert held.wait(10)
+        segment = worker._shm_identity
+        worker._fail("heartbeat", "unavailable", "a reconnect with the server still there")
+        worker.heartbeat_once()  # a fresh socket, the pool registered again: the same server, the same segment
+        assert worker.is_up() and worker._shm_identity == segment
+        release.set()
+        assert PENDING_COMMITS.wait_idle(10)
+        assert scheduler.lookup("found", prompt, tokens, "t") == tokens, "the store's COMMITs were dropped"
+    finally:
+        release.set()
+        scheduler.end_session("found")
+        scheduler.close()
+        worker.close()
+
+
+def test_a_late_failure_on_the_replaced_connection_does_not_take_the_new_one_down(
+    lmcache_server: LMCacheServer,
+) -> None:
+    worker = direct_backend(lmcache_server, "late-failure", "worker", ENV, pool_for(CHUNK // BLOCK + 1))
+    try:
+        dead = worker._client
+        worker._fail("heartbeat", "unavailable", "the connection dropped", dead)
+        worker.heartbeat_once()
+        transfer = worker._transfer
+        assert worker.is_up() and worker._client is not dead
+        worker._fail("retrieve", "unavailable", "a request on the dropped connection fails late", dead)
+        assert worker.is_up() and not worker._needs_reset
+        worker.heartbeat_once()
+        assert worker._transfer is transfer, "reconnected and registered again for a stale failure"
+    finally:
+        worker.close()
