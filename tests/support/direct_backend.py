@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvoffload.connector.backends.base import KvGeometry
 from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.commits import DeferredCommit
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import parse_settings
 from tests.support.lmcache_server import LMCacheServer
@@ -30,3 +33,36 @@ def direct_backend(
     if pool is not None:
         backend.register(pool, KvGeometry(HEADS, BLOCK, HEAD_DIM))
     return backend
+
+
+def backend_pair(
+    server: LMCacheServer, model: str, env: dict[str, str], blocks: int
+) -> tuple[CacheServerBackend, CacheServerBackend]:
+    """A worker (its pool registered, room for ``blocks`` blocks) and a scheduler of ``model`` on ``server``."""
+    return (direct_backend(server, model, "worker", env, pool_for(blocks + 1)),
+            direct_backend(server, model, "scheduler", env))  # fmt: skip
+
+
+def hold_store_commits(worker: CacheServerBackend, timeout_s: float) -> tuple[threading.Event, threading.Event]:
+    """Hold ``worker``'s store COMMITs at its committer until ``release`` is set (at most ``timeout_s``
+    each); ``held`` is set when the first one arrives. Returns ``(held, release)``."""
+    held, release = threading.Event(), threading.Event()
+    send = worker._commit_now
+
+    def hold(item: DeferredCommit) -> None:
+        if item.operation == "store":
+            held.set()
+            release.wait(timeout_s)
+        send(item)
+
+    worker._commit_now = hold  # type: ignore[method-assign]
+    return held, release
+
+
+def stop_heartbeat(backend: CacheServerBackend) -> None:
+    """Stop ``backend``'s heartbeat thread, so that the test alone calls ``heartbeat_once`` (a woken
+    thread would reconnect or PING beside it)."""
+    backend._stop.set()
+    backend._wake_heartbeat.set()
+    backend._heartbeat.join(10)
+    assert not backend._heartbeat.is_alive()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.backends.commits import PENDING_COMMITS
 from kvoffload.connector.planning import TransferOp
-from tests.support.direct_backend import direct_backend, pool_for
+from tests.support.direct_backend import backend_pair, hold_store_commits
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -27,18 +27,8 @@ def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
 ) -> None:
     tokens = 2 * CHUNK
     blocks = tokens // BLOCK
-    worker = direct_backend(lmcache_server, "lookup-chain", "worker", ENV, pool_for(2 * blocks + 1))
-    scheduler = direct_backend(lmcache_server, "lookup-chain", "scheduler", ENV)
-    held, release = threading.Event(), threading.Event()
-    send = worker._commit_now
-
-    def hold_store_commits(item: DeferredCommit) -> None:
-        if item.operation == "store":
-            held.set()
-            release.wait(LOOKUP_TIMEOUT_S)
-        send(item)
-
-    worker._commit_now = hold_store_commits  # type: ignore[method-assign]
+    worker, scheduler = backend_pair(lmcache_server, "lookup-chain", ENV, 2 * blocks)
+    held, release = hold_store_commits(worker, LOOKUP_TIMEOUT_S)
     stored, other = tuple(make_prompt(41, tokens)), tuple(make_prompt(42, tokens))
     try:
         assert worker.is_up() and scheduler.is_up()

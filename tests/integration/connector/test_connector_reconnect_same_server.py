@@ -9,13 +9,11 @@ dropped, the server kept their reservations for good, and that prompt never stor
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit
+from kvoffload.connector.backends.commits import PENDING_COMMITS
 from kvoffload.connector.planning import TransferOp
-from tests.support.direct_backend import direct_backend, pool_for
+from tests.support.direct_backend import backend_pair, direct_backend, hold_store_commits, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -34,18 +32,9 @@ def test_a_store_prepared_before_a_reconnect_to_the_same_server_is_still_committ
 ) -> None:
     tokens = 2 * CHUNK
     blocks = tokens // BLOCK
-    worker = direct_backend(lmcache_server, "same-server", "worker", ENV, pool_for(blocks + 1))
-    scheduler = direct_backend(lmcache_server, "same-server", "scheduler", ENV)
-    held, release = threading.Event(), threading.Event()
-    send = worker._commit_now
-
-    def hold_store_commits(item: DeferredCommit) -> None:
-        if item.operation == "store":
-            held.set()
-            release.wait(30)
-        send(item)
-
-    worker._commit_now = hold_store_commits  # type: ignore[method-assign]
+    worker, scheduler = backend_pair(lmcache_server, "same-server", ENV, blocks)
+    held, release = hold_store_commits(worker, 30)
+    stop_heartbeat(worker)  # the test reconnects by hand
     prompt = tuple(make_prompt(61, tokens))
     try:
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
@@ -68,6 +57,7 @@ def test_a_late_failure_on_the_replaced_connection_does_not_take_the_new_one_dow
     lmcache_server: LMCacheServer,
 ) -> None:
     worker = direct_backend(lmcache_server, "late-failure", "worker", ENV, pool_for(CHUNK // BLOCK + 1))
+    stop_heartbeat(worker)  # the test reconnects by hand
     try:
         dead = worker._client
         worker._fail("heartbeat", "unavailable", "the connection dropped", dead)

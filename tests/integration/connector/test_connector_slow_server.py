@@ -12,7 +12,7 @@ from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.backends.commits import PENDING_COMMITS
 from kvoffload.connector.planning import TransferOp
 from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
-from tests.support.direct_backend import direct_backend, pool_for
+from tests.support.direct_backend import backend_pair, direct_backend, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -34,8 +34,7 @@ def test_a_lookup_that_outlives_its_deadline_on_a_stalled_server_misses_once_and
 ) -> None:
     tokens = 2 * CHUNK
     blocks = tokens // BLOCK
-    worker = direct_backend(lmcache_server, "slow-server", "worker", ENV, pool_for(blocks + 1))
-    scheduler = direct_backend(lmcache_server, "slow-server", "scheduler", ENV)
+    worker, scheduler = backend_pair(lmcache_server, "slow-server", ENV, blocks)
     prompt = tuple(make_prompt(51, tokens))
     try:
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
@@ -116,9 +115,7 @@ def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(l
     """A server too busy to answer one PING in time is not declared dead (that would drop the
     connection and register the pool again); one that misses the next PING too is."""
     scheduler = direct_backend(lmcache_server, "missed-ping", "scheduler", ENV)
-    scheduler._stop.set()  # this test PINGs by hand: the heartbeat thread stands aside
-    scheduler._wake_heartbeat.set()
-    scheduler._heartbeat.join(10)
+    stop_heartbeat(scheduler)  # this test PINGs by hand
     scheduler._ping_timeout_s = 0.5
     client = scheduler._client
     try:
