@@ -12,7 +12,6 @@ twice.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import socket
 import threading
@@ -45,7 +44,8 @@ class PortAllocator:
 
     def __init__(self, pool: range, seed: int | None = None) -> None:
         self._pool = pool
-        # A random start per process: processes allocating at once rarely walk the same ports.
+        # A random start per process (seed None: from the OS): processes allocating at once rarely
+        # walk the same ports.
         self._next = random.Random(seed).randrange(len(pool))
         self._handed_out: set[int] = set()
         self._lock = threading.Lock()
@@ -71,7 +71,7 @@ def is_free(port: int) -> bool:
     return True
 
 
-_ALLOCATOR = PortAllocator(port_pool(ephemeral_range()), seed=os.getpid() ^ random.getrandbits(32))
+_ALLOCATOR = PortAllocator(port_pool(ephemeral_range()))
 
 
 def free_port() -> int:

@@ -514,7 +514,7 @@ class LMCacheMPClient:
     def _on_disconnect(self, client: Any) -> None:
         """The server's connection dropped: down at once, so the next request fails fast instead of
         waiting out its timeout on a dead server, and reconnecting starts now."""
-        if client is self._client and self._up.is_set() and not self._stop.is_set():  # not our own close
+        if self._up.is_set() and not self._stop.is_set():  # not our own close; _fail ignores a replaced client
             self._fail("heartbeat", "unavailable", "the LMCache server's connection dropped", client)
 
     def _reset_client(self) -> None:
