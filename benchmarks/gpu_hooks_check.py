@@ -16,6 +16,12 @@ private stream, the backend's transfer stream) only runs here, on the lent GPU m
    loader thread issues them; ``get_finished`` reports the load); checked bit-exact against the
    source blocks; ``get_finished`` then releases the chunks.
 
+With ``--cancel-during-load`` (implies ``--async-load``) the parked request is cancelled while its load
+runs and its retry reuses the blocks on the device: the next ``start_load_kv`` is told those blocks are
+read (``ConnectorMetadata.reused_blocks``), and the retry's "forward" on the engine's stream reads them
+right after it; what it read must be bit-exact (the load landed before it, however far the loader
+thread had got).
+
 With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
 between the last round's lookup and its load: the secured load must still arrive bit-exact.
 A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
@@ -102,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-before-last-load", action="store_true")
     parser.add_argument("--sync-save", action="store_true", help="KVOFFLOAD_ASYNC_SAVE=false: wait_for_save copies")
     parser.add_argument("--async-load", action="store_true", help="loads answered (n, True): the loader thread copies")
+    parser.add_argument(
+        "--cancel-during-load", action="store_true", help="the parked request is cancelled; its retry reads the blocks"
+    )
     args = parser.parse_args(argv)
+    args.async_load = args.async_load or args.cancel_during_load
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -162,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.perf_counter()
             worker.start_load_kv(engine)  # its copies must follow the clearing on that stream
             worker._clear_connector_meta()
+            retry_exact = None
+            if args.cancel_during_load:  # cancelled while parked; the retry device-reuses its blocks
+                worker.bind_connector_meta(ConnectorMetadata(reused_blocks=frozenset(load.block_ids)))
+                worker.start_load_kv(engine)
+                worker._clear_connector_meta()
+                with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
+                    read_by_retry = pool[dst_idx].clone()  # the retry's forward reads the blocks
+                sync()
+                retry_exact = bool(torch.equal(read_by_retry.view(torch.int16), fresh.view(torch.int16)))
             if is_async:  # parked: get_finished reports it once its KV is in the pool
                 started, loaded = [rid + 1000], []
                 while rid + 1000 not in loaded and time.monotonic() < deadline + 60:
@@ -175,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             exact = matched == args.tokens and bool(
                 torch.equal(pool[dst_idx].view(torch.int16), fresh.view(torch.int16))
             )
-            failures += 0 if exact and rid in done and is_async == args.async_load else 1
+            failures += 0 if exact and rid in done and is_async == args.async_load and retry_exact is not False else 1
             print(json.dumps({
                 "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
                 "lookup_ms": round(lookup_ms, 2), "load_done_incl_engine_work_ms": round(load_ms, 2), "bit_exact": exact,
                 "server_killed_before_load": killed, "async_save": not args.sync_save, "async_load": is_async,
+                "retry_read_bit_exact": retry_exact,
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0

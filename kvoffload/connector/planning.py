@@ -13,7 +13,8 @@ No I/O here: the hooks in ``trtllm.py`` gather inputs, call these and perform th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvoffload.connector.keys import chunk_ceil, chunk_floor
 
@@ -32,6 +33,9 @@ class LoadDecision:
     """Tokens at the start of the retrieve range that are already on the device (never written)."""
     free_ranges: tuple[tuple[int, int], ...]
     """Chunk-aligned ranges LMCache read-locked at lookup that will not be retrieved."""
+    copy_end: int | None = None
+    """Set when TensorRT-LLM honoured fewer tokens than promised (:func:`honour`): the copies stop
+    here, while the retrieve key, under which the chunks were secured, stays whole."""
 
     @property
     def loads(self) -> bool:
@@ -93,14 +97,26 @@ def decide_load(
     )
 
 
-def load_is_async(matched_tokens: int, async_min_tokens: int, world_size: int) -> bool:
+def load_is_async(matched_tokens: int, async_min_tokens: int, world_size: int, attention_dp: bool = False) -> bool:
     """Whether a load runs asynchronously: TensorRT-LLM parks the request and the batch goes on.
 
     Only from ``async_min_tokens`` on (a parked request waits at least one iteration, which a short
-    load does not repay) and only with one rank (under tensor parallelism every rank must have copied
+    load does not repay), only with one rank (under tensor parallelism every rank must have copied
     before the chunks go back to the server, which only a synchronous load, waited for by the
-    forward's collectives, guarantees)."""
-    return async_min_tokens > 0 and world_size == 1 and matched_tokens >= async_min_tokens
+    forward's collectives, guarantees), and never under attention DP (TensorRT-LLM main marks the
+    engine failed on every rank when a parked load outlives its fixed deadline,
+    ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``; a synchronous load has no such deadline)."""
+    return async_min_tokens > 0 and world_size == 1 and not attention_dp and matched_tokens >= async_min_tokens
+
+
+def honour(decision: LoadDecision, honoured_tokens: int, num_computed_tokens: int) -> LoadDecision:
+    """The promise as TensorRT-LLM took it. KVCacheManagerV2 may honour fewer tokens than offered
+    (``commit_new_matched_tokens``: a grow that failed falls back to the whole blocks its pages
+    hold), and has pages only up to there: the copies stop at ``num_computed_tokens + honoured``."""
+    if honoured_tokens >= decision.matched_tokens:
+        return decision
+    honoured = max(0, honoured_tokens)
+    return replace(decision, matched_tokens=honoured, copy_end=num_computed_tokens + honoured)
 
 
 def decline(decision: LoadDecision) -> LoadDecision:
@@ -192,10 +208,14 @@ class TransferOp:
     salt: str
     secured: SecuredLoad | None = None
     """For a load: its chunks, secured at lookup."""
+    copy_end: int | None = None
+    """For a load TensorRT-LLM honoured in part: where its copies (and ``block_ids``) end."""
 
     @property
     def num_tokens(self) -> int:
-        return self.end - self.start - self.skip_tokens
+        """Tokens the op writes into the pool (a store: reads from it)."""
+        end = self.end if self.copy_end is None else min(self.end, self.copy_end)
+        return max(0, end - self.start - self.skip_tokens)
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,10 @@ class ConnectorMetadata:
     fresh_blocks: frozenset[int] = frozenset()
     """Blocks TensorRT-LLM allocated this iteration that its forward may write: a queued save
     still naming one of them belongs to a request that ended without ``request_finished``."""
+    reused_blocks: frozenset[int] = frozenset()
+    """Device-reused blocks of this iteration's new requests (their prefix, a partially matched block
+    included), which its forward reads: an asynchronous load still writing one belongs to a parked
+    request that was cancelled, whose blocks TensorRT-LLM stored for reuse under its prompt."""
 
 
 def fresh_blocks(
@@ -226,6 +250,12 @@ def fresh_blocks(
     return list(new_block_ids[computed_position // tokens_per_block :])
 
 
+def reused_blocks(new_block_ids: list[int], computed_position: int, tokens_per_block: int) -> list[int]:
+    """The blocks of a request's first ``RequestData`` report that its forward reads but did not take
+    from the free pool: those holding its device-reused prefix ``[0, computed_position)``."""
+    return list(new_block_ids[: -(-computed_position // tokens_per_block)])
+
+
 def unseen_forward_may_write(attention_dp: bool, num_reported: int) -> bool:
     """Whether this iteration's forward may write a free block the connector is not told of: under
     attention DP a rank with no request of its own joins the others' forward with a dummy request
@@ -235,12 +265,21 @@ def unseen_forward_may_write(attention_dp: bool, num_reported: int) -> bool:
     return attention_dp and num_reported == 0
 
 
-def vanished_holders(fresh: list[int], holders: dict[int, set[int]], owner: int) -> set[int]:
-    """Requests other than ``owner`` that still list a block TensorRT-LLM just handed out again:
-    they ended (cancel, error, abort) without ``request_finished``."""
+def vanished_holders(
+    fresh: list[int], reused: list[int], holders: dict[int, set[int]], loading_into: dict[int, int], owner: int
+) -> set[int]:
+    """Requests other than ``owner`` that ended (cancel, error, abort) without ``request_finished``:
+    those still listing a block TensorRT-LLM just handed out again (``fresh``), and parked ones whose
+    asynchronous load writes a block another request reuses (``reused``; ``loading_into``: block ->
+    parked request). A live parked request's load targets are its own: only its cancellation, which
+    stores them for reuse, lets another request match them."""
     out: set[int] = set()
     for block in fresh:
         out.update(rid for rid in holders.get(block, ()) if rid != owner)
+    for block in reused:
+        rid = loading_into.get(block)
+        if rid is not None and rid != owner:
+            out.add(rid)
     return out
 
 
@@ -270,6 +309,8 @@ class RequestState:
     """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``), if it did."""
     computed_why: tuple[tuple[int, int, str], ...] = ()
     """:func:`computed_reasons` of the scheduled prompt, set when the engine first schedules it."""
+    llm_request: Any = None
+    """TensorRT-LLM's ``LlmRequest`` of the lookup (its ``is_finished`` tells a cancelled parked request)."""
 
 
 def computed_reasons(

@@ -50,6 +50,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         self._holders: dict[int, set[int]] = {}
         self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
         self._parked: set[int] = set()  # their loads issued, not yet back in new_requests
+        self._loading_into: dict[int, int] = {}  # block -> the parked request whose load writes it
         logger.info(
             "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
             self._settings.backend,
@@ -58,6 +59,11 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             self._chunk,
             self._block,
         )
+
+    @property
+    def tracked_request_ids(self) -> frozenset[int]:
+        """Requests whose state the scheduler holds (live ones, until they end or vanish)."""
+        return frozenset(self._requests)
 
     def _state_for(self, request: Any, num_prompt_tokens: int) -> planning.RequestState:
         rid = int(request.request_id)
@@ -82,6 +88,9 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         """
         tokens = prompt_tokens(request)
         state = self._state_for(request, len(tokens))
+        if state.block_ids or state.secured is not None:
+            self._start_over(state)  # asked again: its allocation was destroyed (a replay)
+        state.llm_request = request
         state.tokens = tokens
         state.load = planning.NO_LOAD  # only this call's promise may turn into a load
         state.device_tokens = num_computed_tokens
@@ -129,7 +138,10 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             decision.matched_tokens,
         )
         asynchronous = decision.loads and planning.load_is_async(
-            decision.matched_tokens, self._settings.async_load_min_tokens, self._settings.world_size
+            decision.matched_tokens,
+            self._settings.async_load_min_tokens,
+            self._settings.world_size,
+            self._settings.attention_dp,
         )
         if asynchronous:
             self._parking.append(state.request_id)
@@ -139,6 +151,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         """Step 2, right after allocation: remember the request's blocks (loads target them)."""
         state = self._requests.get(int(request.request_id))
         if state is not None:
+            self._unhold(state.request_id, state.block_ids)  # a second allocation replaces the first
             state.block_ids = list(block_ids)
             self._hold(state.request_id, block_ids)
 
@@ -146,31 +159,61 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         for block in block_ids:
             self._holders.setdefault(block, set()).add(request_id)
 
-    def _forget(self, request_id: int) -> planning.RequestState | None:
-        """Drop a request's state and its claim on blocks; end its LMCache session."""
-        self._parked.discard(request_id)
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return None
-        for block in state.block_ids:
+    def _unhold(self, request_id: int, block_ids: list[int]) -> None:
+        for block in block_ids:
             holders = self._holders.get(block)
             if holders is not None:
                 holders.discard(request_id)
                 if not holders:
                     del self._holders[block]
-        if state.secured is not None:  # promised, never loaded (the request ended first)
+
+    def _start_over(self, state: planning.RequestState) -> None:
+        """A request asked again after its allocation was destroyed (MAX_UTILIZATION replay,
+        ``reset_request_state``): its old blocks are no longer its own, an unused promise goes back."""
+        self._unhold(state.request_id, state.block_ids)
+        state.block_ids, state.tokens_with_kv = [], 0
+        self._release_promise(state)
+        self._parking = [rid for rid in self._parking if rid != state.request_id]
+
+    def _release_promise(self, state: planning.RequestState) -> None:
+        if state.secured is not None:  # promised, never loaded
             load = state.load
             token_ids = tuple(state.tokens[: load.retrieve_end])
             self._backend.release_secured(
                 state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt, state.secured
             )
+            state.secured = None
+
+    def _forget(self, request_id: int) -> planning.RequestState | None:
+        """Drop a request's state and its claim on blocks; end its LMCache session."""
+        self._unpark(request_id)
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self._unhold(request_id, state.block_ids)
+        self._release_promise(state)  # promised, never loaded (the request ended first)
         self._backend.end_session(state.session_id)
         return state
 
-    def _reap_vanished(self, fresh: list[int], owner: int) -> None:
-        for rid in planning.vanished_holders(fresh, self._holders, owner):
+    def _unpark(self, request_id: int) -> None:
+        if request_id in self._parked:
+            self._parked.discard(request_id)
+            self._loading_into = {b: rid for b, rid in self._loading_into.items() if rid != request_id}
+
+    def _reap_vanished(self, fresh: list[int], reused: list[int], owner: int) -> None:
+        for rid in planning.vanished_holders(fresh, reused, self._holders, self._loading_into, owner):
             self._forget(rid)
             logger.debug("event=request_vanished request=%d", rid)
+
+    def _reap_finished(self) -> None:
+        """Requests TensorRT-LLM finished without ``request_finished`` (1.2 and main free a cancelled
+        or failed request at once, a parked one included): their state goes; a parked one's load
+        still lands, ordered before any forward that touches its blocks (``reused_blocks``). A request
+        that finished normally was forgotten in ``request_finished`` before this runs."""
+        for rid, state in list(self._requests.items()):
+            if getattr(state.llm_request, "is_finished", False) is True:
+                self._forget(rid)
+                logger.debug("event=request_vanished request=%d reason=finished", rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
         """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
@@ -178,38 +221,48 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         async_loads: list[planning.TransferOp] = []
         saves: list[planning.TransferOp] = []
         fresh: set[int] = set()
+        reused: set[int] = set()
+        self._reap_finished()
         parking, self._parking = self._parking, []
         for parked in [self._requests[rid] for rid in parking if rid in self._requests]:
             # Parked this iteration (TensorRT-LLM leaves it out of scheduler_output): its load starts now.
             new_fresh = planning.fresh_blocks(parked.block_ids, parked.device_tokens, self._block, True)
-            self._reap_vanished(new_fresh, parked.request_id)
+            new_reused = planning.reused_blocks(parked.block_ids, parked.device_tokens, self._block)
+            self._reap_vanished(new_fresh, new_reused, parked.request_id)
             fresh.update(new_fresh)
-            load = parked.load
-            async_loads.append(
-                self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
-            )
+            reused.update(new_reused)
+            # Parked, it is reported finished only through this op: issued even when TensorRT-LLM
+            # honoured nothing (its copies are then none, its chunks go back when it "lands").
+            load = self._honoured(parked)
+            op = self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
+            async_loads.append(op)
             parked.secured = None
             self._parked.add(parked.request_id)
+            self._loading_into.update(dict.fromkeys(op.block_ids, parked.request_id))
             self._count_sources(parked, parked.device_tokens)
             parked.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
         for req in scheduler_output.new_requests:
             rid = int(req.request_id)
             new_fresh = planning.fresh_blocks(req.new_block_ids, req.computed_position, self._block, True)
-            self._reap_vanished(new_fresh, rid)
+            new_reused = planning.reused_blocks(req.new_block_ids, req.computed_position, self._block)
+            self._reap_vanished(new_fresh, new_reused, rid)
             fresh.update(new_fresh)
+            reused.update(new_reused)
             state = self._requests.get(rid)
             if state is None:  # never looked up (e.g. dummy request): still save it
                 state = self._state_for(req, len(req.new_tokens))
-            self._parked.discard(rid)  # back from an asynchronous load: computed_position counts it
+            self._unpark(rid)  # back from an asynchronous load: computed_position counts it
             state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
             if not state.block_ids:
                 state.block_ids = list(req.new_block_ids)
                 self._hold(rid, state.block_ids)
-            before = req.computed_position + state.load.matched_tokens
-            if state.load.loads:
-                load = state.load
+            load = self._honoured(state)
+            before = req.computed_position + load.matched_tokens
+            if load.loads:
                 loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
                 state.secured = None  # the workers copy it; rank 0 releases it after the iteration
+            else:
+                self._release_promise(state)  # promised, honoured for nothing
             self._count_sources(state, req.computed_position)
             state.computed_why = planning.computed_reasons(
                 state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
@@ -218,7 +271,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             self._plan_save(state, saves)
         for req in scheduler_output.cached_requests:
             rid = int(req.request_id)
-            self._reap_vanished(list(req.new_block_ids), rid)
+            self._reap_vanished(list(req.new_block_ids), [], rid)
             fresh.update(req.new_block_ids)
             state = self._requests.get(rid)
             if state is None:
@@ -236,8 +289,27 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
                     fresh.update(vanished.block_ids)
                     logger.debug("event=request_vanished request=%d reason=idle_dp_rank", rid)
         return planning.ConnectorMetadata(
-            loads=tuple(loads), async_loads=tuple(async_loads), saves=tuple(saves), fresh_blocks=frozenset(fresh)
+            loads=tuple(loads),
+            async_loads=tuple(async_loads),
+            saves=tuple(saves),
+            fresh_blocks=frozenset(fresh),
+            reused_blocks=frozenset(reused),
         )
+
+    def _honoured(self, state: planning.RequestState) -> planning.LoadDecision:
+        """The request's load as TensorRT-LLM took it: ``commit_new_matched_tokens`` records the
+        honoured count on the ``LlmRequest`` (main; KVCacheManagerV2 may honour less than offered);
+        TensorRT-LLM 1.2 has no such record and honours the whole offer."""
+        honoured = getattr(state.llm_request, "py_num_connector_matched_tokens", None)
+        if state.load.loads and isinstance(honoured, int) and honoured < state.load.matched_tokens:
+            logger.debug(
+                "event=load_honoured request=%d offered=%d honoured=%d",
+                state.request_id,
+                state.load.matched_tokens,
+                honoured,
+            )
+            state.load = planning.honour(state.load, honoured, state.device_tokens)
+        return state.load
 
     def _count_sources(self, state: planning.RequestState, device_tokens: int) -> None:
         """Count a request's prompt tokens from the device and from the cache, once."""
@@ -278,17 +350,26 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         skip: int,
         secured: planning.SecuredLoad | None = None,
     ) -> planning.TransferOp:
+        copy_end = state.load.copy_end if secured is not None else None
         return planning.TransferOp(
             request_id=state.request_id,
             session_id=state.session_id,
             token_ids=tuple(state.tokens[:end]),
             start=start,
             end=end,
-            block_ids=planning.block_slice(state.block_ids, start, end, self._block),
+            block_ids=planning.block_slice(state.block_ids, start, end if copy_end is None else copy_end, self._block),
             skip_tokens=skip,
             salt=state.salt,
             secured=secured,
+            copy_end=copy_end,
         )
+
+    def request_reset(self, request: Any) -> None:
+        """KVCacheManagerV2 destroyed the request's allocation (MAX_UTILIZATION) and will replay it:
+        its blocks are no longer its own and an unused promise goes back; it is asked again."""
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            self._start_over(state)
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Step 5: forget the request; True (hold its blocks) when it had saves: ``get_finished``

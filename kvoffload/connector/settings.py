@@ -192,18 +192,14 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
 def engine_config_problem(llm_args: Any) -> str | None:
     """Why TensorRT-LLM, configured so, would not use this connector's loads correctly, or None.
 
-    - Without block reuse TensorRT-LLM asks for matched tokens but applies none of them.
-    - KVCacheManagerV2 asks speculatively and may honour less than the connector offered
-      (``commit_new_matched_tokens``), which this connector's secured loads do not follow.
+    Without block reuse TensorRT-LLM asks for matched tokens but applies none of them (V1), or
+    refuses the connector (KVCacheManagerV2). Either KV cache manager is served: the honoured count
+    is read per request (``scheduler._honoured``), and several layer groups are refused when the
+    worker is handed its layout (``worker.register_kv_cache_layout``).
     """
     if _attr(llm_args, "kv_cache_config", "enable_block_reuse") is False:
         return (
             "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none of the tokens a KV "
             "connector loads; set it to true (the kvoffload operator does unless the options file says false)"
-        )
-    if _attr(llm_args, "kv_cache_config", "use_kv_cache_manager_v2") is True:
-        return (
-            "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour fewer loaded tokens than "
-            "the connector offered, which kvoffload does not follow yet; set it to false (TensorRT-LLM's default)"
         )
     return None

@@ -94,7 +94,8 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         default(layout)
 
     def start_load_kv(self, stream: Any) -> None:
-        """Step 3: fence queued saves off blocks handed out again, then copy every promised load in.
+        """Step 3: fence queued saves off blocks handed out again, land asynchronous loads into blocks
+        this forward touches, then copy every promised load in.
 
         Never raises (TensorRT-LLM runs this outside any try: an exception stops the engine).
         Each load's chunks were secured at lookup, so the copies are local and cannot fail.
@@ -103,10 +104,10 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         if not isinstance(meta, planning.ConnectorMetadata):
             return
         with on_stream(stream):  # copies follow the engine's earlier work; its next pass follows them
-            if meta.fresh_blocks:
-                if self._save_thread is not None:
-                    self._fence_saves(meta.fresh_blocks)
-                self._fence_async_loads(meta.fresh_blocks)
+            if meta.fresh_blocks and self._save_thread is not None:
+                self._fence_saves(meta.fresh_blocks)
+            if meta.fresh_blocks or meta.reused_blocks:
+                self._fence_async_loads(meta.fresh_blocks | meta.reused_blocks)
             if meta.loads:
                 for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
                     self._loaded(op, result)
@@ -134,38 +135,43 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
                     self._load_cv.wait()
                 op, event = self._load_queue.popleft()
                 self._issuing = op
-            try:
-                if event is not None:
-                    order_after(event)
-                error = self._backend.start_async_load(op)
-            except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
-                logger.exception("event=load_error request=%d", op.request_id)
-                error = BackendError("retrieve", "error", repr(exc))
+            self._issue_async_load(op, event)
             with self._load_cv:
-                if error is not None:
-                    self._load_failures.append((op, error))
                 self._issuing = None
                 self._load_cv.notify_all()
 
-    def _fence_async_loads(self, fresh: frozenset[int]) -> None:
-        """Before a forward that may write ``fresh`` blocks: no asynchronous load may write them later.
+    def _issue_async_load(self, op: planning.TransferOp, event: Any) -> None:
+        """Issue one asynchronous load's copies (after ``event`` on the device, if any); a failure is
+        reported with the load (the request's first forward then fails it)."""
+        try:
+            if event is not None:
+                order_after(event)
+            error = self._backend.start_async_load(op)
+        except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
+            logger.exception("event=load_error request=%d", op.request_id)
+            error = BackendError("retrieve", "error", repr(exc))
+        if error is not None:
+            with self._load_cv:
+                self._load_failures.append((op, error))
 
-        A queued one belongs to a parked request that vanished (its blocks went back to the pool):
-        it is dropped. One being issued is waited for; issued ones order the forward after their
-        copies on the device.
+    def _fence_async_loads(self, touched: frozenset[int]) -> None:
+        """Before a forward that reads or writes ``touched`` blocks: every asynchronous load into one
+        of them lands first.
+
+        Such a load belongs to a parked request that was cancelled: TensorRT-LLM freed its blocks at
+        once and stored them for reuse under its prompt, so the load is never dropped (a later request
+        may match those blocks and read them). A queued one is issued now on the engine's stream (made
+        current by ``start_load_kv``), one being issued is waited for, and the forward is ordered after
+        the copies of issued ones on the device.
         """
         with self._load_cv:
-            keep: deque[tuple[planning.TransferOp, Any]] = deque()
-            for op, event in self._load_queue:
-                if fresh.isdisjoint(op.block_ids):
-                    keep.append((op, event))
-                    continue
-                self._backend.drop_async_load(op)
-                self._metrics.error("retrieve", "blocks_reused")
-                self._loaded_async.add(op.request_id)  # its id still ends: TensorRT-LLM waits for it
-            self._load_queue = keep
-            self._load_cv.wait_for(lambda: self._issuing is None or fresh.isdisjoint(self._issuing.block_ids))
-        self._backend.order_after_async_loads(fresh)
+            now = [item for item in self._load_queue if not touched.isdisjoint(item[0].block_ids)]
+            if now:
+                self._load_queue = deque(item for item in self._load_queue if touched.isdisjoint(item[0].block_ids))
+            self._load_cv.wait_for(lambda: self._issuing is None or touched.isdisjoint(self._issuing.block_ids))
+        for op, _event in now:  # the engine's stream is current: these copies follow its earlier work
+            self._issue_async_load(op, None)
+        self._backend.order_after_async_loads(touched)
 
     def _loaded(self, op: planning.TransferOp, result: LoadResult) -> None:
         if result.error is not None:

@@ -230,9 +230,6 @@ def user_options_problem(options: Mapping[str, Any]) -> str | None:
     if cache.get("enable_block_reuse") is False:
         return ("kv_cache_config.enable_block_reuse: false; a KV connector needs block reuse (without it TensorRT-LLM "
                 "ignores every hit), so kvoffload would have to turn it on: set it to true or remove it")  # fmt: skip
-    if cache.get("use_kv_cache_manager_v2") is True:
-        return ("kv_cache_config.use_kv_cache_manager_v2: true; KVCacheManagerV2 may honour fewer loaded tokens "
-                "than the connector offered, which kvoffload does not follow yet: set it to false or remove it")  # fmt: skip
     host = cache.get("host_cache_size")
     if isinstance(host, int) and not isinstance(host, bool) and host > 0:
         return (f"kv_cache_config.host_cache_size: {host}; TensorRT-LLM refuses a KV connector with its own host "

@@ -96,6 +96,12 @@ class PromptRequest:
     cache_salt: str | None = None
     cancel_after: int | None = None
     """Cancel (or client-abort) the request after this many iterations since admission."""
+    arrive_after: int = 0
+    """Admit the request this many iterations after ``run`` starts (a client's retry arrives later)."""
+    replay_on_admission: bool = False
+    """The scheduler destroys the request's first allocation in the pass that made it and replays it
+    after the requests admitted with it (KVCacheManagerV2's MAX_UTILIZATION destroy + replay,
+    ``reset_request_state``): its blocks go back to the pool, the connector is asked again."""
 
 
 @dataclass
@@ -138,11 +144,15 @@ class StandinLlmRequest:
         self.result = RequestResult(req.request_id)
         self.reused_blocks: list[int] = []
         self.cancel_after = req.cancel_after
+        self.arrive_after = req.arrive_after
         self.iterations = 0
         self.finished_unseen = False
-        self.returning = False  # its asynchronous load finished: next scheduled as a new request
-        self.free_when_loaded = False  # cancelled while parked (main keeps its blocks until the load ends)
         """Overlap scheduler: sampled its last token, but the executor learns it one iteration later."""
+        self.returning = False  # its asynchronous load finished: next scheduled as a new request
+        self.replay_on_admission = req.replay_on_admission
+        self.first_chunk_end: int | None = None  # KVCacheManagerV2: where the served first chunk ends
+        self.is_finished = False
+        """``LlmRequest.is_finished``: set by ``finish_by_reason`` (cancel, error) and by the last token."""
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
@@ -165,6 +175,10 @@ class BlockManager:
         # Partial reuse: (salt, chain hash before the block) -> reusable blocks, with their tokens.
         self.children: dict[tuple[str, int], set[int]] = {}
         self.block_tokens: dict[int, tuple[tuple[str, int], tuple[int, ...]]] = {}
+
+    def available(self) -> int:
+        """Blocks an allocation may still take (free, or reusable and unreferenced)."""
+        return len(self.free) + len(self.cached_free)
 
     def match(self, salt: str, hashes: list[int], tokens_per_block: int, max_tokens: int) -> list[int]:
         blocks = []
@@ -277,6 +291,27 @@ def returned_by_every_rank(votes: dict[int, int], per_rank: list[list[int]], ran
     return done
 
 
+PREFERS_KV_CACHE_MANAGER_V2 = ("llama", "deepseek", "gpt-oss", "gemma", "qwen3-next", "kimi", "minimax", "nemotron")
+"""Model families whose class answers ``get_preferred_kv_cache_manager_version() -> "V2"`` on main
+(PRs #15823, #16060, #16942, #17396, #19004, #19140; docs/connector.md, "TensorRT-LLM versions")."""
+
+
+def resolve_kv_cache_manager(llm_args: Any, version: str) -> None:
+    """``llm_utils._resolve_kv_cache_manager_v2_auto``: on main ``"auto"`` becomes the model's preferred
+    manager and is written back into ``llm_args`` before the connector is built; 1.1/1.2 have no V2."""
+    cache = llm_args.kv_cache_config
+    if cache.use_kv_cache_manager_v2 == "auto":
+        model = str(llm_args.model).lower()
+        cache.use_kv_cache_manager_v2 = version == "main" and any(f in model for f in PREFERS_KV_CACHE_MANAGER_V2)
+    if cache.use_kv_cache_manager_v2 is True and version != "main":
+        raise ValueError(f"KVCacheManagerV2 with a KV connector exists on TensorRT-LLM main, not {version}")
+
+
+def uses_kv_cache_manager_v2(llm_args: Any) -> bool:
+    """Whether the resolved ``kv_cache_config`` runs KVCacheManagerV2."""
+    return llm_args.kv_cache_config.use_kv_cache_manager_v2 is True
+
+
 def load_connector_classes(llm_args: Any) -> tuple[type, type]:
     """Import the connector the way TensorRT-LLM does: ``kv_connector_config`` module + class names."""
     cfg = llm_args.kv_connector_config
@@ -304,7 +339,14 @@ class RankState:
         _, worker_cls = load_connector_classes(llm_args)
         self.worker = worker_cls(llm_args)
         self.worker.register_forward_pass_callable()
-        self.worker.register_kv_caches(self.pool)
+        if uses_kv_cache_manager_v2(llm_args):  # KVCacheManagerV2 registers its pages as a layout
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
+
+            self.worker.register_kv_cache_layout(
+                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers))),))
+            )
+        else:
+            self.worker.register_kv_caches(self.pool)
         self.mismatches = 0
 
     def _block_view(self, block: int, layer: int) -> torch.Tensor:
@@ -528,7 +570,11 @@ class StandinExecutor:
     ) -> None:
         """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``_lag_commits``)."""
         _ensure_paths()
+        resolve_kv_cache_manager(llm_args, version)
         self.llm_args = llm_args
+        self.kv_manager_v2 = uses_kv_cache_manager_v2(llm_args)
+        """KVCacheManagerV2 (main): pages per chunk, the honoured count may fall short of the offer
+        (a grow that fails), the layout registration, ``block_hashes == []``."""
         self.attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
         """Attention DP (main; py_executor_creator + KvCacheConnectorManager): this executor is one DP
         rank, with its own scheduler and worker, its own requests and pool, whole KV heads; no
@@ -590,12 +636,14 @@ class StandinExecutor:
         self._other_traffic: list[int] = []
         self._other_ids = 0
         self.dummy_forwards = 0
+        """Iterations an idle attention-DP rank ran with a dummy request (the others were busy)."""
         self.parked: dict[int, StandinLlmRequest] = {}
         """Requests loading asynchronously (``(n, True)``): out of every batch until all ranks report the load."""
         self._loading_new: list[int] = []
         self._loading_votes: dict[int, int] = {}
         self.async_loads = 0
-        """Iterations an idle attention-DP rank ran with a dummy request (the others were busy)."""
+        self.short_honours = 0
+        """KVCacheManagerV2 offers honoured in part (a grow the pool could not give)."""
 
     @property
     def kv_mismatches(self) -> int:
@@ -631,19 +679,23 @@ class StandinExecutor:
         return req
 
     def run(self, prompts: list[PromptRequest], timeout_s: float = 300.0) -> list[RequestResult]:
-        """Admit all ``prompts`` now and iterate until every one finished (or failed) and no save is in flight."""
-        pending = [StandinLlmRequest(p) for p in prompts]
+        """Admit ``prompts`` (each ``arrive_after`` iterations from now) and iterate until every one
+        finished (or failed) and no save or load is in flight."""
+        arrivals = sorted((StandinLlmRequest(p) for p in prompts), key=lambda r: r.arrive_after)
         active: list[StandinLlmRequest] = []
         deadline = time.monotonic() + timeout_s
-        while pending or active or self.saving or self.parked:
+        step = 0
+        while arrivals or active or self.saving or self.parked:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"requests still running after {timeout_s}s; saving={sorted(self.saving)} parked={sorted(self.parked)}"
                 )
+            pending = [r for r in arrivals if r.arrive_after <= step]
+            arrivals = arrivals[len(pending) :]
             if not pending and not active:
                 time.sleep(0.002)  # only async saves or loads left: TensorRT-LLM keeps iterating, idle
             self._iteration(pending, active)
-            pending = []
+            step += 1
         return [self.results[p.request_id] for p in prompts]
 
     def idle(self, iterations: int) -> None:
@@ -670,54 +722,31 @@ class StandinExecutor:
         scheduled: list[tuple[StandinLlmRequest, int, int]] = []
         block_copies: list[tuple[int, int]] = []
         # Step 2: first context chunk of new requests: device reuse -> connector -> allocate.
+        replays: list[StandinLlmRequest] = []
         for req in new:
-            salt = req.salt or ""
-            max_reuse = ((req.prompt_len - 1) // self.block) * self.block
-            reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
-            num_reused = len(reused) * self.block
-            partial_src, partial = self._match_partial(req, salt, len(reused))
-            num_reused += partial
-            matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
-            if is_async and matched == 0:
-                raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
-            need = -(-req.prompt_len // self.block) - len(reused)
-            req.block_ids = reused + self.blocks.allocate(need)
-            req.reused_blocks = reused
-            if partial_src is not None:  # copy-on-partial-reuse, in prepare_resources (before start_load_kv)
-                block_copies.append((partial_src, req.block_ids[len(reused)]))
-            self.scheduler.update_state_after_alloc(req, list(req.block_ids))
-            req.context_pos = num_reused + matched
-            req.result.device_reused_tokens = num_reused
-            req.result.connector_matched_tokens = matched
-            if is_async:
-                # new_async_requests.loading: build_scheduler_output skips it and
-                # take_scheduled_requests_pending_load takes it out of this batch (no forward) until
-                # get_finished reports the load from every rank; then it is a new request again.
-                self.parked[req.request_id] = req
-                self._loading_new.append(req.request_id)
-                self.async_loads += 1
+            matched, is_async = self._allocate(req, block_copies)
+            if req.replay_on_admission:
+                # MAX_UTILIZATION destroys the allocation it just made (reset_request_state): the blocks
+                # go back to the pool, where the requests admitted after it may take them, and the
+                # request is replayed: asked again, allocated again.
+                req.replay_on_admission = False
+                dropped = [(src, dst) for src, dst in block_copies if dst in req.block_ids]
+                block_copies[:] = [copy for copy in block_copies if copy not in dropped]
+                self.blocks.release(req.block_ids + [src for src, _dst in dropped], {})
+                req.block_ids, req.context_pos = [], 0
+                replays.append(req)
                 continue
-            n = self._chunk_len(req)
-            output.new_requests.append(
-                RequestData(
-                    request_id=req.request_id,
-                    new_tokens=list(req.tokens),
-                    new_block_ids=list(req.block_ids),
-                    computed_position=req.context_pos - matched,
-                    num_scheduled_tokens=n,
-                    cache_salt=req.salt,
-                )
-            )
-            req.reported_blocks = len(req.block_ids)
-            scheduled.append((req, req.context_pos, req.context_pos + n))
-            active.append(req)
+            self._admit(req, matched, is_async, output, scheduled, active)
+        for req in replays:
+            matched, is_async = self._allocate(req, block_copies)
+            self._admit(req, matched, is_async, output, scheduled, active)
         new_ids = {r.request_id for r in new}
         for req in active:
             if req.request_id in new_ids:
                 continue
             if req.returning:  # back from an asynchronous load: first report, computed_position counts the load
                 req.returning = False
-                n = self._chunk_len(req)
+                n = self._first_chunk_len(req)
                 output.new_requests.append(
                     RequestData(req.request_id, list(req.tokens), list(req.block_ids), req.context_pos, n,
                                 cache_salt=req.salt)
@@ -726,8 +755,9 @@ class StandinExecutor:
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             elif req.context_pos < req.prompt_len:  # later context chunk
                 n = self._chunk_len(req)
+                new_pages = self._grow_to(req, req.context_pos + n) if self.kv_manager_v2 else []
                 output.cached_requests.append(
-                    RequestData(req.request_id, [], [], req.context_pos, n, cache_salt=req.salt)
+                    RequestData(req.request_id, [], new_pages, req.context_pos, n, cache_salt=req.salt)
                 )
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             else:  # generation: KV of the last sampled token
@@ -790,6 +820,7 @@ class StandinExecutor:
         # Step 5: request_finished; True holds the blocks until every rank reports the save done.
         for req in finished:
             active.remove(req)
+            req.is_finished = True
             self.results[req.request_id] = req.result
             if self.scheduler.request_finished(req, list(req.block_ids)):
                 self.saving[req.request_id] = req
@@ -805,16 +836,17 @@ class StandinExecutor:
                 self.results[req.request_id] = req.result
                 active.remove(req)
                 self._terminate(req, self._commit_keys(req))
-        for req in [r for r in self.parked.values() if not r.free_when_loaded]:
+        # A parked request is in active_requests too: _handle_canceled_requests finishes it and
+        # _handle_responses -> _terminate_request frees its blocks in this same iteration (py_executor.py
+        # @0004396 has no caller of has_pending_transfers), whatever its load is doing; the C++
+        # storeBlocksForReuse keeps them for reuse under its prompt, its loaded tokens included.
+        for req in list(self.parked.values()):
             req.iterations += 1
             if req.cancel_after is not None and req.iterations >= req.cancel_after:
                 req.result.cancelled = True
                 self.results[req.request_id] = req.result
-                if self.version == "main":  # has_pending_transfers: allocated until the worker lets go
-                    req.free_when_loaded = True
-                else:
-                    del self.parked[req.request_id]
-                    self._terminate(req, {})
+                del self.parked[req.request_id]
+                self._terminate(req, self._commit_keys(req))
         # Step 6: get_finished with the ids that started saving or loading now; act on ids every rank returned.
         newly_saving = [rid for rid in self.saving if rid not in self._announced]
         self._announced.update(newly_saving)
@@ -826,17 +858,112 @@ class StandinExecutor:
         saved = returned_by_every_rank(self._done_votes, [ids for ids, _ in per_rank], ranks)
         for rid in returned_by_every_rank(self._loading_votes, [loaded for _, loaded in per_rank], ranks):
             req = self.parked.pop(rid, None)
-            if req is None:  # freed while parked (1.1/1.2 free a cancelled request at once)
+            if req is None:  # cancelled while parked: freed at once, the late report is ignored
                 continue
-            if req.free_when_loaded:
-                self._terminate(req, self._commit_keys(req))
-            else:
-                req.returning = True  # CONTEXT_INIT again; should_add_sequence is False: no second lookup
-                active.append(req)
+            req.returning = True  # CONTEXT_INIT again; should_add_sequence is False: no second lookup
+            active.append(req)
         for rid in saved:
             req = self.saving.pop(rid)
             self._announced.discard(rid)
             self.blocks.release(req.block_ids, self._commit_keys(req))
+
+    def _allocate(self, req: StandinLlmRequest, block_copies: list[tuple[int, int]]) -> tuple[int, bool]:
+        """``prepare_resources`` for a first context chunk: device reuse, the connector's answer,
+        allocation, ``update_state_after_alloc``."""
+        salt = req.salt or ""
+        max_reuse = ((req.prompt_len - 1) // self.block) * self.block
+        reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
+        num_reused = len(reused) * self.block
+        partial_src, partial = self._match_partial(req, salt, len(reused))
+        num_reused += partial
+        matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
+        if is_async and matched == 0:
+            raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
+        if self.kv_manager_v2:
+            honoured, page_tokens = self._v2_serve(req, num_reused, matched)
+        else:  # V1 allocates the whole prompt at the first chunk and honours the whole offer
+            honoured, page_tokens = matched, req.prompt_len
+        req.block_ids = reused + self.blocks.allocate(-(-page_tokens // self.block) - len(reused))
+        req.first_chunk_end = min(page_tokens, req.prompt_len) if self.kv_manager_v2 else None
+        req.reused_blocks = reused
+        if partial_src is not None:  # copy-on-partial-reuse, in prepare_resources (before start_load_kv)
+            block_copies.append((partial_src, req.block_ids[len(reused)]))
+        if self.version == "main":  # commit_new_matched_tokens records what was honoured on the request
+            req.py_num_connector_matched_tokens = honoured
+        self.scheduler.update_state_after_alloc(req, list(req.block_ids))
+        req.context_pos = num_reused + honoured
+        req.result.device_reused_tokens = num_reused
+        req.result.connector_matched_tokens = honoured
+        return honoured, is_async
+
+    def _v2_serve(self, req: StandinLlmRequest, local: int, offer: int) -> tuple[int, int]:
+        """KVCacheManagerV2's ``_apply_connector_matched_prefix`` (kv_cache_manager_v2.py @10b8fbd9 and
+        its tests, test_kv_connector_v2_prefix.py): ``(honoured tokens, tokens its pages hold)``.
+
+        Pages cover the local match plus one chunk (``resize_context``); an offer inside them is
+        honoured whole; one reaching past them needs a grow to offer + chunk, and when the pool cannot
+        give it, the largest whole block inside the pages already held that leaves a token to compute."""
+        offer = min(offer, max(0, req.prompt_len - 1 - local))  # the last prompt token stays local
+        chunk = self.chunk or req.prompt_len
+        capacity = min(req.prompt_len, local + chunk)
+        if offer == 0 or local + offer < capacity or self.chunk is None:
+            return offer, max(capacity, local + offer + 1)
+        target = min(req.prompt_len, local + offer + chunk)
+        extra = -(-target // self.block) - -(-capacity // self.block)
+        if self.blocks.available() >= extra:
+            return offer, target
+        self.short_honours += 1
+        fallback_end = ((capacity - 1) // self.block) * self.block
+        return max(0, fallback_end - local), capacity
+
+    def _first_chunk_len(self, req: StandinLlmRequest) -> int:
+        """The first scheduled chunk: V2 keeps it inside the pages it served (the scheduler's chunk end,
+        or the end a grow reached); V1 chunks from the served position."""
+        if req.first_chunk_end is not None and req.first_chunk_end > req.context_pos:
+            return req.first_chunk_end - req.context_pos
+        return self._chunk_len(req)
+
+    def _grow_to(self, req: StandinLlmRequest, tokens: int) -> list[int]:
+        """KVCacheManagerV2 allocates per chunk: the pages a chunk ending at ``tokens`` still needs."""
+        need = -(-tokens // self.block) - len(req.block_ids)
+        new = self.blocks.allocate(need) if need > 0 else []
+        req.block_ids.extend(new)
+        return new
+
+    def _admit(
+        self,
+        req: StandinLlmRequest,
+        matched: int,
+        is_async: bool,
+        output: Any,
+        scheduled: list[tuple[StandinLlmRequest, int, int]],
+        active: list[StandinLlmRequest],
+    ) -> None:
+        """Schedule an allocated new request, or park it while its asynchronous load runs."""
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData
+
+        if is_async:
+            # new_async_requests.loading: build_scheduler_output skips it and
+            # take_scheduled_requests_pending_load takes it out of this batch (no forward) until
+            # get_finished reports the load from every rank; then it is a new request again.
+            self.parked[req.request_id] = req
+            self._loading_new.append(req.request_id)
+            self.async_loads += 1
+            return
+        n = self._first_chunk_len(req)
+        output.new_requests.append(
+            RequestData(
+                request_id=req.request_id,
+                new_tokens=list(req.tokens),
+                new_block_ids=list(req.block_ids),
+                computed_position=req.context_pos - matched,
+                num_scheduled_tokens=n,
+                cache_salt=req.salt,
+            )
+        )
+        req.reported_blocks = len(req.block_ids)
+        scheduled.append((req, req.context_pos, req.context_pos + n))
+        active.append(req)
 
     def _match_partial(self, req: StandinLlmRequest, salt: str, full_blocks: int) -> tuple[int | None, int]:
         """With ``enable_partial_reuse``: a reusable block matching the start of the next block
@@ -884,6 +1011,7 @@ class StandinExecutor:
     def _terminate(self, req: StandinLlmRequest, commit: dict[int, tuple[str, int, int, tuple[int, ...]]]) -> None:
         """A request ended other than by finishing: ``request_finished`` only where this version's
         ``_do_terminate_request`` calls it; otherwise its blocks are simply freed."""
+        req.is_finished = True  # finish_by_reason(CANCELLED) or the error path, before the blocks go
         if self.behaviour.request_finished_on_termination and self.scheduler.request_finished(req, list(req.block_ids)):
             self.saving[req.request_id] = req
             return
@@ -907,9 +1035,15 @@ class StandinExecutor:
 
 
 def connector_llm_args(
-    model: str, server_url: str | None, tp: int = 1, block: int = BLOCK, attention_dp: bool = False
+    model: str,
+    server_url: str | None,
+    tp: int = 1,
+    block: int = BLOCK,
+    attention_dp: bool = False,
+    kv_cache_manager_v2: bool | str = "auto",
 ) -> Any:
-    """``TorchLlmArgs`` naming the kvoffload connector in ``kv_connector_config``, as the operator writes it."""
+    """``TorchLlmArgs`` naming the kvoffload connector in ``kv_connector_config``, as the operator writes it
+    (``kv_cache_manager_v2``: ``kv_cache_config.use_kv_cache_manager_v2``, main's default ``"auto"``)."""
     _ensure_paths()
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
@@ -919,7 +1053,9 @@ def connector_llm_args(
         model=model,
         tensor_parallel_size=tp,
         enable_attention_dp=attention_dp,
-        kv_cache_config=KvCacheConfig(tokens_per_block=block, enable_block_reuse=True),
+        kv_cache_config=KvCacheConfig(
+            tokens_per_block=block, enable_block_reuse=True, use_kv_cache_manager_v2=kv_cache_manager_v2
+        ),
         kv_connector_config=KvCacheConnectorConfig(
             connector_module=contract.CONNECTOR_MODULE,
             connector_scheduler_class=contract.CONNECTOR_SCHEDULER_CLASS,

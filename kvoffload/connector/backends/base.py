@@ -128,13 +128,10 @@ class KVBackend(Protocol):
         """Worker, after an iteration: release the chunks of the loads copied in it (rank 0)."""
 
     def expect_async_load(self) -> None:
-        """Worker: an asynchronous load will be issued or dropped (its segment stays mapped till then)."""
+        """Worker: an asynchronous load will be issued (its segment stays mapped till then)."""
 
     def start_async_load(self, op: TransferOp) -> BackendError | None:
         """Worker: issue an expected asynchronous load's copies without waiting; the error, if any."""
-
-    def drop_async_load(self, op: TransferOp) -> None:
-        """Worker: an expected asynchronous load will not be issued; its chunks go back."""
 
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """Worker: asynchronous loads whose KV is in the pool since the last call (their chunks released)."""

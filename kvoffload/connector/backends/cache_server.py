@@ -254,12 +254,6 @@ class CacheServerBackend(LMCacheMPClient):
                 self._async_outstanding -= 1
         return error
 
-    def drop_async_load(self, op: TransferOp) -> None:
-        """An expected asynchronous load that will not be issued (its request vanished): its chunks go back."""
-        with self._async_lock:
-            self._async_outstanding -= 1
-        self._commit_load(op)
-
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """The asynchronous loads whose copies finished since the last call; their chunks go back to
         the server (one rank: nobody else copies them)."""

@@ -119,25 +119,23 @@ def test_attention_dp_ranks_hold_whole_kv_heads_and_in_process_is_refused_with_i
         parse_settings({contract.ENV_BACKEND: contract.BACKEND_INPROCESS}, _args(tp=2, enable_attention_dp=True))
 
 
-@pytest.mark.parametrize(
-    ("cache_config", "message"),
-    [
-        ({"enable_block_reuse": False}, "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none"),
-        (
-            {"use_kv_cache_manager_v2": True},
-            "kv_cache_config.use_kv_cache_manager_v2=true: KVCacheManagerV2 may honour",
-        ),
-    ],
-)
-def test_engine_settings_that_would_drop_or_shorten_loads_are_refused_at_start(
-    cache_config: dict[str, bool], message: str
-) -> None:
+def test_block_reuse_off_is_refused_at_start_because_every_load_would_be_dropped() -> None:
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig
 
     args = _args()
-    args.kv_cache_config = KvCacheConfig(tokens_per_block=32, **cache_config)
-    with pytest.raises(SettingsError, match=message):
+    args.kv_cache_config = KvCacheConfig(tokens_per_block=32, enable_block_reuse=False)
+    with pytest.raises(SettingsError, match=r"kv_cache_config\.enable_block_reuse=false: TensorRT-LLM then applies none"):
         parse_settings({}, args)
+
+
+@pytest.mark.parametrize("manager_v2", [True, False, "auto"])
+def test_either_kv_cache_manager_starts_the_connector(manager_v2: bool | str) -> None:
+    """KVCacheManagerV2 is main's default for most models ("auto" resolves to it): it is served."""
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig
+
+    args = _args()
+    args.kv_cache_config = KvCacheConfig(tokens_per_block=32, use_kv_cache_manager_v2=manager_v2)
+    assert parse_settings({}, args).tokens_per_block == 32
 
 
 @given(st.text(max_size=300))

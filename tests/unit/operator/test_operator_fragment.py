@@ -457,7 +457,6 @@ def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[di
         ("kv_connector_config:\n  connector: lmcache\n", "kv_connector_config.connector"),
         ("kv_cache_config:\n  enable_block_reuse: false\n", "kv_cache_config.enable_block_reuse"),
         ("kv_cache_config:\n  host_cache_size: 1073741824\n", "kv_cache_config.host_cache_size"),
-        ("kv_cache_config:\n  use_kv_cache_manager_v2: true\n", "kv_cache_config.use_kv_cache_manager_v2"),
         ("kv_cache_config:\n  max_attention_window: [4096, 32768]\n", "kv_cache_config.max_attention_window"),
         ("scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n", "scheduler_config.capacity_scheduler_policy"),
         ("pipeline_parallel_size: 2\n", "pipeline_parallel_size"),
@@ -483,6 +482,8 @@ def test_user_options_tensorrt_llm_refuses_with_a_connector_are_refused_naming_t
         "kv_connector_config:\n  connector_module: kvoffload.connector.trtllm\n",
         "speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 1\n",
         "kv_cache_config:\n  max_attention_window: [32768, 32768]\n",
+        "kv_cache_config:\n  use_kv_cache_manager_v2: true\n",
+        "kv_cache_config:\n  use_kv_cache_manager_v2: auto\n",
     ],
 )
 def test_user_options_that_run_with_the_connector_are_kept(user_options: str) -> None:

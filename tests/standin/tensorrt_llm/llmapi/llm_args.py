@@ -12,7 +12,9 @@ class KvCacheConfig:
 
     tokens_per_block: int = 32
     enable_block_reuse: bool = True
-    use_kv_cache_manager_v2: bool = False
+    use_kv_cache_manager_v2: bool | str = "auto"
+    """Main's default since PR #15823: ``"auto"``, resolved per model class and written back
+    (``llm_utils._resolve_kv_cache_manager_v2_auto``) before the connector is built."""
 
 
 @dataclass
@@ -51,7 +53,7 @@ class TorchLlmArgs:
             kv_cache_config=KvCacheConfig(
                 tokens_per_block=int(kv_cache.get("tokens_per_block", 32)),
                 enable_block_reuse=bool(kv_cache.get("enable_block_reuse", True)),
-                use_kv_cache_manager_v2=bool(kv_cache.get("use_kv_cache_manager_v2", False)),
+                use_kv_cache_manager_v2=kv_cache.get("use_kv_cache_manager_v2", "auto"),
             ),
             kv_connector_config=KvCacheConnectorConfig(**connector) if connector is not None else None,
         )
