@@ -13,6 +13,8 @@ class KvCacheConfig:
     tokens_per_block: int = 32
     enable_block_reuse: bool = True
     use_kv_cache_manager_v2: bool = False
+    dtype: str = "auto"
+    """The KV cache's data type (``auto``: the checkpoint's)."""
 
 
 @dataclass
