@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvoffload import contract
 from kvoffload.connector.backends.base import kv_geometry
-from kvoffload.connector.keys import cache_model_name, normalize_salt, salt_of
+from kvoffload.connector.keys import cache_model_name, chunk_layout, normalize_salt, salt_of
 from kvoffload.connector.settings import (
     SettingsError,
     parse_settings,
@@ -154,7 +154,7 @@ def test_cache_model_name_tags_the_chunk_layout_without_lmcache_key_separators()
     import torch
     from lmcache.utils import CacheEngineKey
 
-    tagged = cache_model_name("meta-llama/Llama-3.1-8B")
+    tagged = cache_model_name("meta-llama/Llama-3.1-8B", chunk_layout(torch.float8_e4m3fn, 32, 2**21))
     assert tagged != "meta-llama/Llama-3.1-8B" and tagged.startswith("meta-llama/Llama-3.1-8B")
     assert "@" not in tagged.removeprefix("meta-llama/Llama-3.1-8B")
     key = CacheEngineKey(model_name=tagged, world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
