@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import best_ns_per_call, env_set, interleaved, scattered_block_ids, summarize
-from kvoffload.connector.keys import cache_model_name
+from kvoffload.connector.keys import cache_model_name, chunk_layout
 
 MODEL = "bench-model"
-KEY_MODEL = cache_model_name(MODEL)
 """The model name in LMCache keys, as the connector writes it (the raw client must find its chunks)."""
 KV_NAME = "trtllm_kv_pool"
 QUEUED_COMMITS = 8
@@ -54,6 +53,13 @@ class PoolShape:
     @property
     def bytes_per_token(self) -> int:
         return self.layers * 2 * self.heads * self.head_dim * 2
+
+    @property
+    def key_model(self) -> str:
+        """The model name the connector keys this pool's chunks under."""
+        return cache_model_name(
+            MODEL, chunk_layout("float16", self.tokens_per_block, self.bytes_per_token * self.tokens_per_block)
+        )
 
     def describe(self) -> str:
         return (
@@ -135,14 +141,16 @@ class RawClient:
                 "tokens_per_block": shape.tokens_per_block,
                 "head_dim": shape.head_dim,
             }
-            self.transfer.register(kv, KEY_MODEL, 1, self.bpc, 60.0, layout_hints=hints, engine_type=EngineType.TRTLLM)
+            self.transfer.register(
+                kv, shape.key_model, 1, self.bpc, 60.0, layout_hints=hints, engine_type=EngineType.TRTLLM
+            )
             self.transfer.engine_driven_context.mq_timeout = 60.0
 
     def key(self, session: str, tokens: tuple[int, ...], start: int, end: int, worker: bool, salt: str = "") -> Any:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
         return IPCCacheServerKey(
-            model_name=KEY_MODEL,
+            model_name=self.shape.key_model,
             world_size=1,
             worker_id=0 if worker else None,
             token_ids=tokens,

@@ -184,11 +184,14 @@ PROMPT_TOKEN_SOURCES: Final = ("device", "cache", "computed")
 computed: the engine computed them."""
 COMPUTED_REASONS: Final = (
     "not_cached", "partial_chunk", "final_block", "declined", "lookup_timeout", "cache_unavailable", "no_lookup",
+    "uncacheable",
 )  # fmt: skip
 """Why prompt tokens were computed: the cache server held no KV for them; they lie past the last
 whole cache chunk (LMCache keeps whole chunks); they are the prompt's final block, which the engine
 computes for its logits even on a hit; a hit whose load could not be secured; the lookup timed
-out; the cache server was unreachable or failed; the request was never looked up."""
+out; the cache server was unreachable or failed; the request was never looked up; the request's
+keys cannot name what its KV depends on (a multimodal request without content hashes), so it is
+neither looked up nor saved."""
 
 # Sidecar.
 M_SIDECAR_SERVER_RESTARTS: Final = "kvoffload_sidecar_server_restarts"

@@ -1,21 +1,32 @@
-"""Cache keys: which model, which tenant (``cache_salt``) and which token range.
+"""Cache keys: everything that decides a chunk's bytes besides its tokens, and the token arithmetic.
 
-LMCache's server mixes ``cache_salt`` into its object keys, so two tenants with
-the same prompt never share KV. TensorRT-LLM reports the salt as
-``RequestData.cache_salt`` (newer) or ``cache_salt_id`` (TRT@5a06f334) or on the
-``LlmRequest``; ``salt_of`` reads whichever exists. The salt is hashed into a
-fixed-length token because LMCache rejects salts with ``@ / \\ NUL`` or over 128
-characters, and a tenant's raw salt should never appear in a cache server's
-logs.
+An LMCache object key is (model name, KV rank from world size and rank, chain hash of the chunk's
+tokens, cache salt). The connector fills those fields so that two requests share a chunk only when
+TensorRT-LLM would share the block on the device, and two deployments share one only when its
+bytes mean the same to both:
+
+- the model name carries the chunk layout (:func:`cache_model_name`): block-native chunks, the
+  pool's KV dtype, tokens per block and bytes per block;
+- the salt carries the request's key scope (:func:`key_salt`): its ``cache_salt``, LoRA adapter,
+  multimodal items and prompt-tuning extra ids, the parts of TensorRT-LLM's own device block key
+  (``struct BlockKey`` in ``cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h``
+  @2213a799) that the token ids do not show.
+
+Salts are hashed into fixed-length tokens because LMCache rejects salts with ``@ / \\ NUL`` or over
+128 characters, and a tenant's raw salt should never appear in a cache server's logs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 CHUNK_LAYOUT_TAG = "kvoffload-blocks-v1"
 _SALT_ATTRS = ("cache_salt", "cache_salt_id", "py_cache_salt", "py_cache_salt_id")
+_LORA_ATTRS = ("lora_task_id", "py_lora_task_id")
+_EXTRA_IDS_ATTRS = ("input_token_extra_ids", "py_input_token_extra_ids")
 
 
 def normalize_salt(raw: object) -> str:
@@ -41,6 +52,96 @@ def salt_of(obj: Any) -> str:
     return ""
 
 
+def _first_set(obj: Any, attrs: Iterable[str]) -> Any:
+    for attr in attrs:
+        value = getattr(obj, attr, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _framed(parts: Iterable[bytes]) -> bytes:
+    """Length-prefixed parts: no two different part lists encode alike."""
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
+
+
+def _ints(values: Iterable[int], width: int, byteorder: Literal["little", "big"] = "little") -> bytes:
+    return b"".join(int(v).to_bytes(width, byteorder, signed=True) for v in values)
+
+
+def _multimodal_items(hashes: Sequence[Sequence[int]], positions: Sequence[int], lengths: Sequence[int]) -> bytes:
+    """Each item's content digest (8 int32, most significant byte first, as TensorRT-LLM hashes
+    images) with its prompt position and length, in prompt order."""
+    items = []
+    for i, digest in enumerate(hashes):
+        where = (positions[i] if i < len(positions) else -1, lengths[i] if i < len(lengths) else -1)
+        items.append(_framed((_ints(digest, 4, "big"), _ints(where, 8))))
+    return _framed(items)
+
+
+def key_salt(request: Any) -> str | None:
+    """The salt scoping ``request``'s keys, or None when the request must not be cached.
+
+    Reads what TensorRT-LLM's ``LlmRequest`` carries (``_torch/pyexecutor/llm_request.py`` @002f3cc3
+    and the properties in ``cpp/tensorrt_llm/nanobind/batch_manager/bindings.cpp`` @cc8cd5af): the
+    salt (``salt_of``), ``lora_task_id``, ``multimodal_hashes``/``_positions``/``_lengths``, and the
+    prompt-tuning ``input_token_extra_ids`` where a version exposes them (those commits do not). A
+    request with no adapter, multimodal item or extra ids keeps ``salt_of``'s salt; any of them
+    gives a ``k`` + blake2b-128 salt over all of them. A multimodal request without content hashes
+    is not cacheable (its placeholder tokens do not say which image), as upstream's MooncakeStore
+    connector decides (``connectors/mooncake_store/scheduler.py`` @240a8a76).
+    """
+    salt = salt_of(request)
+    lora = _first_set(request, _LORA_ATTRS)
+    hashes = getattr(request, "multimodal_hashes", None) or ()
+    positions = getattr(request, "multimodal_positions", None) or ()
+    lengths = getattr(request, "multimodal_lengths", None) or ()
+    if not hashes and (positions or lengths):
+        return None
+    extra_ids = _first_set(request, _EXTRA_IDS_ATTRS)
+    if extra_ids is not None and hasattr(extra_ids, "tolist"):
+        extra_ids = extra_ids.tolist()
+    if lora is None and not hashes and not extra_ids:
+        return salt
+    scope = _framed(
+        (
+            salt.encode(),
+            b"" if lora is None else _ints((lora,), 8),
+            _multimodal_items(hashes, positions, lengths) if hashes else b"",
+            _ints(extra_ids, 8) if extra_ids else b"",
+        )
+    )
+    return "k" + hashlib.blake2b(scope, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """What decides a chunk's bytes besides the model, its tokens and the rank: block-native
+    chunks of blocks of ``tokens_per_block`` tokens, ``block_bytes`` each, in ``kv_dtype``."""
+
+    kv_dtype: str
+    """The pool's element type (torch's name: ``bfloat16``, ``float8_e4m3fn``, ...)."""
+    tokens_per_block: int
+    block_bytes: int
+    """One block of the pool: every layer, K and V, this rank's KV heads."""
+
+
+def chunk_layout(pool_dtype: object, tokens_per_block: int, block_bytes: int) -> ChunkLayout:
+    """The layout of chunks copied from a pool of ``pool_dtype`` (a torch dtype or its name)."""
+    return ChunkLayout(str(pool_dtype).removeprefix("torch."), tokens_per_block, block_bytes)
+
+
+def cache_model_name(model_name: str, layout: ChunkLayout) -> str:
+    """The model name in LMCache keys, tagged with the layout of the chunks this connector writes.
+
+    Chunks hold TensorRT-LLM's block bytes (``blockcopy``), not LMCache's own layout, so a client
+    that expects LMCache's layout (LMCache's own adapter, another connector version) must never
+    find them in a shared or persistent tier, nor this connector find theirs; nor may a deployment
+    with another KV dtype, block size or block shape read them as its own.
+    """
+    return f"{model_name}~{CHUNK_LAYOUT_TAG}~{layout.kv_dtype}-t{layout.tokens_per_block}-b{layout.block_bytes}"
+
+
 def chunk_floor(tokens: int, chunk_size: int) -> int:
     """Largest multiple of ``chunk_size`` not above ``tokens``."""
     return (tokens // chunk_size) * chunk_size
@@ -49,13 +150,3 @@ def chunk_floor(tokens: int, chunk_size: int) -> int:
 def chunk_ceil(tokens: int, chunk_size: int) -> int:
     """Smallest multiple of ``chunk_size`` not below ``tokens``."""
     return -(-tokens // chunk_size) * chunk_size
-
-
-def cache_model_name(model_name: str) -> str:
-    """The model name in LMCache keys, tagged with the chunk layout this connector writes.
-
-    Chunks hold TensorRT-LLM's block bytes (``blockcopy``), not LMCache's own layout, so a client
-    that expects LMCache's layout (LMCache's own adapter, another connector version) must never
-    find them in a shared or persistent tier, nor this connector find theirs.
-    """
-    return f"{model_name}~{CHUNK_LAYOUT_TAG}"

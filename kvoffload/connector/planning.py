@@ -291,6 +291,8 @@ class RequestState:
     session_id: str
     salt: str
     num_prompt_tokens: int
+    cacheable: bool = True
+    """False: its keys cannot name what its KV depends on (``keys.key_salt``); never looked up or saved."""
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     tokens_with_kv: int = 0
@@ -306,7 +308,8 @@ class RequestState:
     lookup_hit: int | None = None
     """LMCache's hit at the lookup (None: not looked up, or the lookup failed)."""
     lookup_failure: str | None = None
-    """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``), if it did."""
+    """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``) or was not made
+    (``uncacheable``), if so."""
     computed_why: tuple[tuple[int, int, str], ...] = ()
     """:func:`computed_reasons` of the scheduled prompt, set when the engine first schedules it."""
     llm_request: Any = None
@@ -325,7 +328,7 @@ def computed_reasons(
     ranges covering ``[first_computed, num_prompt_tokens)`` (reasons: ``contract.COMPUTED_REASONS``).
 
     ``hit_tokens`` is LMCache's hit (None: no lookup was made); ``failure`` the reason a lookup
-    failed (``lookup_timeout`` or ``cache_unavailable``).
+    failed (``lookup_timeout`` or ``cache_unavailable``) or was not made (``uncacheable``).
     """
     ranges: list[tuple[int, int, str]] = []
     at = first_computed

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError
-from kvoffload.connector.keys import salt_of
+from kvoffload.connector.keys import key_salt
 from kvoffload.connector.metrics import metrics_for
 from kvoffload.connector.runtime import (
     KvCacheConnectorScheduler,
@@ -69,11 +69,13 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         rid = int(request.request_id)
         state = self._requests.get(rid)
         if state is None:
+            salt = key_salt(request)
             state = planning.RequestState(
                 request_id=rid,
                 session_id=f"{self._session_prefix}-{rid}",
-                salt=salt_of(request),
+                salt=salt or "",
                 num_prompt_tokens=num_prompt_tokens,
+                cacheable=salt is not None,
             )
             self._requests[rid] = state
         return state
@@ -95,6 +97,9 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         state.load = planning.NO_LOAD  # only this call's promise may turn into a load
         state.device_tokens = num_computed_tokens
         state.lookup_hit, state.lookup_failure = None, None
+        if not state.cacheable:
+            state.lookup_failure = "uncacheable"
+            return 0, False
         end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
         if end == 0:
             state.lookup_hit = 0  # nothing past the device's prefix fills a whole chunk
@@ -328,6 +333,8 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
                 self._metrics.record_prompt_tokens("computed", reason, tokens)
 
     def _plan_save(self, state: planning.RequestState, saves: list[planning.TransferOp]) -> None:
+        if not state.cacheable:
+            return
         span = planning.plan_save(
             state.stored_upto,
             state.tokens_with_kv,

@@ -66,24 +66,43 @@ def _ensure_paths() -> None:
             sys.path.insert(0, path)
 
 
-def prefix_hashes(tokens: list[int], start: int = 0, prev: int = 0) -> list[int]:
-    """Rolling hash of every prefix: element i identifies ``tokens[:start+i+1]``."""
+def prefix_hashes(tokens: list[int], start: int = 0, prev: int = 0, extras: dict[int, int] | None = None) -> list[int]:
+    """Rolling hash of every prefix: element i identifies ``tokens[:start+i+1]`` and the ``extras``
+    (position -> value: a multimodal item's digest at its placeholder tokens) among them."""
     out = []
     h = prev
-    for tok in tokens[start:]:
+    for pos, tok in enumerate(tokens[start:], start):
         h = (h * 1000003 + tok + 1) % _MOD
+        if extras and pos in extras:
+            h = (h * 1000003 + extras[pos]) % _MOD
         out.append(h)
     return out
 
 
-def kv_values(hashes: torch.Tensor, layer: int, head_offset: int, num_heads: int, head_dim: int) -> torch.Tensor:
-    """KV of tokens with these prefix hashes: ``[2, num_heads, n, head_dim]`` float16, exact integers."""
+def multimodal_hash(content: bytes) -> list[int]:
+    """A multimodal item's content hash as TensorRT-LLM's ``LlmRequest.multimodal_hashes`` holds it:
+    a 256-bit digest as 8 signed int32, most significant first."""
+    digest = hashlib.blake2b(content, digest_size=32).digest()
+    return [int.from_bytes(digest[i : i + 4], "big", signed=True) for i in range(0, 32, 4)]
+
+
+def kv_values(
+    hashes: torch.Tensor,
+    layer: int,
+    head_offset: int,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """KV of tokens with these prefix hashes: ``[2, num_heads, n, head_dim]`` in ``dtype`` (integers
+    within its range: exact in float16, rounded the same way every time in narrower types)."""
     kv = torch.arange(2, dtype=torch.int64).view(2, 1, 1, 1)
     heads = (torch.arange(num_heads, dtype=torch.int64) + head_offset).view(1, num_heads, 1, 1)
     dims = torch.arange(head_dim, dtype=torch.int64).view(1, 1, 1, head_dim)
     h = (hashes % 1000000007).view(1, 1, -1, 1)
-    vals = (h * 31 + layer * 7919 + kv * 104729 + heads * 1299709 + dims * 15485863) % _VALUE_MOD
-    return vals.to(torch.float16)
+    modulus = _VALUE_MOD if torch.finfo(dtype).max > _VALUE_MOD else int(torch.finfo(dtype).max)
+    vals = (h * 31 + layer * 7919 + kv * 104729 + heads * 1299709 + dims * 15485863) % modulus
+    return vals.to(torch.float32).to(dtype)
 
 
 @dataclass
@@ -102,6 +121,13 @@ class PromptRequest:
     """The scheduler destroys the request's first allocation in the pass that made it and replays it
     after the requests admitted with it (KVCacheManagerV2's MAX_UTILIZATION destroy + replay,
     ``reset_request_state``): its blocks go back to the pool, the connector is asked again."""
+    lora_task_id: int | None = None
+    """The LoRA adapter it runs under (``LoraConfig.task_id``): its KV differs at every position."""
+    multimodal_hashes: list[list[int]] | None = None
+    """Per multimodal item, its content hash (``multimodal_hash``); the item's placeholder tokens are
+    ``prompt[multimodal_positions[i] : multimodal_positions[i] + multimodal_lengths[i]]``."""
+    multimodal_positions: list[int] | None = None
+    multimodal_lengths: list[int] | None = None
 
 
 @dataclass
@@ -135,7 +161,25 @@ class StandinLlmRequest:
         )
         self.tokens = list(req.prompt)
         self.max_new_tokens = req.max_new_tokens
-        self.hashes = prefix_hashes(self.tokens)
+        # What LlmRequest carries besides the tokens: None when absent, as its nanobind properties are.
+        self.lora_task_id = req.lora_task_id
+        self.multimodal_hashes = req.multimodal_hashes
+        self.multimodal_positions = req.multimodal_positions
+        self.multimodal_lengths = req.multimodal_lengths
+        # The forward's KV depends on them as a model's does: the adapter at every position, an
+        # image from its placeholder tokens on. The hash chain that the KV, the checks and the
+        # device-reuse key derive from carries both, as the C++ BlockKey carries loraTaskId and the
+        # items' hashes (extraKeys), so the device never hands KV across adapters or images.
+        self.chain_seed = 0 if req.lora_task_id is None else (req.lora_task_id * 2654435761 + 1) % _MOD
+        self.image_spans: list[tuple[int, int]] = []
+        extras: dict[int, int] = {}
+        for i, digest in enumerate(req.multimodal_hashes or ()):
+            start = (req.multimodal_positions or [])[i]
+            length = (req.multimodal_lengths or [])[i]
+            self.image_spans.append((start, start + length))
+            value = int.from_bytes(b"".join(d.to_bytes(4, "big", signed=True) for d in digest), "big") % _MOD
+            extras.update((pos, value) for pos in range(start, start + length))
+        self.hashes = prefix_hashes(self.tokens, prev=self.chain_seed, extras=extras)
         self.block_ids: list[int] = []
         self.reported_blocks = 0
         self.context_pos = 0  # tokens with KV (context_current_position)
@@ -157,9 +201,15 @@ class StandinLlmRequest:
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
 
+    def has_multimodal_in(self, start: int, end: int) -> bool:
+        """Whether a multimodal item's placeholder tokens fall in ``[start, end)``."""
+        return any(a < end and start < b for a, b in self.image_spans)
+
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        self.hashes.extend(prefix_hashes(self.tokens, len(self.tokens) - 1, self.hashes[-1] if self.hashes else 0))
+        self.hashes.extend(
+            prefix_hashes(self.tokens, len(self.tokens) - 1, self.hashes[-1] if self.hashes else self.chain_seed)
+        )
 
 
 class BlockManager:
@@ -231,16 +281,18 @@ class BlockManager:
             self.children.get(parent[0], set()).discard(block)
         self.evicted.append(block)
 
-    def release(self, blocks: list[int], commit: dict[int, tuple[str, int, int, tuple[int, ...]]]) -> None:
+    def release(self, blocks: list[int], commit: dict[int, tuple[str, int, int, tuple[int, ...] | None]]) -> None:
         """Drop one reference per block; ``commit`` names full blocks that become reusable:
-        ``(salt, chain hash, chain hash before it, its tokens)``."""
+        ``(salt, chain hash, chain hash before it, its tokens)``; tokens None: never partially matched
+        (a block holding a multimodal item: ``BlockKey::supportsPartialMatching``)."""
         for block in blocks:
             if block in commit and commit[block][:2] not in self.reuse:
                 salt, chain, parent, tokens = commit[block]
                 self.reuse[(salt, chain)] = block
                 self.block_key[block] = (salt, chain)
-                self.children.setdefault((salt, parent), set()).add(block)
-                self.block_tokens[block] = ((salt, parent), tokens)
+                if tokens is not None:
+                    self.children.setdefault((salt, parent), set()).add(block)
+                    self.block_tokens[block] = ((salt, parent), tokens)
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 del self.refs[block]
@@ -312,6 +364,23 @@ def uses_kv_cache_manager_v2(llm_args: Any) -> bool:
     return llm_args.kv_cache_config.use_kv_cache_manager_v2 is True
 
 
+KV_CACHE_DTYPES = {"auto": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                   "fp8": torch.float8_e4m3fn}  # fmt: skip
+"""``kv_cache_config.dtype`` -> the pool's element type; ``auto`` follows the stand-in model (float16)."""
+
+
+def kv_cache_dtype(llm_args: Any) -> torch.dtype:
+    """The KV pool's element type for these ``llm_args``."""
+    return KV_CACHE_DTYPES[getattr(llm_args.kv_cache_config, "dtype", "auto")]
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical (1-byte float types have no ``torch.equal`` on CPU)."""
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
 def load_connector_classes(llm_args: Any) -> tuple[type, type]:
     """Import the connector the way TensorRT-LLM does: ``kv_connector_config`` module + class names."""
     cfg = llm_args.kv_connector_config
@@ -333,8 +402,9 @@ class RankState:
         self.heads = geometry["num_kv_heads"] // self.tp
         self.head_offset = (rank % self.tp) * self.heads
         self.head_dim = geometry["head_dim"]
+        self.dtype = kv_cache_dtype(llm_args)
         self.pool = torch.zeros(
-            geometry["num_blocks"], self.layers, 2, self.heads * self.block * self.head_dim, dtype=torch.float16
+            geometry["num_blocks"], self.layers, 2, self.heads * self.block * self.head_dim, dtype=self.dtype
         )
         _, worker_cls = load_connector_classes(llm_args)
         self.worker = worker_cls(llm_args)
@@ -397,7 +467,7 @@ class RankState:
 
     def _forward_layer(self, layer: int, hashes: list[int], blocks: list[int], start: int, end: int) -> None:
         h = torch.tensor(hashes[start:end], dtype=torch.int64)
-        vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim)
+        vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)
         for pos in range(start, end):
             view = self._block_view(blocks[pos // self.block], layer)
             view[:, :, pos % self.block, :] = vals[:, :, pos - start, :]
@@ -406,11 +476,11 @@ class RankState:
         bad = 0
         h = torch.tensor(hashes[:end], dtype=torch.int64)
         for layer in range(self.layers):
-            expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim)
+            expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)
             for b in range((end + self.block - 1) // self.block):
                 lo, hi = b * self.block, min(end, (b + 1) * self.block)
                 got = self._block_view(blocks[b], layer)[:, :, : hi - lo, :]
-                if not torch.equal(got, expected[:, :, lo:hi, :]):
+                if not _bit_equal(got, expected[:, :, lo:hi, :]):
                     bad += 1
         return bad
 
@@ -704,12 +774,12 @@ class StandinExecutor:
         for _ in range(iterations):
             self._iteration([], [])
 
-    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...]]]:
+    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...] | None]]:
         salt, b = req.salt or "", self.block
         full = min(req.context_pos, len(req.tokens)) // b
         return {
-            req.block_ids[i]: (salt, req.hashes[(i + 1) * b - 1], req.hashes[i * b - 1] if i else 0,
-                               tuple(req.tokens[i * b : (i + 1) * b]))
+            req.block_ids[i]: (salt, req.hashes[(i + 1) * b - 1], req.hashes[i * b - 1] if i else req.chain_seed,
+                               None if req.has_multimodal_in(i * b, (i + 1) * b) else tuple(req.tokens[i * b : (i + 1) * b]))
             for i in range(full)
         }  # fmt: skip
 
@@ -972,9 +1042,9 @@ class StandinExecutor:
             return None, 0
         start = full_blocks * self.block
         limit = min(start + self.block, req.prompt_len - 1)
-        if start >= limit:
+        if start >= limit or req.has_multimodal_in(start, start + self.block):
             return None, 0
-        parent = req.hashes[start - 1] if full_blocks else 0
+        parent = req.hashes[start - 1] if full_blocks else req.chain_seed
         src, k = self.blocks.match_partial(salt, parent, req.tokens[start:limit])
         if src is not None and k == 0:
             self.blocks.release([src], {})
@@ -1041,9 +1111,11 @@ def connector_llm_args(
     block: int = BLOCK,
     attention_dp: bool = False,
     kv_cache_manager_v2: bool | str = "auto",
+    kv_dtype: str = "auto",
 ) -> Any:
     """``TorchLlmArgs`` naming the kvoffload connector in ``kv_connector_config``, as the operator writes it
-    (``kv_cache_manager_v2``: ``kv_cache_config.use_kv_cache_manager_v2``, main's default ``"auto"``)."""
+    (``kv_cache_manager_v2``: ``kv_cache_config.use_kv_cache_manager_v2``, main's default ``"auto"``;
+    ``kv_dtype``: ``kv_cache_config.dtype``)."""
     _ensure_paths()
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
@@ -1054,7 +1126,10 @@ def connector_llm_args(
         tensor_parallel_size=tp,
         enable_attention_dp=attention_dp,
         kv_cache_config=KvCacheConfig(
-            tokens_per_block=block, enable_block_reuse=True, use_kv_cache_manager_v2=kv_cache_manager_v2
+            tokens_per_block=block,
+            enable_block_reuse=True,
+            use_kv_cache_manager_v2=kv_cache_manager_v2,
+            dtype=kv_dtype,
         ),
         kv_connector_config=KvCacheConnectorConfig(
             connector_module=contract.CONNECTOR_MODULE,

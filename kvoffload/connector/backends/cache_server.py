@@ -72,6 +72,7 @@ class CacheServerBackend(LMCacheMPClient):
         """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
         if not self._up.is_set():
             raise BackendError("lookup", "unavailable")
+        self._key_as_local_worker()
         key = self._key(session_id, token_ids, 0, end, salt, worker=False)
         # Read this process's own stores on this prompt's chain: wait (at most one lookup timeout)
         # for their COMMITs; other requests' COMMITs cannot change this answer.
@@ -90,6 +91,16 @@ class CacheServerBackend(LMCacheMPClient):
         except Exception as exc:
             raise self._request_failed("lookup", exc, client) from exc
         return int(chunks or 0) * self.chunk_size
+
+    def _key_as_local_worker(self) -> None:
+        """Key lookups with the chunk layout of the pool rank 0's worker in this process registered
+        (TensorRT-LLM runs the scheduler in rank 0's process); without one nothing is looked up,
+        as nothing could be loaded."""
+        local = _LOCAL_WORKERS.get(self._settings.server_url)
+        model = local.cache_model if local is not None else None
+        if model is None:
+            raise BackendError("lookup", "unavailable", "no worker in this process registered its KV pool")
+        self._cache_model = model
 
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str

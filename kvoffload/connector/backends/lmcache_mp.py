@@ -41,7 +41,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
-from kvoffload.connector.keys import cache_model_name
+from kvoffload.connector.keys import cache_model_name, chunk_layout
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
 from kvoffload.connector.settings import ConnectorSettings
@@ -163,6 +163,8 @@ class LMCacheMPClient:
         """Stores whose copies were issued and not yet waited for (under ``_retired_lock``)."""
         self._geometry: KvGeometry | None = None
         self._block_bytes = 0
+        self._cache_model: str | None = None
+        """The model name in this client's keys (:meth:`cache_model`)."""
         self._transfer: Any = None
         self._shm_identity: tuple[str, int] | None = None
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
@@ -188,6 +190,12 @@ class LMCacheMPClient:
     def is_up(self) -> bool:
         """Whether the last contact with the server succeeded."""
         return self._up.is_set()
+
+    @property
+    def cache_model(self) -> str | None:
+        """The model name in this client's keys, tagged with the layout of the pool it registered
+        (``keys.cache_model_name``); None before a pool was registered."""
+        return self._cache_model
 
     def _mark_up(self) -> None:
         if not self._up.is_set():
@@ -274,8 +282,10 @@ class LMCacheMPClient:
         worker: bool,
         rank: int | None = None,
     ) -> IPCCacheServerKey:
+        if self._cache_model is None:
+            raise BackendError("key", "unavailable", "no KV pool registered: the chunk layout is unknown")
         return IPCCacheServerKey(
-            model_name=cache_model_name(self._settings.model_name),
+            model_name=self._cache_model,
             world_size=self._settings.world_size,
             worker_id=(self._rank if rank is None else rank) if worker else None,
             token_ids=token_ids,
@@ -294,6 +304,8 @@ class LMCacheMPClient:
         self._store_copies = TransferStream(kv_pool.device)
         self._geometry = geometry
         self._block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
+        layout = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self._block_bytes)
+        self._cache_model = cache_model_name(self._settings.model_name, layout)
         try:
             self._register_now()
         except Exception as exc:
@@ -309,7 +321,7 @@ class LMCacheMPClient:
             )
             transfer.register(
                 kv,
-                cache_model_name(self._settings.model_name),
+                self._cache_model,
                 self._settings.world_size,
                 self._blocks_per_chunk,
                 max(self._store_timeout_s, self._retrieve_timeout_s),

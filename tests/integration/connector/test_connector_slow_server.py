@@ -90,7 +90,7 @@ def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_onc
     """A lookup's timeout wakes the heartbeat at once: a server that misses two PINGs in a row is
     down (lookups answer at once instead of each waiting out its deadline) until it answers again."""
     env = {**ENV, "KVOFFLOAD_LOOKUP_TIMEOUT_MS": "300", "KVOFFLOAD_HEARTBEAT_INTERVAL_MS": "1000"}
-    scheduler = direct_backend(lmcache_server, "hung-server", "scheduler", env)
+    worker, scheduler = backend_pair(lmcache_server, "hung-server", env, CHUNK // BLOCK)  # lookups key as its pool
     prompt = tuple(make_prompt(53, CHUNK))
     try:
         with lmcache_server.paused():
@@ -109,6 +109,7 @@ def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_onc
         assert scheduler.is_up(), "the server answered again but the backend stayed down"
     finally:
         scheduler.close()
+        worker.close()
 
 
 def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(lmcache_server: LMCacheServer) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvoffload import contract
 from kvoffload.connector.backends.base import kv_geometry
-from kvoffload.connector.keys import cache_model_name, normalize_salt, salt_of
+from kvoffload.connector.keys import cache_model_name, chunk_layout, normalize_salt, salt_of
 from kvoffload.connector.settings import (
     SettingsError,
     parse_settings,
@@ -124,7 +124,9 @@ def test_block_reuse_off_is_refused_at_start_because_every_load_would_be_dropped
 
     args = _args()
     args.kv_cache_config = KvCacheConfig(tokens_per_block=32, enable_block_reuse=False)
-    with pytest.raises(SettingsError, match=r"kv_cache_config\.enable_block_reuse=false: TensorRT-LLM then applies none"):
+    with pytest.raises(
+        SettingsError, match=r"kv_cache_config\.enable_block_reuse=false: TensorRT-LLM then applies none"
+    ):
         parse_settings({}, args)
 
 
@@ -152,7 +154,7 @@ def test_cache_model_name_tags_the_chunk_layout_without_lmcache_key_separators()
     import torch
     from lmcache.utils import CacheEngineKey
 
-    tagged = cache_model_name("meta-llama/Llama-3.1-8B")
+    tagged = cache_model_name("meta-llama/Llama-3.1-8B", chunk_layout(torch.float8_e4m3fn, 32, 2**21))
     assert tagged != "meta-llama/Llama-3.1-8B" and tagged.startswith("meta-llama/Llama-3.1-8B")
     assert "@" not in tagged.removeprefix("meta-llama/Llama-3.1-8B")
     key = CacheEngineKey(model_name=tagged, world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)

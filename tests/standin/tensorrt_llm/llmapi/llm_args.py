@@ -15,6 +15,8 @@ class KvCacheConfig:
     use_kv_cache_manager_v2: bool | str = "auto"
     """Main's default since PR #15823: ``"auto"``, resolved per model class and written back
     (``llm_utils._resolve_kv_cache_manager_v2_auto``) before the connector is built."""
+    dtype: str = "auto"
+    """The KV cache's data type (``auto``: the checkpoint's)."""
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""What changes the KV changes the key: LoRA adapters, images, the KV dtype and the block size, on the
+stand-in of TensorRT-LLM's executor with a real ``lmcache server``. The stand-in's forward makes KV
+depend on the adapter at every position and on an image from its placeholder tokens on, and its
+device reuse keys blocks by both (as the C++ ``BlockKey``), so a chunk read under the wrong key
+shows as KV mismatches and other output tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration.connector.test_connector_token_sources import token_sources
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import (
+    BLOCK,
+    CHUNK,
+    PromptRequest,
+    RequestResult,
+    StandinExecutor,
+    connector_llm_args,
+    make_prompt,
+    multimodal_hash,
+)
+
+pytestmark = pytest.mark.connector
+
+PROMPT = make_prompt(41, 4 * CHUNK + 10)
+WHOLE_CHUNKS = 4 * CHUNK
+IMAGE_AT, IMAGE_LEN, PLACEHOLDER = 100, 64, 31999
+"""An image's placeholder tokens: the same ids whatever the image."""
+BEFORE_IMAGE = (IMAGE_AT // BLOCK) * BLOCK
+"""Tokens of the whole blocks before the image: what the device reuses across images."""
+
+
+def with_image(prompt: list[int]) -> list[int]:
+    return [*prompt[:IMAGE_AT], *[PLACEHOLDER] * IMAGE_LEN, *prompt[IMAGE_AT + IMAGE_LEN :]]
+
+
+def image_request(rid: int, content: bytes | None, prompt: list[int] = PROMPT) -> PromptRequest:
+    """A request whose prompt holds one image (``content``; None: its hash is missing)."""
+    return PromptRequest(
+        rid,
+        with_image(prompt),
+        2,
+        multimodal_hashes=None if content is None else [multimodal_hash(content)],
+        multimodal_positions=[IMAGE_AT],
+        multimodal_lengths=[IMAGE_LEN],
+    )
+
+
+def run_one(ex: Any, request: PromptRequest) -> RequestResult:
+    (result,) = ex.run([request])
+    assert not result.failed, result.error
+    return result
+
+
+def test_the_same_prompt_under_two_lora_adapters_never_shares_kv(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Adapter 7's KV is neither device-reused nor loaded for adapter 8, nor 8's for 7; each adapter
+    loads its own once the device evicted it, bit-exact."""
+    ex = executor_factory("keys-lora-model", lmcache_server.url)
+    first = run_one(ex, PromptRequest(1, PROMPT, 2, lora_task_id=7))
+    other = run_one(ex, PromptRequest(2, PROMPT, 2, lora_task_id=8))  # 7's blocks still on the device
+    assert other.device_reused_tokens == 0 and other.connector_matched_tokens == 0
+    assert other.output_tokens != first.output_tokens, "the stand-in's KV does not depend on the adapter"
+    ex.evict_device_cache()
+    base = run_one(ex, PromptRequest(3, PROMPT, 2))
+    assert base.connector_matched_tokens == 0, "the base model loaded an adapter's KV"
+    ex.evict_device_cache()
+    again = run_one(ex, PromptRequest(4, PROMPT, 2, lora_task_id=7))
+    other_again = run_one(ex, PromptRequest(5, PROMPT, 2, lora_task_id=8))
+    assert again.connector_matched_tokens == other_again.connector_matched_tokens == WHOLE_CHUNKS
+    assert (again.output_tokens, other_again.output_tokens) == (first.output_tokens, other.output_tokens)
+    assert ex.kv_mismatches == 0
+
+
+def test_the_same_text_with_two_images_never_shares_kv(lmcache_server: LMCacheServer, executor_factory: Any) -> None:
+    """Image B's request device-reuses only the blocks before the image (as TensorRT-LLM does) and
+    loads nothing of image A's; each image loads its own once the device evicted it, bit-exact."""
+    ex = executor_factory("keys-image-model", lmcache_server.url)
+    first = run_one(ex, image_request(1, b"image A"))
+    other = run_one(ex, image_request(2, b"image B"))
+    assert (other.device_reused_tokens, other.connector_matched_tokens) == (BEFORE_IMAGE, 0)
+    assert other.output_tokens != first.output_tokens, "the stand-in's KV does not depend on the image"
+    ex.evict_device_cache()
+    again = run_one(ex, image_request(3, b"image A"))
+    other_again = run_one(ex, image_request(4, b"image B"))  # the text before the image: on the device again
+    assert again.connector_matched_tokens == WHOLE_CHUNKS
+    assert (other_again.device_reused_tokens, other_again.connector_matched_tokens) == (
+        BEFORE_IMAGE,
+        WHOLE_CHUNKS - BEFORE_IMAGE,
+    )
+    assert (again.output_tokens, other_again.output_tokens) == (first.output_tokens, other.output_tokens)
+    assert ex.kv_mismatches == 0
+
+
+def test_a_multimodal_request_without_hashes_is_neither_looked_up_nor_saved(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Its placeholder tokens do not say which image they stand for: no lookup, no save (a text
+    request with the same tokens finds nothing), its whole chunks counted as computed, ``uncacheable``."""
+    ex = executor_factory("keys-unhashed-model", lmcache_server.url)
+    run_one(ex, image_request(1, None))
+    ex.evict_device_cache()
+    unhashed = run_one(ex, image_request(2, None))
+    ex.evict_device_cache()
+    same_tokens = run_one(ex, PromptRequest(3, with_image(PROMPT), 2))
+    assert unhashed.connector_matched_tokens == same_tokens.connector_matched_tokens == 0
+    assert token_sources(ex)["computed", "uncacheable"] == 2 * WHOLE_CHUNKS
+    assert ex.kv_mismatches == 0
+
+
+def first_run(model: str, url: str, request: PromptRequest, **llm_args: Any) -> tuple[RequestResult, int]:
+    """``request`` on a fresh engine of ``model``: its result and the engine's KV mismatches. One
+    engine at a time: in one process a scheduler keys as the worker registered last for its server."""
+    ex = StandinExecutor(connector_llm_args(model, url, **llm_args))
+    try:
+        return run_one(ex, request), ex.kv_mismatches
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize(
+    ("model", "ours", "theirs"),
+    [
+        ("keys-dtype-model", {"kv_dtype": "bfloat16"}, {"kv_dtype": "fp8"}),
+        ("keys-block-model", {"block": 16}, {"block": 32}),
+    ],
+    ids=["bf16-vs-fp8-kv", "16-vs-32-tokens-per-block"],
+)
+def test_engines_of_one_model_with_other_chunk_bytes_never_read_each_others_chunks(
+    lmcache_server: LMCacheServer,
+    connector_env: dict[str, str],
+    model: str,
+    ours: dict[str, Any],
+    theirs: dict[str, Any],
+) -> None:
+    """Two deployments of one model sharing one server, differing only in the KV dtype or the block
+    size: neither loads the other's chunks; each loads its own, bit-exact."""
+    url = lmcache_server.url
+    stored, bad = first_run(model, url, PromptRequest(1, PROMPT, 2), **ours)
+    assert stored.connector_matched_tokens == 0 and bad == 0
+    cross, bad = first_run(model, url, PromptRequest(2, PROMPT, 2), **theirs)
+    assert cross.connector_matched_tokens == 0 and bad == 0
+    own, bad = first_run(model, url, PromptRequest(3, PROMPT, 2), **theirs)
+    assert own.connector_matched_tokens == WHOLE_CHUNKS and own.output_tokens == cross.output_tokens and bad == 0
+    back, bad = first_run(model, url, PromptRequest(4, PROMPT, 2), **ours)
+    assert back.connector_matched_tokens == WHOLE_CHUNKS and back.output_tokens == stored.output_tokens and bad == 0
