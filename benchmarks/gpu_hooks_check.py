@@ -22,6 +22,12 @@ read (``ConnectorMetadata.reused_blocks``), and the retry's "forward" on the eng
 right after it; what it read must be bit-exact (the load landed before it, however far the loader
 thread had got).
 
+With ``--kv-cache-manager-v2`` the pool is registered as KVCacheManagerV2 does
+(``register_kv_cache_layout``), and the load goes through the scheduler's ``build_connector_meta`` with
+the request honoured for half the offer (``py_num_connector_matched_tokens``, as a grow that failed
+leaves it) and pages only up to one block past that: the honoured blocks must be bit-exact and the
+next page untouched.
+
 With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
 between the last round's lookup and its load: the secured load must still arrive bit-exact.
 A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
@@ -64,7 +70,7 @@ def _kill_tree(pid: int) -> None:
 
 @contextlib.contextmanager
 def connector_hooks(
-    l1: str, nblocks: int, device: str, env: dict[str, str]
+    l1: str, nblocks: int, device: str, env: dict[str, str], layout: bool = False
 ) -> Iterator[tuple[subprocess.Popen[bytes], Any, Any, torch.Tensor]]:
     """The real sidecar, and the connector's scheduler and worker over it with a Llama-3-8B-shaped
     bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool)``."""
@@ -89,7 +95,12 @@ def connector_hooks(
             dtype=torch.bfloat16,
             device=device,
         )
-        worker.register_kv_caches(pool)
+        if layout:  # KVCacheManagerV2: one layer group, handed over as a layout
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
+
+            worker.register_kv_cache_layout(KvCacheLayout((KvCacheLayoutGroup(pool, tuple(range(gt.LAYERS))),)))
+        else:
+            worker.register_kv_caches(pool)
         yield sidecar, scheduler, worker, pool
         worker.shutdown()
         scheduler._backend.close()
@@ -111,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cancel-during-load", action="store_true", help="the parked request is cancelled; its retry reads the blocks"
     )
+    parser.add_argument(
+        "--kv-cache-manager-v2", action="store_true", help="layout registration; the load honoured for half the offer"
+    )
     args = parser.parse_args(argv)
     args.async_load = args.async_load or args.cancel_during_load
     dev = args.device
@@ -120,13 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     from kvoffload.connector.planning import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
+    def honoured_load(scheduler: Any, request: Any, matched: int, pages: list[int], parked: bool) -> Any:
+        """KVCacheManagerV2's path: half the offer honoured, pages up to one block past it, the metadata
+        built by the scheduler (from the request's first report, or, parked, from nothing)."""
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+
+        request.py_num_connector_matched_tokens = matched // 2  # commit_new_matched_tokens
+        scheduler.update_state_after_alloc(request, pages)
+        first = RequestData(request.request_id, list(request.tokens), pages, 0, len(request.tokens) - matched // 2)
+        return scheduler.build_connector_meta(SchedulerOutput(new_requests=[] if parked else [first]))
+
     failures = 0
     nblocks = args.tokens // gt.TOKENS_PER_BLOCK
     env = {  # loads and saves as asked
         contract.ENV_ASYNC_SAVE: "false" if args.sync_save else "true",
         contract.ENV_ASYNC_LOAD_MIN_TOKENS: "1" if args.async_load else "0",
     }
-    with connector_hooks(args.l1, nblocks, dev, env) as (sidecar, scheduler, worker, pool):
+    with connector_hooks(args.l1, nblocks, dev, env, args.kv_cache_manager_v2) as (sidecar, scheduler, worker, pool):
         engine = torch.cuda.Stream() if dev == "cuda" else None
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
         for rnd in range(args.rounds):
@@ -168,7 +192,15 @@ def main(argv: list[str] | None = None) -> int:
             killed = args.kill_before_last_load and rnd == args.rounds - 1
             if killed:
                 _kill_tree(sidecar.pid)
-            worker.bind_connector_meta(ConnectorMetadata(**{"async_loads" if is_async else "loads": (load,)}))
+            honoured = matched
+            if args.kv_cache_manager_v2:  # V2: the scheduler builds the op from what was honoured
+                honoured = matched // 2
+                state.secured = load.secured  # back with the scheduler: build_connector_meta hands it over
+                pages = dst[: honoured // gt.TOKENS_PER_BLOCK + 1]
+                meta = honoured_load(scheduler, request, matched, pages, is_async)
+                worker.bind_connector_meta(ConnectorMetadata(loads=meta.loads, async_loads=meta.async_loads))
+            else:
+                worker.bind_connector_meta(ConnectorMetadata(**{"async_loads" if is_async else "loads": (load,)}))
             t1 = time.perf_counter()
             worker.start_load_kv(engine)  # its copies must follow the clearing on that stream
             worker._clear_connector_meta()
@@ -191,16 +223,19 @@ def main(argv: list[str] | None = None) -> int:
             worker.get_finished([], [])  # rank 0 releases the loaded chunks after the iteration
             scheduler.request_finished(request, [])
             sync()
+            got = honoured // gt.TOKENS_PER_BLOCK  # blocks the load wrote; V2: the next page stays as the engine left it
             exact = matched == args.tokens and bool(
-                torch.equal(pool[dst_idx].view(torch.int16), fresh.view(torch.int16))
+                torch.equal(pool[dst_idx[:got]].view(torch.int16), fresh[:got].view(torch.int16))
             )
+            if args.kv_cache_manager_v2:
+                exact = exact and bool(torch.isnan(pool[dst_idx[got]].float()).all())
             failures += 0 if exact and rid in done and is_async == args.async_load and retry_exact is not False else 1
             print(json.dumps({
                 "round": rnd, "tokens": args.tokens, "save_reported": rid in done, "matched": matched,
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
                 "lookup_ms": round(lookup_ms, 2), "load_done_incl_engine_work_ms": round(load_ms, 2), "bit_exact": exact,
                 "server_killed_before_load": killed, "async_save": not args.sync_save, "async_load": is_async,
-                "retry_read_bit_exact": retry_exact,
+                "retry_read_bit_exact": retry_exact, "honoured": honoured,
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
