@@ -11,7 +11,7 @@ from kvoffload import contract as c
 RESULTS = ("applied", "unchanged", "removed", "skipped", "error", "conflict")
 """``result`` label of the reconcile counter."""
 KINDS = ("Deployment", "StatefulSet")
-ADMISSION_RESULTS = ("injected", "ignored", "not_injected", "error")
+ADMISSION_RESULTS = ("injected", "ignored", "not_injected", "error", "refused")
 ERROR_REASONS = (
     "invalid_settings", "policy_missing", "ambiguous_container", "unsupported", "conflict",
     "options_missing", "invalid_options", "api_error", "internal",
@@ -45,8 +45,9 @@ class OperatorMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.admissions = Counter(
-            c.M_OPERATOR_ADMISSIONS, "Pods the injection webhook answered, by result (injected, ignored, "
-            "not_injected, error).", ["result"], registry=self.registry,
+            c.M_OPERATOR_ADMISSIONS, "Reviews the injection webhook answered, by result (injected, ignored, "
+            "not_injected, error, refused: not a pod CREATE in admission.k8s.io/v1).", ["result"],
+            registry=self.registry,
         )  # fmt: skip
         self.evictions = Counter(
             c.M_OPERATOR_EVICTIONS, "Pods created without the injection (webhook not reached) evicted to be "

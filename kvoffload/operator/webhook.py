@@ -1,109 +1,95 @@
-"""The pod-injection webhook's server: HTTPS on every operator replica (the acting one and any
-standby), each AdmissionReview answered from the pod and its workload's injection record."""
+"""The pod-injection webhook: HTTPS on every operator replica (the acting one and any standby),
+each AdmissionReview answered from the pod and its workload's injection record."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import logging
 import ssl
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.httpreply import send_reply
 
 from .admission import Admission, admission_response, admit, pod_owner, record_from_workload
+from .admission_review import PodReview, parse_pod_review
+from .https_server import HttpsServer, Reply, Request, refusal
 from .kube import Kube, KubeApiError, workload_path
 from .metrics import OperatorMetrics
 from .webhook_tls import TlsMaterial
 
 log = logging.getLogger("kvoffload.operator")
-MAX_REVIEW_BYTES = 8 * 2**20
+MAX_REVIEW_BYTES = 2**20
+"""The largest AdmissionReview body read: a pod's review is a few KiB to tens of KiB, and answering
+one at this cap takes tens of MiB for a moment. A larger one gets 413 before its body is read."""
 
 
-def review_pod(kube: Kube, review: dict[str, Any]) -> tuple[str, Admission]:
-    """(request uid, answer) for one AdmissionReview of a pod CREATE."""
-    request = review.get("request") or {}
-    pod = request.get("object") or {}
-    namespace = str(request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
-    owner = pod_owner(pod)
+def review_pod(kube: Kube, review: PodReview) -> Admission:
+    """The answer for one pod CREATE: its owner's injection record read, then ``admit``."""
+    owner = pod_owner(review.pod)
     record = None
-    if owner is not None and c.LABEL_INJECT in ((pod.get("metadata") or {}).get("labels") or {}):
+    if owner is not None and c.LABEL_INJECT in ((review.pod.get("metadata") or {}).get("labels") or {}):
         try:
-            record = record_from_workload(kube.get(workload_path(owner[0], namespace, owner[1])), *owner)
+            record = record_from_workload(kube.get(workload_path(owner[0], review.namespace, owner[1])), *owner)
         except KubeApiError as exc:
             record = f"reading {owner[0]} {owner[1]} failed: {exc}"
-    return str(request.get("uid", "")), admit(pod, namespace, record, owner)
+    return admit(review.pod, review.namespace, record, owner)
+
+
+def server_context(tls: TlsMaterial) -> ssl.SSLContext:
+    """The webhook's TLS: TLS 1.2 at least, its serving certificate (the key file lives only while
+    it is loaded)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory(prefix="kvoffload-webhook-") as tmp:
+        cert, key = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
+        cert.write_bytes(tls.cert_pem)
+        key.touch(mode=0o600)
+        key.write_bytes(tls.key_pem)
+        context.load_cert_chain(str(cert), str(key))
+    return context
 
 
 class WebhookServer:
-    """``POST /mutate-pods`` (AdmissionReview v1) and ``GET /healthz`` over TLS, in a thread."""
+    """``POST /mutate-pods`` (AdmissionReview v1), ``GET /healthz`` and ``GET /readyz`` over TLS.
+    ``/readyz`` is answered by the same accept, handshake and handler threads as a review, so a
+    webhook that cannot answer reviews is not ready."""
 
     def __init__(
         self, kube: Kube, metrics: OperatorMetrics, tls: TlsMaterial, port: int, host: str = "0.0.0.0"
     ) -> None:
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("webhook: " + fmt, *args)
-
-            def do_GET(self) -> None:
-                self._send(200, b"ok\n", "text/plain") if self.path == "/healthz" else self._send(
-                    404, b"", "text/plain"
-                )
-
-            def do_POST(self) -> None:
-                if self.path.split("?")[0] != c.WEBHOOK_PATH:
-                    self._send(404, b"", "text/plain")
-                    return
-                length = int(self.headers.get("Content-Length") or 0)
-                if length <= 0 or length > MAX_REVIEW_BYTES:
-                    self._send(400, b"an AdmissionReview body is required", "text/plain")
-                    return
-                try:
-                    review = json.loads(self.rfile.read(length))
-                except ValueError:
-                    self._send(400, b"not JSON", "text/plain")
-                    return
-                self._send(200, json.dumps(outer.answer(review)).encode(), "application/json")
-
-            def _send(self, status: int, body: bytes, content_type: str) -> None:
-                send_reply(self, status, body, content_type)
-
         self.kube, self.metrics = kube, metrics
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvoffload-webhook-")
-        cert, key = Path(self._tmp.name, "tls.crt"), Path(self._tmp.name, "tls.key")
-        cert.write_bytes(tls.cert_pem)
-        key.write_bytes(tls.key_pem)
-        key.chmod(0o600)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(str(cert), str(key))
-        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
+        self.server = HttpsServer(server_context(tls), host, port, self.handle, MAX_REVIEW_BYTES)
+        self.port = self.server.port
 
-    def answer(self, review: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, request: Request) -> Reply:
+        """The reply to one whole request (in one of the server's handler threads)."""
+        if request.method == "GET" and request.path in ("/healthz", c.PATH_READY):
+            return Reply(200, b"ok\n")
+        if request.method != "POST" or request.path.split("?")[0] != c.WEBHOOK_PATH:
+            return refusal(404, "not found")
+        review = parse_pod_review(request.body)
+        if isinstance(review, str):
+            self.metrics.admissions.labels(result="refused").inc()
+            log.debug("webhook: refused a review: %s", review)
+            return refusal(400, review)
+        return Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
+
+    def answer(self, review: PodReview) -> dict[str, Any]:
+        """The AdmissionReview response for a valid pod CREATE; a pod is never refused for our bug."""
         try:
-            uid, admission = review_pod(self.kube, review)
-        except Exception as exc:  # never fail a pod creation on our bug: admit it as written
+            admission = review_pod(self.kube, review)
+        except Exception as exc:  # admit it as written
             log.exception("webhook: reviewing a pod failed")
-            uid = str((review.get("request") or {}).get("uid", ""))
             admission = Admission([], (f"kvoffload: not injected: internal error {type(exc).__name__}",), "error")
         self.metrics.admissions.labels(result=admission.result).inc()
         if admission.result != "ignored":
-            log.info("webhook: pod %s: %s %s", uid, admission.result, "; ".join(admission.warnings))
-        return admission_response(uid, admission)
+            log.info("webhook: pod %s: %s %s", review.uid, admission.result, "; ".join(admission.warnings))
+        return admission_response(review.uid, admission)
 
     def start(self) -> None:
-        threading.Thread(target=self.server.serve_forever, name="kvoffload-webhook", daemon=True).start()
+        self.server.start()
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._tmp.cleanup()
+        self.server.stop()

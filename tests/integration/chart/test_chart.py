@@ -145,6 +145,15 @@ def test_admission_mode_passes_the_webhook_service_or_the_url_given() -> None:
     assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
 
 
+def test_in_admission_mode_the_operator_is_ready_while_its_webhook_answers_on_the_webhook_port() -> None:
+    def readiness(*set_args: str) -> dict[str, Any]:
+        deployment = next(d for d in render(*set_args) if d["kind"] == "Deployment")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+
+    assert readiness() == {"path": contract.PATH_READY, "port": "webhook", "scheme": "HTTPS"}
+    assert readiness("injection.mode=template") == {"path": "/healthz", "port": "health"}
+
+
 def test_the_operator_posts_warning_events_only_unless_all_are_asked_for() -> None:
     assert "--events=warnings" in operator_args(render())
     assert "--events=all" in operator_args(render("operator.events=all"))

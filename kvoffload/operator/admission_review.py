@@ -1,0 +1,74 @@
+"""The AdmissionReview the webhook answers, checked strictly at the edge, pure: a pod CREATE in
+``admission.k8s.io/v1`` with a uid to echo, or a one-line reason to refuse the body with."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+REVIEW_API_VERSION = "admission.k8s.io/v1"
+MAX_UID_CHARS = 256
+"""The apiserver's request uids are UUIDs; the response echoes the uid, so it is bounded."""
+_SHOWN_CHARS = 60
+
+
+@dataclass(frozen=True)
+class PodReview:
+    """One pod CREATE to answer: the uid the response echoes, the namespace, the pod."""
+
+    uid: str
+    namespace: str
+    pod: Mapping[str, Any]
+
+
+def parse_pod_review(body: bytes) -> PodReview | str:
+    """The review in ``body``, or why it is not a pod CREATE this webhook answers."""
+    try:
+        review = json.loads(body)
+    except RecursionError:
+        return "the body nests too deeply to be an AdmissionReview"
+    except ValueError as exc:  # UnicodeDecodeError included
+        return f"the body is not JSON: {exc}"
+    if not isinstance(review, dict):
+        return f"the body is a JSON {type(review).__name__}, not an AdmissionReview object"
+    if review.get("apiVersion") != REVIEW_API_VERSION or review.get("kind") != "AdmissionReview":
+        return (f"apiVersion {_shown(review.get('apiVersion'))} kind {_shown(review.get('kind'))}: "
+                f"allowed apiVersion {REVIEW_API_VERSION!r} kind 'AdmissionReview'")  # fmt: skip
+    request = review.get("request")
+    if not isinstance(request, dict):
+        return f"request is {type(request).__name__}, not an object"
+    return _pod_create(request)
+
+
+def _pod_create(request: Mapping[str, Any]) -> PodReview | str:
+    uid, namespace, pod = request.get("uid"), request.get("namespace"), request.get("object")
+    kind = request.get("kind")
+    group, kind_name = (kind.get("group", ""), kind.get("kind")) if isinstance(kind, dict) else (None, kind)
+    if not isinstance(uid, str) or not 0 < len(uid) <= MAX_UID_CHARS:
+        return f"request.uid {_shown(uid)}: a string of 1 to {MAX_UID_CHARS} characters is required"
+    if group != "" or kind_name != "Pod":
+        return f"request.kind group {_shown(group)} kind {_shown(kind_name)}: only core Pods are reviewed"
+    if request.get("operation") != "CREATE":
+        return f"request.operation {_shown(request.get('operation'))}: only CREATE is reviewed"
+    if not isinstance(namespace, str) or not namespace:
+        return f"request.namespace {_shown(namespace)}: a non-empty string is required"
+    if not isinstance(pod, dict):
+        return f"request.object is {type(pod).__name__}, not a pod object"
+    meta = pod.get("metadata", {})
+    if not isinstance(meta, dict):
+        return f"request.object.metadata is {type(meta).__name__}, not an object"
+    if meta.get("namespace") not in (None, "", namespace):
+        return (f"request.object.metadata.namespace {_shown(meta.get('namespace'))} is not "
+                f"request.namespace {_shown(namespace)}")  # fmt: skip
+    return PodReview(uid, namespace, pod)
+
+
+def _shown(value: object) -> str:
+    """``value`` for a one-line reason, cut short (the reason goes back to whoever sent it); an
+    object or a list by its type only (its repr could be as large, or as deep, as the body)."""
+    if value is not None and not isinstance(value, (str, int, float)):
+        return f"<a JSON {type(value).__name__}>"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
