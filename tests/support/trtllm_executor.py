@@ -702,6 +702,8 @@ class StandinExecutor:
         self.iterations = 0
         self._mismatches = 0
         self._announced: set[int] = set()
+        self._paused: list[StandinLlmRequest] = []
+        """KVCacheManagerV2 requests whose allocation was destroyed for want of pages: replayed next."""
         self._done_votes: dict[int, int] = {}
         self._other_traffic: list[int] = []
         self._other_ids = 0
@@ -713,6 +715,8 @@ class StandinExecutor:
         self._loading_votes: dict[int, int] = {}
         self.async_loads = 0
         self.short_honours = 0
+        self.pauses = 0
+        """KVCacheManagerV2 allocations destroyed for want of pages (the request replayed)."""
         """KVCacheManagerV2 offers honoured in part (a grow the pool could not give)."""
 
     @property
@@ -755,14 +759,14 @@ class StandinExecutor:
         active: list[StandinLlmRequest] = []
         deadline = time.monotonic() + timeout_s
         step = 0
-        while arrivals or active or self.saving or self.parked:
+        while arrivals or active or self.saving or self.parked or self._paused:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"requests still running after {timeout_s}s; saving={sorted(self.saving)} parked={sorted(self.parked)}"
                 )
             pending = [r for r in arrivals if r.arrive_after <= step]
             arrivals = arrivals[len(pending) :]
-            if not pending and not active:
+            if not pending and not active and not self._paused:
                 time.sleep(0.002)  # only async saves or loads left: TensorRT-LLM keeps iterating, idle
             self._iteration(pending, active)
             step += 1
@@ -792,9 +796,14 @@ class StandinExecutor:
         scheduled: list[tuple[StandinLlmRequest, int, int]] = []
         block_copies: list[tuple[int, int]] = []
         # Step 2: first context chunk of new requests: device reuse -> connector -> allocate.
+        new, self._paused = self._paused + list(new), []
         replays: list[StandinLlmRequest] = []
         for req in new:
-            matched, is_async = self._allocate(req, block_copies)
+            allocated = self._allocate(req, block_copies)
+            if allocated is None:
+                self._paused.append(req)  # V2's capacity scheduler admits a request once its first chunk fits
+                continue
+            matched, is_async = allocated
             if req.replay_on_admission:
                 # MAX_UTILIZATION destroys the allocation it just made (reset_request_state): the blocks
                 # go back to the pool, where the requests admitted after it may take them, and the
@@ -808,9 +817,13 @@ class StandinExecutor:
                 continue
             self._admit(req, matched, is_async, output, scheduled, active)
         for req in replays:
-            matched, is_async = self._allocate(req, block_copies)
-            self._admit(req, matched, is_async, output, scheduled, active)
+            allocated = self._allocate(req, block_copies)
+            if allocated is None:
+                self._paused.append(req)
+                continue
+            self._admit(req, *allocated, output, scheduled, active)
         new_ids = {r.request_id for r in new}
+        waiting: list[StandinLlmRequest] = []
         for req in active:
             if req.request_id in new_ids:
                 continue
@@ -825,6 +838,9 @@ class StandinExecutor:
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             elif req.context_pos < req.prompt_len:  # later context chunk
                 n = self._chunk_len(req)
+                if self.kv_manager_v2 and self._pages_short(req, req.context_pos + n):
+                    waiting.append(req)  # V2 schedules a chunk only when its pages fit
+                    continue
                 new_pages = self._grow_to(req, req.context_pos + n) if self.kv_manager_v2 else []
                 output.cached_requests.append(
                     RequestData(req.request_id, [], new_pages, req.context_pos, n, cache_salt=req.salt)
@@ -834,12 +850,17 @@ class StandinExecutor:
                 pos = len(req.tokens) - 1
                 new_blocks: list[int] = []
                 if pos // self.block >= len(req.block_ids):
+                    if self.kv_manager_v2 and self._pages_short(req, pos + 1):
+                        waiting.append(req)
+                        continue
                     new_blocks = self.blocks.allocate(1)
                     req.block_ids.extend(new_blocks)
                 output.cached_requests.append(
                     RequestData(req.request_id, [req.tokens[-1]], new_blocks, pos, 1, cache_salt=req.salt)
                 )
                 scheduled.append((req, pos, pos + 1))
+        if waiting and not scheduled:
+            self._pause_for_pages(active)
         for req, start, end in scheduled:
             work.append((req.request_id, req.hashes, list(req.block_ids), start, end))
         other = self._other_traffic_request(output)
@@ -937,15 +958,20 @@ class StandinExecutor:
             self._announced.discard(rid)
             self.blocks.release(req.block_ids, self._commit_keys(req))
 
-    def _allocate(self, req: StandinLlmRequest, block_copies: list[tuple[int, int]]) -> tuple[int, bool]:
+    def _allocate(self, req: StandinLlmRequest, block_copies: list[tuple[int, int]]) -> tuple[int, bool] | None:
         """``prepare_resources`` for a first context chunk: device reuse, the connector's answer,
-        allocation, ``update_state_after_alloc``."""
+        allocation, ``update_state_after_alloc``; None when V2 cannot give its first chunk's pages
+        (the request is not scheduled, so the connector is not asked)."""
         salt = req.salt or ""
         max_reuse = ((req.prompt_len - 1) // self.block) * self.block
         reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
         num_reused = len(reused) * self.block
         partial_src, partial = self._match_partial(req, salt, len(reused))
         num_reused += partial
+        first_chunk = min(req.prompt_len, num_reused + (self.chunk or req.prompt_len))
+        if self.kv_manager_v2 and -(-first_chunk // self.block) - len(reused) > self.blocks.available():
+            self.blocks.release(reused + ([partial_src] if partial_src is not None else []), {})
+            return None
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
         if is_async and matched == 0:
             raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
@@ -979,8 +1005,7 @@ class StandinExecutor:
         if offer == 0 or local + offer < capacity or self.chunk is None:
             return offer, max(capacity, local + offer + 1)
         target = min(req.prompt_len, local + offer + chunk)
-        extra = -(-target // self.block) - -(-capacity // self.block)
-        if self.blocks.available() >= extra:
+        if self.blocks.available() >= -(-target // self.block) - local // self.block:  # the grow's pages fit
             return offer, target
         self.short_honours += 1
         fallback_end = ((capacity - 1) // self.block) * self.block
@@ -992,6 +1017,24 @@ class StandinExecutor:
         if req.first_chunk_end is not None and req.first_chunk_end > req.context_pos:
             return req.first_chunk_end - req.context_pos
         return self._chunk_len(req)
+
+    def _pause_for_pages(self, active: list[StandinLlmRequest]) -> None:
+        """No request can run for want of pages: MAX_UTILIZATION destroys the allocation of the
+        context request holding the most (its blocks stored for reuse up to its KV, as a release
+        does) and replays it next iteration (``reset_request_state``; the connector is asked again)."""
+        candidates = [r for r in active if r.context_pos < r.prompt_len and not r.generated]
+        if not candidates:
+            raise RuntimeError("stand-in KV pool exhausted: no context request to pause")
+        victim = max(candidates, key=lambda r: len(r.block_ids))
+        active.remove(victim)
+        self.blocks.release(victim.block_ids, self._commit_keys(victim))
+        victim.block_ids, victim.context_pos, victim.first_chunk_end = [], 0, None
+        self._paused.append(victim)
+        self.pauses += 1
+
+    def _pages_short(self, req: StandinLlmRequest, tokens: int) -> bool:
+        """Whether the pool cannot give the pages a chunk ending at ``tokens`` still needs."""
+        return -(-tokens // self.block) - len(req.block_ids) > self.blocks.available()
 
     def _grow_to(self, req: StandinLlmRequest, tokens: int) -> list[int]:
         """KVCacheManagerV2 allocates per chunk: the pages a chunk ending at ``tokens`` still needs."""

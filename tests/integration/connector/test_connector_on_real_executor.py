@@ -122,8 +122,9 @@ def test_engine_survives_server_kills_at_any_moment_with_correct_outputs(
     monkeypatch.setenv(contract.ENV_LOOKUP_TIMEOUT_MS, "500")
     monkeypatch.setenv(contract.ENV_STORE_TIMEOUT_MS, "1000")
     rng = random.Random(5)
-    ex = executor_factory(f"kills-{manager_v2}-model", doomed_server.url, num_blocks=88, context_chunk_size=CHUNK,
-                          llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
+    # V2 gets a pool a round's four requests cannot all grow in at once: some offers are honoured in part.
+    ex = executor_factory(f"kills-{manager_v2}-model", doomed_server.url, num_blocks=72 if manager_v2 else 88,
+                          context_chunk_size=CHUNK, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     kills = {"after_lookup": 0, "random": 0}
     restarts: list[threading.Thread] = []
     armed = threading.Event()
@@ -185,7 +186,8 @@ def test_engine_survives_server_kills_at_any_moment_with_correct_outputs(
             if not r.cancelled and not r.failed:
                 assert expected.setdefault(tuple(p.prompt), r.output_tokens) == r.output_tokens
         ex.evict_device_cache()
-    print(f"{requests} requests, {failed} failed, {ex.kv_mismatches} KV mismatches, kills {kills}")
+    print(f"{requests} requests, {failed} failed, {ex.kv_mismatches} KV mismatches, kills {kills}, "
+          f"offers honoured in part {ex.short_honours}, allocations destroyed and replayed {ex.pauses}")  # fmt: skip
     assert restart_errors == [] and missed == []
     assert kills == {"after_lookup": SERVER_KILLS // 2, "random": SERVER_KILLS // 2}, kills
     assert failed == 0, f"{failed} of {requests} requests failed"
