@@ -210,15 +210,19 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             self._forget(rid)
             logger.debug("event=request_vanished request=%d", rid)
 
-    def _reap_finished(self) -> None:
+    def _reap_finished(self) -> list[int]:
         """Requests TensorRT-LLM finished without ``request_finished`` (1.2 and main free a cancelled
-        or failed request at once, a parked one included): their state goes; a parked one's load
-        still lands, ordered before any forward that touches its blocks (``reused_blocks``). A request
-        that finished normally was forgotten in ``request_finished`` before this runs."""
+        or failed request at once, a parked one included): their state goes, and their blocks are
+        returned: free now, this iteration's forward may write them unseen (an idle attention-DP
+        rank's dummy request), so no queued save of them may outlive it and a parked one's load lands
+        first. A request that finished normally was forgotten in ``request_finished`` before this runs."""
+        freed: list[int] = []
         for rid, state in list(self._requests.items()):
             if getattr(state.llm_request, "is_finished", False) is True:
                 self._forget(rid)
+                freed.extend(state.block_ids)
                 logger.debug("event=request_vanished request=%d reason=finished", rid)
+        return freed
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> planning.ConnectorMetadata:
         """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
@@ -227,7 +231,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         saves: list[planning.TransferOp] = []
         fresh: set[int] = set()
         reused: set[int] = set()
-        self._reap_finished()
+        fresh.update(self._reap_finished())
         parking, self._parking = self._parking, []
         for parked in [self._requests[rid] for rid in parking if rid in self._requests]:
             # Parked this iteration (TensorRT-LLM leaves it out of scheduler_output): its load starts now.

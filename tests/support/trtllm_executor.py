@@ -677,6 +677,8 @@ class StandinExecutor:
         if self.attention_dp:
             if version != "main":
                 raise ValueError(f"attention DP with a KV connector exists on TensorRT-LLM main, not {version}")
+            if not self.kv_manager_v2:  # main's test_adp_rejects_a_resolved_v1_manager
+                raise ValueError("attention DP with a KV connector requires KVCacheManagerV2")
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import validate_attention_dp
 
             validate_attention_dp(worker_cls, scheduler_cls)  # KvCacheConnectorManager.__init__

@@ -25,7 +25,8 @@ from tests.support.trtllm_executor import (
 
 pytestmark = pytest.mark.connector
 
-ADP = {"tp": 2, "attention_dp": True}
+ADP = {"tp": 2, "attention_dp": True, "kv_cache_manager_v2": True}
+"""Attention DP with a connector runs on KVCacheManagerV2 only (main refuses a resolved V1 manager)."""
 
 
 def conversations(seed: int, first_id: int, n: int = 3) -> list[PromptRequest]:
