@@ -149,3 +149,55 @@ def test_pipeline_groups_cover_the_range_in_order_in_whole_chunks(first: int, co
     assert len(runs) <= groups and (runs == [] if count == 0 else runs[0][0] == start and runs[-1][1] == end)
     assert all(a < b and a % chunk == 0 and b % chunk == 0 for a, b in runs)
     assert all(runs[i][1] == runs[i + 1][0] for i in range(len(runs) - 1))
+
+
+@pytest.mark.parametrize(
+    ("honoured", "expected_matched", "expected_copy_end"),
+    [
+        (256, 256, None),  # the whole offer: the decision as it was
+        (48, 48, 48),  # a grow that failed: copies stop at the honoured end
+        (0, 0, 0),  # honoured for nothing: no copies, the key stays for the COMMIT
+    ],
+)
+def test_a_load_honoured_in_part_keeps_its_retrieve_key_and_stops_its_copies(
+    honoured: int, expected_matched: int, expected_copy_end: int | None
+) -> None:
+    offer = planning.decide_load(296, 0, 256, 16, 64)
+    taken = planning.honour(offer, honoured, 0)
+    assert (taken.matched_tokens, taken.copy_end) == (expected_matched, expected_copy_end)
+    assert (taken.retrieve_start, taken.retrieve_end) == (offer.retrieve_start, offer.retrieve_end)
+
+
+@given(geometry(), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
+def test_an_honoured_load_never_copies_past_what_was_honoured(
+    geo: tuple[int, int], prompt: int, computed: int, hit: int, honoured: int
+) -> None:
+    block, chunk = geo
+    device = min(computed, prompt)
+    decision = planning.decide_load(prompt, device, hit, block, chunk)
+    taken = planning.honour(decision, honoured, device)
+    assert taken.matched_tokens == min(decision.matched_tokens, honoured)
+    if honoured < decision.matched_tokens:
+        assert taken.copy_end == device + honoured
+    else:
+        assert taken == decision
+
+
+def test_reused_blocks_are_the_device_prefix_with_a_partially_matched_block() -> None:
+    assert planning.reused_blocks([7, 8, 9, 10], 32, 16) == [7, 8]
+    assert planning.reused_blocks([7, 8, 9, 10], 40, 16) == [7, 8, 9]
+    assert planning.reused_blocks([7, 8, 9, 10], 0, 16) == []
+
+
+def test_only_a_parked_requests_load_targets_reused_by_another_mean_it_vanished() -> None:
+    holders = {1: {100}, 2: {100, 200}, 3: {300}}
+    loading_into = {3: 300}  # request 300 is parked, its load writes block 3
+    assert planning.vanished_holders([], [1, 2], holders, loading_into, owner=999) == set(), "shared prefix"
+    assert planning.vanished_holders([], [3], holders, loading_into, owner=999) == {300}
+    assert planning.vanished_holders([], [3], holders, loading_into, owner=300) == set()
+    assert planning.vanished_holders([2], [], holders, loading_into, owner=100) == {200}
+
+
+def test_loads_are_synchronous_under_attention_dp() -> None:
+    assert planning.load_is_async(8192, 4096, 1, attention_dp=False)
+    assert not planning.load_is_async(8192, 4096, 1, attention_dp=True)
