@@ -27,7 +27,9 @@ from .trtllm_options import (
     chunk_size_problem,
     desired_args,
     merged_options_yaml,
+    model_layout_problem,
     plan_options,
+    served_model,
 )
 from .workload_view import (
     EngineView,
@@ -113,6 +115,10 @@ def choose_engine(workload: Mapping[str, Any], settings: InjectionSettings) -> E
     problem = collision_problem(workload, name, view)
     if problem:
         return problem
+    model = served_model(view.container)
+    layout_problem = model_layout_problem(model) if model else None
+    if layout_problem:
+        return PolicyError(f"container {name} model", model, layout_problem, reason="unsupported")
     return EngineChoice(name, view, plan_options(view.container, user_volumes(workload), view.original_options_path))
 
 

@@ -186,6 +186,43 @@ def strip_injected_args(args: Sequence[str], original_path: str | None) -> list[
     return argv
 
 
+SEVERAL_LAYER_GROUPS = (
+    ("gpt-oss", "GPT-OSS alternates sliding-window and full-attention layers"),
+    ("gemma-2", "Gemma 2 alternates local sliding-window and global attention layers"),
+    ("gemma-3", "Gemma 3 alternates local sliding-window and global attention layers"),
+    ("gemma3", "Gemma 3 alternates local sliding-window and global attention layers"),
+    ("gemma-4", "Gemma 4 alternates local sliding-window and global attention layers"),
+    ("qwen3-next", "Qwen3-Next mixes linear-attention and full-attention layers"),
+)
+"""Model families whose KV cache TensorRT-LLM splits into several layer groups (KVCacheManagerV2,
+main's default for them); matched on the model argument's last path element, lower-cased."""
+
+
+def served_model(container: Mapping[str, Any]) -> str | None:
+    """The model ``trtllm-serve [serve] MODEL ...`` serves, or None when the command line does not
+    say it plainly (another launcher, or an option before the model)."""
+    argv = [str(t) for t in [*(container.get("command") or []), *(container.get("args") or [])]]
+    for i, token in enumerate(argv):
+        if posixpath.basename(token) in LAUNCHERS:
+            rest = argv[i + 1 :]
+            if rest[:1] == ["serve"]:
+                rest = rest[1:]
+            return rest[0] if rest and not rest[0].startswith("-") else None
+    return None
+
+
+def model_layout_problem(model: str) -> str | None:
+    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups), or None."""
+    name = posixpath.basename(model.rstrip("/")).lower()
+    for family, feature in SEVERAL_LAYER_GROUPS:
+        if family in name:
+            return (
+                f"{feature}, so TensorRT-LLM gives its KV cache several layer groups; kvoffload moves one pool "
+                "of uniform blocks and the connector would refuse it at engine start: opt this workload out"
+            )
+    return None
+
+
 TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
 """``kv_cache_config.tokens_per_block`` when an options file sets none (TensorRT-LLM's ``KvCacheConfig``)."""
 

@@ -495,3 +495,38 @@ def test_user_options_that_run_with_the_connector_are_kept(user_options: str) ->
     merged = yaml.safe_load(r.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE])
     for key, value in yaml.safe_load(user_options).items():
         assert {**merged[key], **value} == merged[key] if isinstance(value, dict) else merged[key] == value
+
+
+@pytest.mark.parametrize(
+    ("args", "feature"),
+    [
+        (["openai/gpt-oss-120b", "--backend", "pytorch"], "GPT-OSS alternates sliding-window and full-attention"),
+        (["serve", "/models/google/gemma-3-27b-it"], "Gemma 3 alternates local sliding-window"),
+        (["Qwen/Qwen3-Next-80B-A3B-Instruct"], "Qwen3-Next mixes linear-attention"),
+    ],
+)
+def test_a_model_with_several_kv_layer_groups_is_refused_before_the_pod_naming_its_attention(
+    args: list[str], feature: str
+) -> None:
+    """KVCacheManagerV2 gives these models several layer groups, which the connector refuses at engine
+    start, after the weights are loaded: the operator says so first, from the model argument."""
+    engine = container()
+    engine["args"] = args
+    r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
+    assert isinstance(r, PolicyError) and r.reason == "unsupported", r
+    assert r.field == "container trtllm model" and feature in r.message and "opt this workload out" in r.message
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["meta-llama/Llama-3.1-8B-Instruct"],
+        ["serve", "deepseek-ai/DeepSeek-V3"],
+        ["--host", "0.0.0.0", "openai/gpt-oss-120b"],  # not said plainly: left to the engine's own check
+    ],
+)
+def test_models_of_one_layer_group_or_unknown_ones_are_injected(args: list[str]) -> None:
+    engine = container()
+    engine["args"] = args
+    r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
+    assert not isinstance(r, PolicyError), r
