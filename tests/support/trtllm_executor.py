@@ -195,6 +195,7 @@ class StandinLlmRequest:
         self.returning = False  # its asynchronous load finished: next scheduled as a new request
         self.replay_on_admission = req.replay_on_admission
         self.first_chunk_end: int | None = None  # KVCacheManagerV2: where the served first chunk ends
+        self.parked_at = 0.0  # when its asynchronous load began (the attention-DP deadline counts from it)
         self.is_finished = False
         """``LlmRequest.is_finished``: set by ``finish_by_reason`` (cancel, error) and by the last token."""
 
@@ -342,6 +343,10 @@ def returned_by_every_rank(votes: dict[int, int], per_rank: list[list[int]], ran
         del votes[rid]
     return done
 
+
+ADP_LOAD_DEADLINE_S = 1.0
+"""The stand-in's ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC`` (main; its value was not found upstream, and a
+test slows loads past this one)."""
 
 PREFERS_KV_CACHE_MANAGER_V2 = ("llama", "deepseek", "gpt-oss", "gemma", "qwen3-next", "kimi", "minimax", "nemotron")
 """Model families whose class answers ``get_preferred_kv_cache_manager_version() -> "V2"`` on main
@@ -717,6 +722,7 @@ class StandinExecutor:
         self._loading_votes: dict[int, int] = {}
         self.async_loads = 0
         self.short_honours = 0
+        self.load_deadline_s = ADP_LOAD_DEADLINE_S
         self.pauses = 0
         """KVCacheManagerV2 allocations destroyed for want of pages (the request replayed)."""
         """KVCacheManagerV2 offers honoured in part (a grow the pool could not give)."""
@@ -793,6 +799,7 @@ class StandinExecutor:
         from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
         self.iterations += 1
+        self._check_load_deadline()
         output = SchedulerOutput(attention_dp_rank=self.attention_dp_rank)
         work: list[tuple[int, list[int], list[int], int, int]] = []
         scheduled: list[tuple[StandinLlmRequest, int, int]] = []
@@ -1020,6 +1027,16 @@ class StandinExecutor:
             return req.first_chunk_end - req.context_pos
         return self._chunk_len(req)
 
+    def _check_load_deadline(self) -> None:
+        """Under attention DP, main's ``_kv_connector_start_batch`` fails the engine on every rank
+        when a parked load is not reported by ``get_finished`` within ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``."""
+        if not self.attention_dp:
+            return
+        now = time.monotonic()
+        late = [rid for rid, req in self.parked.items() if now - req.parked_at > self.load_deadline_s]
+        if late:
+            raise EngineDied(f"KV connector failed: loads of requests {late} timed out (attention DP)")
+
     def _pause_for_pages(self, active: list[StandinLlmRequest]) -> None:
         """No request can run for want of pages: MAX_UTILIZATION destroys the allocation of the
         context request holding the most (its blocks stored for reuse up to its KV, as a release
@@ -1064,6 +1081,7 @@ class StandinExecutor:
             self.parked[req.request_id] = req
             self._loading_new.append(req.request_id)
             self.async_loads += 1
+            req.parked_at = time.monotonic()
             return
         n = self._first_chunk_len(req)
         output.new_requests.append(

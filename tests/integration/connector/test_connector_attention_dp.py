@@ -96,3 +96,24 @@ def test_attention_dp_refuses_a_connector_that_does_not_declare_it(
     monkeypatch.setattr(trtllm.KvoffloadConnectorScheduler, "supports_attention_dp", False)
     with pytest.raises(NotImplementedError, match="supports_attention_dp=True"):
         executor_factory("adp-refused-model", lmcache_server.url, llm_args=ADP, attention_dp_rank=0)
+
+
+def test_under_attention_dp_a_slow_load_never_trips_the_engines_load_deadline(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Main fails the engine on every DP rank when a parked load is not reported in time
+    (``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``, the stand-in's 1 s): under attention DP the connector loads
+    synchronously, so an asynchronous load that would take 1.5 s never parks a request; the engine
+    serves on. Answered asynchronously, the first hit ends the engine."""
+    from kvoffload import contract
+    from tests.integration.connector.test_connector_cancel_during_load import slow_async_loads
+
+    monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
+    slow_async_loads(monkeypatch, 1.5)
+    ex = executor_factory("adp-deadline-model", lmcache_server.url, llm_args=ADP, num_blocks=88, attention_dp_rank=0)
+    first = ex.run(conversations(900, 500))
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(600 + i, p.prompt, 3) for i, p in enumerate(conversations(900, 500))])
+    assert [r.output_tokens for r in again] == [r.output_tokens for r in first]
+    assert [r.connector_matched_tokens for r in again] == [5 * CHUNK] * 3
+    assert ex.async_loads == 0 and ex.kv_mismatches == 0
