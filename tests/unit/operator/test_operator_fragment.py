@@ -235,6 +235,15 @@ def test_user_fields_that_collide_with_ours_are_errors(mutate: Any, field: str) 
     assert e.reason == "conflict"
 
 
+@pytest.mark.parametrize("backend", ["sidecar", "inprocess"])
+def test_a_host_network_workload_is_refused_before_its_cache_listens_on_the_nodes_loopback(backend: str) -> None:
+    obj = deployment()
+    obj["spec"]["template"]["spec"]["hostNetwork"] = True
+    e = fail(obj, **{c.ANN_BACKEND: backend})
+    assert e.field == "spec.template.spec.hostNetwork" and e.reason == "host_network"
+    assert "node's loopback" in e.message and "remove hostNetwork" in e.message
+
+
 def test_user_scrape_annotations_are_left_alone_with_a_warning() -> None:
     obj = deployment()
     obj["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "8000"}
