@@ -96,6 +96,11 @@ TRTLLM_OPTIONS_MOUNT_PATH: Final = "/etc/kvoffload/trtllm"
 TRTLLM_OPTIONS_FILE: Final = "extra-llm-api-options.yaml"
 POLICY_MOUNT_PATH: Final = "/etc/kvoffload/policy"
 POLICY_FILE: Final = "policy.json"
+SIDECAR_VENV_PATH: Final = "/opt/venv"
+"""The sidecar image's Python (Dockerfile): a volume mounted there would hide it."""
+RESERVED_MOUNT_PATHS: Final = (SHM_MOUNT_PATH, RUN_MOUNT_PATH, BUNDLE_MOUNT_PATH, "/etc/kvoffload", SIDECAR_VENV_PATH)
+"""Paths kvoffload mounts (or ships) in the pods it injects: no user directory may be one of them,
+lie inside one, or hold one (``/etc/kvoffload`` holds the options and policy mounts)."""
 
 # --- Rules every side applies -------------------------------------------------
 REDIS_URL_PATTERN: Final = (
