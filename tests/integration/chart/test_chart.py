@@ -85,6 +85,31 @@ def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:
     assert complaint in result.stderr
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a mapping with a key twice (strict parsers and kubeconform -strict do)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(k, deep=deep) for k, _v in node.value]
+        repeated = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        if repeated:
+            raise yaml.constructor.ConstructorError(None, None, f"repeated keys {repeated}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [(), ("injection.mode=template",), ("nodeMode.enabled=true",),
+     ("metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true", "metrics.prometheusRule.enabled=true",
+      "--api-versions=monitoring.coreos.com/v1")],
+)  # fmt: skip
+def test_no_rendered_object_repeats_a_key(values: tuple[str, ...]) -> None:
+    args = ["template", "kvo", str(CHART), "--namespace", RELEASE_NAMESPACE]
+    for s in values:
+        args += ["--set", s] if not s.startswith("--") else [s]
+    docs = [d for d in yaml.load_all(helm(*args).stdout, Loader=_UniqueKeyLoader) if d]
+    assert docs
+
+
 def test_default_render_has_operator_rbac_and_no_prometheus_operator_objects() -> None:
     docs = render()
     assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ConfigMap"} <= kinds(docs)
