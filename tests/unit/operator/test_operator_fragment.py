@@ -504,3 +504,16 @@ def test_user_options_that_run_with_the_connector_are_kept(user_options: str) ->
     merged = yaml.safe_load(r.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE])
     for key, value in yaml.safe_load(user_options).items():
         assert {**merged[key], **value} == merged[key] if isinstance(value, dict) else merged[key] == value
+
+
+def test_kvoffloads_containers_run_on_a_read_only_root_and_write_only_to_their_run_volume() -> None:
+    spec = pod(render(deployment()).workload_apply)
+    cache = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    bundle = named(spec["initContainers"], c.BUNDLE_INIT_CONTAINER)
+    for injected in (cache, bundle):
+        assert injected["securityContext"]["readOnlyRootFilesystem"] is True, injected["name"]
+    env = env_of(cache)
+    run_mount = next(m for m in cache["volumeMounts"] if m["name"] == c.VOLUME_RUN)
+    assert run_mount["mountPath"] == c.RUN_MOUNT_PATH and not run_mount.get("readOnly")
+    assert env[c.ENV_TMPDIR] == c.RUN_MOUNT_PATH
+    assert env[c.ENV_NUMBA_CACHE_DIR].startswith(c.RUN_MOUNT_PATH + "/")
