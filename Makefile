@@ -9,7 +9,7 @@ export PYTHONHASHSEED := 0
 PY := $(ROOT)/.venv/bin/python
 ARGS ?=
 
-.PHONY: setup demo test lint typecheck pytest bench soak clean
+.PHONY: setup demo test lint typecheck scan pytest bench soak clean
 
 setup:
 	@hack/setup.sh all
@@ -18,8 +18,8 @@ setup:
 demo: setup
 	@$(PY) -m hack.demo
 
-## Every test, after lint and type checks. Pass pytest arguments with ARGS='-m connector'.
-test: setup lint typecheck pytest
+## Every test, after lint, type checks and the security scanners. Pass pytest arguments with ARGS='-m connector'.
+test: setup lint typecheck scan pytest
 
 lint:
 	@$(PY) -m ruff check .
@@ -28,6 +28,10 @@ lint:
 
 typecheck:
 	@$(PY) -m mypy kvoffload
+
+## bandit on the code, checkov on the rendered chart; every finding fixed or waived in hack/scan-waivers.yaml.
+scan:
+	@$(PY) -m hack.scan
 
 pytest:
 	@$(PY) -m pytest $(ARGS)

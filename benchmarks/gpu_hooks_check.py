@@ -223,9 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             worker.get_finished([], [])  # rank 0 releases the loaded chunks after the iteration
             scheduler.request_finished(request, [])
             sync()
-            got = (
-                honoured // gt.TOKENS_PER_BLOCK
-            )  # blocks the load wrote; V2: the next page stays as the engine left it
+            # blocks the load wrote; V2: the next page stays as the engine left it
+            got = honoured // gt.TOKENS_PER_BLOCK
             exact = matched == args.tokens and bool(
                 torch.equal(pool[dst_idx[:got]].view(torch.int16), fresh[:got].view(torch.int16))
             )

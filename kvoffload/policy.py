@@ -43,8 +43,21 @@ IMAGE = re.compile(IMAGE_PATTERN)
 MAX_IMAGE_LENGTH = 1024
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 """A Secret's name (DNS-1123 subdomain, at most 253 characters); the CRD's."""
-FS_PATH_RULES = ("self.startsWith('/')", "!self.matches('(^|/)[.][.](/|$)') && !self.contains('\\x00')")
-"""The CRD's CEL rules for the L2 path: absolute, no '..' part, no NUL (read_fs_tier checks the same)."""
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr",
+                "/boot", "/run", "/var/run")  # fmt: skip
+"""Directories of the container's own system: an L2 directory may be none of them nor lie inside one."""
+_CEL_LIST = "[" + ", ".join(f"'{p}'" for p in (*SYSTEM_TREES, *c.RESERVED_MOUNT_PATHS)) + "]"
+_CEL_OWN = "[" + ", ".join(f"'{p}'" for p in c.RESERVED_MOUNT_PATHS) + "]"
+FS_PATH_RULES = (
+    "self.startsWith('/')",
+    "!self.matches('(^|/)[.][.](/|$)') && !self.contains('\\x00')",
+    "self == '/' || (!self.endsWith('/') && !self.contains('//') && !self.matches('(^|/)[.](/|$)'))",
+    f"self != '/' && !{_CEL_LIST}.exists(p, self == p || self.startsWith(p + '/'))",
+    f"!{_CEL_OWN}.exists(p, p.startsWith(self + '/'))",
+)
+"""The CRD's CEL rules for the L2 path, in the order of :func:`fs_path_problem`'s checks (which
+the operator and the sidecar apply): absolute; no '..' part or NUL; written plainly; not a system
+directory nor one of kvoffload's mounts, nor inside one; not holding one of kvoffload's mounts."""
 _K8S_QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 """Kubernetes' resource.Quantity syntax (any unit: cpu, memory, extended resources)."""
 _RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -260,8 +273,33 @@ def read_redis_url(value: object, name: str) -> str | PolicyError:
 
 
 def is_plain_absolute_path(path: object) -> bool:
-    """An absolute path with no '..' part and no NUL (the CRD's ``FS_PATH_RULES``)."""
+    """An absolute path with no '..' part and no NUL (the CRD's first two ``FS_PATH_RULES``)."""
     return isinstance(path, str) and path.startswith("/") and "\x00" not in path and ".." not in path.split("/")
+
+
+def _within(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree + "/")
+
+
+def fs_path_problem(path: object) -> str | None:
+    """Why ``path`` cannot be the L2 directory (mounted in the cache server's container), or None."""
+    if not isinstance(path, str) or not is_plain_absolute_path(path):
+        return "an absolute path without '..'"
+    if path != "/" and (path.endswith("/") or "//" in path or "." in path.split("/")):
+        return "written plainly: no trailing '/', no '//', no '.' part"
+    own = next((m for m in c.RESERVED_MOUNT_PATHS if _within(path, m)), None)
+    if own is not None:
+        return f"kvoffload mounts or ships {own} itself (a directory there collides with it); choose a directory of its own, such as /var/cache/kvoffload-l2"
+    system = next((t for t in SYSTEM_TREES if _within(path, t)), None)
+    if path == "/" or system is not None:
+        where = "/" if path == "/" else system
+        return f"{where} is the container's own system tree; choose a directory of its own, such as /var/cache/kvoffload-l2"
+    held = next((m for m in c.RESERVED_MOUNT_PATHS if m.startswith(path + "/")), None)
+    if held is not None:
+        return (
+            f"it holds {held}, which kvoffload mounts; choose a directory of its own, such as /var/cache/kvoffload-l2"
+        )
+    return None
 
 
 def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
@@ -269,8 +307,10 @@ def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
     if isinstance(fs, PolicyError):
         return fs
     path = fs.get("path")
-    if not isinstance(path, str) or not is_plain_absolute_path(path):
-        return PolicyError(f"{name}.path", path, "an absolute path without '..'")
+    problem = fs_path_problem(path)
+    if problem is not None:
+        return PolicyError(f"{name}.path", path, problem)
+    assert isinstance(path, str)
     size = read_quantity()(fs.get("size"), f"{name}.size")
     return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)
 

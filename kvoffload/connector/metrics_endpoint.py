@@ -11,11 +11,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from kvoffload import contract
-from kvoffload.httpreply import send_reply
+from kvoffload.httpreply import BoundedHTTPServer, send_reply
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,14 @@ def render_connector_metrics(directory: str | None, registries: Iterable[Any]) -
 
 
 class MetricsEndpoint:
-    """An HTTP server on ``port`` answering ``GET /metrics``, if this process can bind it."""
+    """An HTTP server on ``port`` answering ``GET /metrics``, if this process can bind it (a bounded
+    one: it runs inside the engine process)."""
 
     def __init__(self, port: int, body: Callable[[], bytes], host: str = "0.0.0.0") -> None:
         self.port = port
         self._host = host
         self._body = body
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedHTTPServer | None = None
         self._lock = threading.Lock()
 
     @property
@@ -70,10 +71,9 @@ class MetricsEndpoint:
                     return
 
             try:
-                server = ThreadingHTTPServer((self._host, self.port), Handler)
+                server = BoundedHTTPServer((self._host, self.port), Handler)
             except OSError:
                 return False
-            server.daemon_threads = True
             threading.Thread(target=server.serve_forever, name="kvoffload-metrics-http", daemon=True).start()
             self._server = server
             log.info("event=metrics_endpoint_serving port=%d pid=%d", self.port, os.getpid())

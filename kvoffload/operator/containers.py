@@ -32,7 +32,10 @@ RESTRICTED_SECURITY_CONTEXT: dict[str, Any] = {
     "runAsUser": SIDECAR_UID,
     "runAsGroup": SIDECAR_UID,
     "seccompProfile": {"type": "RuntimeDefault"},
+    "readOnlyRootFilesystem": True,
 }
+"""kvoffload's containers write only to their volumes (the cache server's temporary files and
+numba's cache go to the run volume: ``TMPDIR``, ``NUMBA_CACHE_DIR``)."""
 
 
 def env_var(name: str, value: str) -> dict[str, Any]:
@@ -57,6 +60,8 @@ def engine_env(settings: InjectionSettings, server_url: str, serve_metrics: bool
         # lmcache runs inside the engine too (always its client; the whole cache with backend
         # inprocess) and sends usage telemetry unless told not to: nothing leaves the pod by default.
         env_var(c.ENV_LMCACHE_TRACK_USAGE, "false"),
+        env_var(c.ENV_TMPDIR, c.RUN_MOUNT_PATH),
+        env_var(c.ENV_NUMBA_CACHE_DIR, c.NUMBA_CACHE_PATH),
     ]
     if settings.backend == c.BACKEND_INPROCESS:  # the engine hosts the cache: the policy's L1 is its
         env.append(env_var(c.ENV_L1_SIZE, format_bytes(settings.l1_bytes)))
@@ -176,6 +181,8 @@ def cache_server_container(
         env_var(c.ENV_SIDECAR_HTTP_PORT, str(c.SIDECAR_HTTP_PORT)),
         env_var(c.ENV_PROMETHEUS_MULTIPROC_DIR, c.METRICS_DIR),
         env_var(c.ENV_LMCACHE_TRACK_USAGE, "false"),
+        env_var(c.ENV_TMPDIR, c.RUN_MOUNT_PATH),
+        env_var(c.ENV_NUMBA_CACHE_DIR, c.NUMBA_CACHE_PATH),
     ]
     if settings.redis_tier and settings.redis_tier.password_secret_name:
         env.append({

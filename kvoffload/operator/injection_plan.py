@@ -170,11 +170,21 @@ def _options(engine: EngineChoice, settings: InjectionSettings, user_options_yam
     return text
 
 
-def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_sidecar: bool
+def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_sidecar: bool, cache_in_pod: bool
                ) -> tuple[str | None, list[str]] | PolicyError:  # fmt: skip
     """(runtime class to set, warnings) as the user's pod-level fields allow, or why they conflict."""
     spec = pod_spec_of(workload)
     warnings: list[str] = []
+    if cache_in_pod and spec.get("hostNetwork") is True:
+        # LMCache's request port and admin API have no authentication; loopback keeps them to the
+        # pod, but a host-network pod's loopback is the node's, shared by every pod and process on it.
+        return PolicyError(
+            "spec.template.spec.hostNetwork", True,
+            "the cache server listens on loopback without authentication, and with hostNetwork that is the "
+            "node's loopback: anything on the node could read, overwrite or clear the cache and reach its "
+            "admin API; remove hostNetwork, or use mode node (the cache runs in its own pod)",
+            reason="host_network",
+        )  # fmt: skip
     if (
         uses_sidecar
         and spec.get("shareProcessNamespace") is False
@@ -234,7 +244,7 @@ def plan_injection(
     user_shm = _user_shm_volume(workload, settings, engine, node_cache)
     if isinstance(user_shm, PolicyError):
         return user_shm
-    pod_level = _pod_level(workload, settings, uses_sidecar)
+    pod_level = _pod_level(workload, settings, uses_sidecar, cache_in_pod=node_cache is None)
     if isinstance(pod_level, PolicyError):
         return pod_level
     runtime_class, pod_warnings = pod_level

@@ -155,9 +155,11 @@ def _shm_permissions_container(settings: InjectionSettings) -> dict[str, Any]:
     }
 
 
-def render_cache_pod(policy: Mapping[str, Any], settings: InjectionSettings, node: str) -> dict[str, Any]:
-    """The cache pod for ``node``: owned by the policy, pinned to the node, tolerating its taints
-    (its engine pods already run there)."""
+def render_cache_pod(
+    policy: Mapping[str, Any], settings: InjectionSettings, node: str, tolerations: Iterable[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """The cache pod for ``node``: owned by the policy, pinned to the node, tolerating only what
+    its engine pods there tolerate (``tolerations``), so it lands on no node they could not."""
     namespace, name = _policy_meta(policy)
     volumes: list[dict[str, Any]] = [
         {"name": c.VOLUME_SHM, "hostPath": {"path": node_shm_host_path(namespace, name), "type": "DirectoryOrCreate"}},
@@ -172,7 +174,6 @@ def render_cache_pod(policy: Mapping[str, Any], settings: InjectionSettings, nod
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
         ]}}},
-        "tolerations": [{"operator": "Exists"}],
         "restartPolicy": "Always",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
@@ -181,6 +182,9 @@ def render_cache_pod(policy: Mapping[str, Any], settings: InjectionSettings, nod
         spec["runtimeClassName"] = settings.runtime_class_name
     # The hash covers what makes the pod differ, not the node: one value per policy version.
     digest = _digest(json.dumps({"spec": {**spec, "affinity": None}}, sort_keys=True))[:16]
+    if tolerations:
+        # Out of the hash: an engine rollout that changes tolerations must not restart the cache.
+        spec["tolerations"] = [dict(t) for t in tolerations]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -204,15 +208,40 @@ def _is_live(pod: Mapping[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES
 
 
-def engine_nodes(policy_name: str, engine_pods: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Nodes running at least one scheduled, not finished engine pod of the policy."""
-    nodes = set()
+ENGINE_CONTROLLERS = ("ReplicaSet", "StatefulSet")
+"""Kinds whose pods count as engines: the controllers of the Deployments and StatefulSets kvoffload injects."""
+
+
+def _placed_by_injected_workload(pod: Mapping[str, Any]) -> bool:
+    """A pod a workload controller made from a template (or admission) kvoffload injected: not a bare
+    pod that put the policy label on itself."""
+    meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get(c.LABEL_INJECTED) != "true":
+        return False
+    owners = meta.get("ownerReferences") or []
+    return any(o.get("controller") is True and o.get("kind") in ENGINE_CONTROLLERS for o in owners)
+
+
+def engine_tolerations(policy_name: str, engine_pods: Iterable[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """{node: the tolerations of the policy's engine pods there} for every node running at least one
+    scheduled, not finished engine pod that an injected workload's controller placed."""
+    nodes: dict[str, list[dict[str, Any]]] = {}
     for pod in engine_pods:
         labels = (pod.get("metadata") or {}).get("labels") or {}
-        node = (pod.get("spec") or {}).get("nodeName")
-        if labels.get(c.LABEL_NODE_CACHE_POLICY) == policy_name and node and _is_live(pod):
-            nodes.add(str(node))
-    return sorted(nodes)
+        spec = pod.get("spec") or {}
+        node = spec.get("nodeName")
+        if labels.get(c.LABEL_NODE_CACHE_POLICY) != policy_name or not node or not _is_live(pod):
+            continue
+        if not _placed_by_injected_workload(pod):
+            continue
+        known = nodes.setdefault(str(node), [])
+        known.extend(dict(t) for t in spec.get("tolerations") or [] if dict(t) not in known)
+    return {node: sorted(tols, key=lambda t: json.dumps(t, sort_keys=True)) for node, tols in nodes.items()}
+
+
+def engine_nodes(policy_name: str, engine_pods: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Nodes that need a cache pod of the policy (see :func:`engine_tolerations`)."""
+    return sorted(engine_tolerations(policy_name, engine_pods))
 
 
 def desired_cache_pods(
@@ -220,7 +249,10 @@ def desired_cache_pods(
 ) -> dict[str, dict[str, Any]]:
     """{node: cache pod manifest} for every node with an engine pod of ``policy``."""
     _, name = _policy_meta(policy)
-    return {node: render_cache_pod(policy, settings, node) for node in engine_nodes(name, engine_pods)}
+    return {
+        node: render_cache_pod(policy, settings, node, tolerations)
+        for node, tolerations in sorted(engine_tolerations(name, engine_pods).items())
+    }
 
 
 @dataclass(frozen=True)

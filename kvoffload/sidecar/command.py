@@ -47,8 +47,9 @@ _NOT_INHERITED = (
     contract.ENV_L2_REDIS_PASSWORD,
 )
 
-LMCACHE_CLI_MODULE = "lmcache.cli.main"
-"""The module ``python -m`` runs for ``lmcache server`` (the ``lmcache`` console script's)."""
+LMCACHE_CLI_MODULE = "kvoffload.sidecar.lmcache_server"
+"""The module ``python -m`` runs for ``lmcache server``: LMCache's CLI behind the restricted
+unpickler (``lmcache_server``), so no client of the request port can make it run code."""
 
 
 _PR_SET_PDEATHSIG = 1

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Protocol
 
 from kvoffload import contract
-from kvoffload.httpreply import send_reply
+from kvoffload.httpreply import BoundedHTTPServer, send_reply
 from kvoffload.multiproc import CONTENT_TYPE
 
 from .lifecycle import HealthVerdict
@@ -70,10 +70,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def start_endpoints(
     source: HealthSource, port: int, multiproc_dir: str | None, host: str = "0.0.0.0"
-) -> ThreadingHTTPServer:
+) -> BoundedHTTPServer:
     """Serve probes and ``/metrics`` on ``host:port`` from a daemon thread; returns the server."""
     handler = type("SidecarHandler", (_Handler,), {"source": source, "multiproc_dir": multiproc_dir})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, port), handler)
     threading.Thread(target=server.serve_forever, name="kvo-endpoints", daemon=True).start()
     return server

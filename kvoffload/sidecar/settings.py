@@ -176,7 +176,11 @@ def _fs_tier(env: Mapping[str, str], policy: Policy) -> FsTier | None:
         size_bytes = tier.size_bytes if tier else None
     else:
         size_bytes = _checked(pol.read_quantity()(size, contract.ENV_L2_FS_SIZE)) if size else None
-    return FsTier(path=_absolute_path(contract.ENV_L2_FS_PATH, path), size_bytes=size_bytes)
+    plain = _absolute_path(contract.ENV_L2_FS_PATH, path)
+    problem = pol.fs_path_problem(plain)
+    if problem is not None:
+        raise _fail(contract.ENV_L2_FS_PATH, path, problem)
+    return FsTier(path=plain, size_bytes=size_bytes)
 
 
 def _redis_tier(env: Mapping[str, str], policy: Policy) -> RedisTier | None:

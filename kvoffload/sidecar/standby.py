@@ -26,6 +26,7 @@ import sys
 from typing import Any, TextIO
 
 from .command import die_with_parent
+from .lmcache_server import install_restricted_unpickler, run_server
 from .standby_handle import EXITED, SERVING, WARM
 
 _REAP_EVERY_S = 0.05
@@ -43,6 +44,7 @@ def warm_up() -> None:
     from lmcache.cli.commands import register_commands
 
     register_commands(argparse.ArgumentParser(prog="lmcache").add_subparsers(dest="command"), ["server"])
+    install_restricted_unpickler()
 
 
 def _report(out: TextIO, *words: object) -> None:
@@ -60,10 +62,7 @@ def _serve(arguments: list[str], standby_pid: int) -> None:  # pragma: no cover 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.close(0)
-        import lmcache.cli.main as cli
-
-        sys.argv = ["lmcache", *arguments]
-        cli.main(arguments)
+        run_server(arguments)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

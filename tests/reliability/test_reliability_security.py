@@ -20,7 +20,11 @@ import yaml
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for, wait_for_default_service_account
 from kvoffload import contract as c
+from tests.support.operator_fixtures import bind_rules
 from tests.support.operator_support import (
+    ADMISSION_NAMESPACE_RULES_FILE,
+    ADMISSION_RULES_FILE,
+    ADMISSION_WEBHOOK_RULES_FILE,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     OperatorProcess,
@@ -83,18 +87,23 @@ ACCESS: list[tuple[str, str, str, str, str, bool, str]] = [
 ]
 
 
-def _review(verb: str, group: str, resource: str, sub: str, namespace: str) -> dict[str, Any]:
+def _review(verb: str, group: str, resource: str, sub: str, namespace: str, name: str = "") -> dict[str, Any]:
     attrs = {"verb": verb, "group": group, "resource": resource}
     if sub:
         attrs["subresource"] = sub
     if namespace:
         attrs["namespace"] = namespace
+    if name:
+        attrs["name"] = name
     return {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
             "spec": {"user": SA_USER, "groups": SA_GROUPS, "resourceAttributes": attrs}}  # fmt: skip
 
 
-def test_operator_rbac_is_least_privilege(cluster: LocalCluster, operator_kubeconfig: Path) -> None:
-    reviews = [_review(v, g, r, s, ns) for v, g, r, s, ns, _ok, _why in ACCESS]
+def _wrong_answers(cluster: LocalCluster, access: list[tuple[str, ...]], expected_allowed: list[bool],
+                   whys: list[str]) -> list[str]:  # fmt: skip
+    """SubjectAccessReviews for ``access`` (verb, group, resource, subresource, namespace[, name]):
+    the ones whose answer differs from ``expected_allowed``."""
+    reviews = [_review(*a) for a in access]
     out = cluster.kubectl("create", "-o", "json", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                                   "items": reviews}))  # fmt: skip
     items, text, decoder = [], out.stdout.strip(), json.JSONDecoder()
@@ -102,18 +111,113 @@ def test_operator_rbac_is_least_privilege(cluster: LocalCluster, operator_kubeco
         obj, end = decoder.raw_decode(text)
         items.append(obj)
         text = text[end:].strip()
-    assert len(items) == len(ACCESS)
+    assert len(items) == len(access)
     wrong = []
-    for (verb, group, resource, sub, ns, expected, why), answer in zip(ACCESS, items, strict=True):
+    for attrs, expected, why, answer in zip(access, expected_allowed, whys, items, strict=True):
+        verb, group, resource, sub, ns, *name = attrs
         allowed = bool(answer["status"].get("allowed"))
-        target = f"{verb} {group or 'core'}/{resource}{'/' + sub if sub else ''} in {ns or 'all namespaces'}"
+        target = (f"{verb} {group or 'core'}/{resource}{'/' + sub if sub else ''}{' ' + name[0] if name else ''} "
+                  f"in {ns or 'all namespaces'}")  # fmt: skip
         print(f"| {target} | {'allowed' if allowed else 'denied'} | {why} |")
         if allowed != expected:
             wrong.append(f"{target}: allowed={allowed}, expected {expected} ({why})")
+    return wrong
+
+
+def test_operator_rbac_is_least_privilege(cluster: LocalCluster, operator_kubeconfig: Path) -> None:
+    wrong = _wrong_answers(cluster, [a[:5] for a in ACCESS], [a[5] for a in ACCESS], [a[6] for a in ACCESS])
     assert not wrong, "\n".join(wrong)
     # The same answer from the operator's own credentials (a real request, not a review).
     secrets = cluster.kubectl("get", "secrets", "-A", kubeconfig=operator_kubeconfig, check=False)
     assert secrets.returncode != 0 and "forbidden" in secrets.stderr
+
+
+MWC = "kvoffload-pod-injection"
+TLS_SECRET = "kvoffload-webhook-tls"
+# Admission mode adds these rules (files/operator-admission-*.yaml; the Secret rules as a Role in the
+# release namespace). (verb, group, resource, subresource, namespace, name, allowed?, why)
+ADMISSION_ACCESS: list[tuple[str, str, str, str, str, str, bool, str]] = [
+    ("get", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "", MWC, True, "its own webhook"),
+    ("patch", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "", MWC, True, "caBundle, rules"),
+    (
+        "create",
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        "",
+        "",
+        "",
+        True,
+        "KNOWN GAP: create cannot be limited to a name (docs/reliability.md)",
+    ),
+    (
+        "patch",
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        "",
+        "",
+        "someone-elses",
+        False,
+        "no other webhook",
+    ),
+    (
+        "delete",
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        "",
+        "",
+        "someone-elses",
+        False,
+        "no other webhook",
+    ),
+    ("list", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "", "", "", False, "no listing"),
+    (
+        "patch",
+        "admissionregistration.k8s.io",
+        "validatingwebhookconfigurations",
+        "",
+        "",
+        MWC,
+        False,
+        "no validating webhooks",
+    ),
+    ("get", "", "secrets", "", OPERATOR_NAMESPACE, TLS_SECRET, True, "the webhook's certificate"),
+    ("update", "", "secrets", "", OPERATOR_NAMESPACE, TLS_SECRET, True, "renewal"),
+    ("create", "", "secrets", "", OPERATOR_NAMESPACE, "", True, "first issue (create cannot be limited to a name)"),
+    ("get", "", "secrets", "", OPERATOR_NAMESPACE, "another-secret", False, "no other Secret of its namespace"),
+    ("list", "", "secrets", "", OPERATOR_NAMESPACE, "", False, "no listing"),
+    ("get", "", "secrets", "", "team-a", TLS_SECRET, False, "no Secret of another namespace"),
+    ("create", "", "secrets", "", "team-a", "", False, "no Secret in another namespace"),
+    ("create", "", "pods", "eviction", "team-a", "", True, "catch-up evictions"),
+    ("patch", "", "pods", "", "team-a", "", False, "never changes running pods"),
+    ("create", "", "pods", "", "team-a", "", False, "never creates pods"),
+]
+
+
+def _bind_in_namespace(cluster: LocalCluster, name: str, namespace: str, rules_file: Path) -> None:
+    """A Role holding ``rules_file``'s rules in ``namespace``, bound to the operator's ServiceAccount."""
+    rules = yaml.safe_load(rules_file.read_text())
+    apply(cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                    "metadata": {"name": name, "namespace": namespace}, "rules": rules})  # fmt: skip
+    apply(cluster, {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                    "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}]})  # fmt: skip
+
+
+def test_admission_mode_rbac_reaches_only_its_own_webhook_and_certificate_secret(
+    cluster: LocalCluster, operator_kubeconfig: Path
+) -> None:
+    name = "kvoffload-operator-test-admission-sar"
+    bind_rules(cluster, f"{name}-cluster", ADMISSION_RULES_FILE)
+    bind_rules(cluster, f"{name}-webhook", ADMISSION_WEBHOOK_RULES_FILE)
+    _bind_in_namespace(cluster, f"{name}-ns", OPERATOR_NAMESPACE, ADMISSION_NAMESPACE_RULES_FILE)
+    try:
+        wrong = _wrong_answers(cluster, [a[:6] for a in ADMISSION_ACCESS], [a[6] for a in ADMISSION_ACCESS],
+                               [a[7] for a in ADMISSION_ACCESS])  # fmt: skip
+        assert not wrong, "\n".join(wrong)
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", f"{name}-cluster", f"{name}-webhook", check=False)
+        cluster.kubectl("delete", "-n", OPERATOR_NAMESPACE, "rolebinding,role", f"{name}-ns", check=False)
 
 
 def _pod_from_template(tpl: dict[str, Any], name: str, keep: set[str] | None = None) -> dict[str, Any]:

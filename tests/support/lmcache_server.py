@@ -36,6 +36,10 @@ class LMCacheServer:
     http_port: int = field(default_factory=free_port)
     shm_name: str = field(default_factory=lambda: f"kvo_test_{uuid.uuid4().hex[:10]}")
     extra_args: Sequence[str] = ()
+    guarded: bool = False
+    """Run it as the sidecar does: LMCache's CLI behind kvoffload's restricted unpickler."""
+    shm: bool = True
+    """L1 in a named SHM segment; without it clients fall back to the pickle transport."""
     _proc: subprocess.Popen[bytes] | None = None
     _starts: int = 0
 
@@ -50,10 +54,14 @@ class LMCacheServer:
 
     def command(self) -> list[str]:
         """The server command line (``lmcache server`` through its module entry point)."""
+        entry = (
+            ["kvoffload.sidecar.lmcache_server", "server"] if self.guarded else ["lmcache.v1.multiprocess.http_server"]
+        )
+        shm = ["--no-l1-use-lazy", "--shm-name", self.shm_name] if self.shm else []
         return [
             sys.executable,
             "-m",
-            "lmcache.v1.multiprocess.http_server",
+            *entry,
             "--host",
             "127.0.0.1",
             "--port",
@@ -64,15 +72,13 @@ class LMCacheServer:
             str(self.chunk_size),
             "--l1-size-gb",
             str(self.l1_size_gb),
-            "--no-l1-use-lazy",
             "--eviction-policy",
             "LRU",
             "--max-workers",
             "1",
             "--supported-transfer-mode",
             "auto",
-            "--shm-name",
-            self.shm_name,
+            *shm,
             *self.extra_args,
         ]
 

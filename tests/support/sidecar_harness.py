@@ -264,8 +264,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def lmcache_client(sidecar: Sidecar, op: str, sequence: int | str) -> dict[str, object]:
     """STORE or LOOKUP synthetic requests (one, or a range "a-b") with LMCache's own client, in a fresh process."""
+    return lmcache_client_on(sidecar.request_port, sidecar.lmcache_http_port, op, sequence)
+
+
+def lmcache_client_on(request_port: int, http_port: int, op: str, argument: int | str) -> dict[str, object]:
+    """``lmcache_client.py`` against any LMCache server's ports (see its usage), in a fresh process."""
     out = subprocess.run(
-        [sys.executable, str(CLIENT), str(sidecar.request_port), str(sidecar.lmcache_http_port), op, str(sequence)],
+        [sys.executable, str(CLIENT), str(request_port), str(http_port), op, str(argument)],
         capture_output=True,
         timeout=180,
         check=False,

@@ -31,6 +31,8 @@ READ_ELSEWHERE = {
     c.ENV_LMCACHE_TRACK_USAGE: "LMCache (usage reporting off)",
     c.ENV_NVIDIA_VISIBLE_DEVICES: "the NVIDIA container runtime",
     c.ENV_NVIDIA_DRIVER_CAPABILITIES: "the NVIDIA container runtime",
+    c.ENV_TMPDIR: "Python's tempfile in the sidecar and LMCache (the root filesystem is read-only)",
+    c.ENV_NUMBA_CACHE_DIR: "numba, for LMCache's CPU kernels (the root filesystem is read-only)",
 }
 """Env vars the operator sets for a program other than our components; the name says which."""
 

@@ -146,3 +146,41 @@ def test_the_crd_limits_are_the_policy_modules() -> None:
     assert (secret["pattern"], secret["maxLength"]) == (pol.SECRET_NAME_PATTERN, 253)
     for path in ("sidecar.image", "connector.bundleImage"):
         assert (fields[path]["pattern"], fields[path]["maxLength"]) == (pol.IMAGE_PATTERN, pol.MAX_IMAGE_LENGTH)
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/dev/shm", "kvoffload mounts or ships /dev/shm"),
+        ("/dev/shm/l2", "kvoffload mounts or ships /dev/shm"),
+        ("/var/run/kvoffload", "kvoffload mounts or ships /var/run/kvoffload"),
+        ("/opt/kvoffload", "kvoffload mounts or ships /opt/kvoffload"),
+        ("/etc/kvoffload/policy", "kvoffload mounts or ships /etc/kvoffload"),
+        ("/opt/venv", "kvoffload mounts or ships /opt/venv"),
+        ("/", "/ is the container's own system tree"),
+        ("/etc", "/etc is the container's own system tree"),
+        ("/proc/self", "/proc is the container's own system tree"),
+        ("/sys/fs", "/sys is the container's own system tree"),
+        ("/dev", "/dev is the container's own system tree"),
+        ("/usr/local/l2", "/usr is the container's own system tree"),
+        ("/var", "it holds /var/run/kvoffload"),
+        ("/opt", "it holds /opt/kvoffload"),
+        ("/cache/", "written plainly"),
+        ("/a//b", "written plainly"),
+        ("/a/./b", "written plainly"),
+        ("/var/../etc", "without '..'"),
+    ],
+)
+def test_an_l2_path_colliding_with_kvoffloads_mounts_or_the_system_is_refused_with_the_reason(
+    path: str, words: str
+) -> None:
+    error = pol.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs")
+    assert isinstance(error, pol.PolicyError) and error.field == "spec.l2.fs.path"
+    assert words in error.message and repr(path) in error.message
+
+
+@pytest.mark.parametrize(
+    "path", ["/cache", "/var/cache/kvoffload-l2", "/tmp/l2", "/var/runner", "/data/kv", "/mnt/nvme0"]
+)
+def test_an_l2_directory_of_its_own_is_accepted(path: str) -> None:
+    assert pol.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs") == pol.FsTier(path, 2**30)

@@ -76,12 +76,38 @@ def test_helm_lint_is_clean_in_strict_mode() -> None:
         ("defaults.mode=node", "nodeMode.enabled is false"),
         ("operator.healthPort=8080", "must differ: [8080 8080 8443]"),
         ("injection.webhookPort=8081", "must differ: [8080 8081 8081]"),
+        ("injection.networkPolicy.podCIDRs[0]=everything", "/injection/networkPolicy/podCIDRs/0"),
     ],
 )
 def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:
     result = helm("template", "kvo", str(CHART), "--set", setting, check=False)
     assert result.returncode != 0
     assert complaint in result.stderr
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a mapping with a key twice (strict parsers and kubeconform -strict do)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(k, deep=deep) for k, _v in node.value]
+        repeated = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        if repeated:
+            raise yaml.constructor.ConstructorError(None, None, f"repeated keys {repeated}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [(), ("injection.mode=template",), ("nodeMode.enabled=true",),
+     ("metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true", "metrics.prometheusRule.enabled=true",
+      "--api-versions=monitoring.coreos.com/v1")],
+)  # fmt: skip
+def test_no_rendered_object_repeats_a_key(values: tuple[str, ...]) -> None:
+    args = ["template", "kvo", str(CHART), "--namespace", RELEASE_NAMESPACE]
+    for s in values:
+        args += ["--set", s] if not s.startswith("--") else [s]
+    docs = [d for d in yaml.load_all(helm(*args).stdout, Loader=_UniqueKeyLoader) if d]
+    assert docs
 
 
 def test_default_render_has_operator_rbac_and_no_prometheus_operator_objects() -> None:
@@ -152,6 +178,41 @@ def test_in_admission_mode_the_operator_is_ready_while_its_webhook_answers_on_th
 
     assert readiness() == {"path": contract.PATH_READY, "port": "webhook", "scheme": "HTTPS"}
     assert readiness("injection.mode=template") == {"path": "/healthz", "port": "health"}
+
+
+def _operator_network_policy(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvo-kvoffload-operator"),
+                None)  # fmt: skip
+
+
+def test_the_webhook_port_takes_only_the_allowed_peers_and_the_operators_other_ports_stay_open() -> None:
+    docs = render()
+    netpol = _operator_network_policy(docs)
+    assert netpol is not None, "on by default in admission mode"
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert netpol["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert netpol["spec"]["policyTypes"] == ["Ingress"]
+    webhook, others = netpol["spec"]["ingress"]
+    assert webhook["ports"] == [{"port": 8443, "protocol": "TCP"}]
+    assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]
+    assert others == {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
+    declared = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    assert declared == {8443, 8080, 8081}, "every port the operator listens on is named by the policy"
+
+    pods_out = _operator_network_policy(render("injection.networkPolicy.podCIDRs={10.244.0.0/16,fd00:10:244::/56}"))
+    assert pods_out is not None
+    assert pods_out["spec"]["ingress"][0]["from"] == [
+        {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.244.0.0/16"]}},
+        {"ipBlock": {"cidr": "::/0", "except": ["fd00:10:244::/56"]}},
+    ]
+    control_plane = _operator_network_policy(
+        render("injection.networkPolicy.webhookFrom[0].ipBlock.cidr=172.16.0.0/28")
+    )
+    assert control_plane is not None
+    assert control_plane["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "172.16.0.0/28"}}]
+    assert _operator_network_policy(render("injection.networkPolicy.enabled=false")) is None
+    assert _operator_network_policy(render("injection.mode=template")) is None
 
 
 def test_the_operator_posts_warning_events_only_unless_all_are_asked_for() -> None:

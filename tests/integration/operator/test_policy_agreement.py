@@ -37,7 +37,9 @@ NEAR_MISSES: dict[str, list[Any]] = {
     "quantity": ["63Mi", "64Mi", "1Pi", "1025Ti", "2Pi", "0", "0.5", "1.5Gi", "1e3", "1ki", "1Ki", "8G", " 1Gi"],
     "url": ["redis://redis:6379", "rediss://redis:6380", "redis://redis:6379/1", "redis://u:pw@redis:6379",
             "redis://[::1]:6379/0", "redis://redis:65536", "redis://cache-user@redis.cache:6380/"],
-    "path": ["/var/cache/kv", "/a/../b", "/..", "relative", "/a\x00b", "/"],
+    "path": ["/var/cache/kv", "/a/../b", "/..", "relative", "/a\x00b", "/", "/dev/shm", "/dev/shm/l2",
+             "/var/run/kvoffload", "/var", "/opt", "/opt/venv", "/etc", "/etc/kvoffload", "/proc/self", "/sys",
+             "/cache/", "/a//b", "/a/./b", "/tmp/l2", "/var/cache/kvoffload-l2", "/var/runner"],
     "image": ["registry.example/sidecar:1", "a b", "x\x01y", "x" * 1025],
     "name": ["redis-auth", "Bad_Name", "a.b-c", "a..b", "-a", "x" * 254],
 }  # fmt: skip

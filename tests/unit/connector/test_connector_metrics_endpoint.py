@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import select
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from hack.ports import free_port
 from kvoffload import contract
 from kvoffload.connector.metrics_endpoint import MetricsEndpoint, render_connector_metrics
 from kvoffload.connector.settings import SettingsError, parse_settings
+from kvoffload.httpreply import CONNECTION_DEADLINE_S, MAX_CONNECTIONS
 
 pytestmark = pytest.mark.connector
 REPO = Path(__file__).resolve().parents[3]
@@ -103,3 +108,38 @@ def test_a_bad_metrics_port_is_refused_naming_the_variable(raw: str) -> None:
     env = {contract.ENV_MODEL_NAME: "m", contract.ENV_METRICS_PORT: raw}
     with pytest.raises(SettingsError, match=contract.ENV_METRICS_PORT):
         parse_settings(env, None)
+
+
+def _hold_idle_connections(port: int, count: int) -> list[socket.socket]:
+    held = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        held.append(sock)
+    return held
+
+
+def _open_ones(held: list[socket.socket]) -> list[socket.socket]:
+    """The connections the server has not closed (a closed one reads as end of file at once)."""
+    readable, _w, _x = select.select(held, [], [], 0)
+    closed = {s for s in readable if s.recv(1, socket.MSG_PEEK) == b""}
+    return [s for s in held if s not in closed]
+
+
+def test_idle_connections_cost_the_engine_a_bounded_number_of_threads_and_are_closed_after_the_deadline() -> None:
+    port = free_port()
+    endpoint = MetricsEndpoint(port, lambda: b"m 1\n", host="127.0.0.1")
+    assert endpoint.try_serve()
+    before = threading.active_count()
+    held = _hold_idle_connections(port, 150)
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() - before <= MAX_CONNECTIONS, "one thread per idle connection"
+        deadline = time.monotonic() + CONNECTION_DEADLINE_S + 3
+        while _open_ones(held) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _open_ones(held), "idle connections outlive the deadline"
+        assert scrape(port) == "m 1\n"
+    finally:
+        for sock in held:
+            sock.close()
+        endpoint.close()

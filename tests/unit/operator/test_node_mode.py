@@ -61,15 +61,19 @@ def render_node(obj: dict[str, Any], **annotations: str) -> RenderedInjection:
     return r
 
 
-def engine_pod(node: str | None, name: str, pol: str = "shared", phase: str = "Running") -> dict[str, Any]:
+def engine_pod(node: str | None, name: str, pol: str = "shared", phase: str = "Running",
+               owner: str | None = "ReplicaSet", tolerations: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """An engine pod as a workload's controller makes it from an injected template."""
     spec: dict[str, Any] = {"containers": [container()]}
     if node:
         spec["nodeName"] = node
-    return {
-        "metadata": {"name": name, "namespace": "ns", "labels": {"app": "llm", c.LABEL_NODE_CACHE_POLICY: pol}},
-        "spec": spec,
-        "status": {"phase": phase},
-    }
+    if tolerations:
+        spec["tolerations"] = tolerations
+    meta: dict[str, Any] = {"name": name, "namespace": "ns",
+                            "labels": {"app": "llm", c.LABEL_NODE_CACHE_POLICY: pol, c.LABEL_INJECTED: "true"}}  # fmt: skip
+    if owner:
+        meta["ownerReferences"] = [{"kind": owner, "name": "llm-5d8f7c9b4", "controller": True}]
+    return {"metadata": meta, "spec": spec, "status": {"phase": phase}}
 
 
 def pod_spec(r: RenderedInjection) -> dict[str, Any]:
@@ -229,7 +233,38 @@ def test_cache_pod_runs_the_sidecar_container_configured_by_env() -> None:
     assert volumes[c.VOLUME_SHM]["hostPath"]["path"] == node_shm_host_path("ns", "shared")
     (prepare,) = pod["spec"]["initContainers"]
     assert prepare["command"] == ["chmod", "1777", "/dev/shm"] and prepare["securityContext"]["runAsUser"] == 0
-    assert pod["spec"]["tolerations"] == [{"operator": "Exists"}]
+    assert "tolerations" not in pod["spec"]
+
+
+def test_a_cache_pod_tolerates_what_its_nodes_engines_tolerate_and_no_more() -> None:
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spot = {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    pods = [engine_pod("n1", "a", tolerations=[gpu]), engine_pod("n1", "b", tolerations=[spot, gpu]),
+            engine_pod("n2", "c", tolerations=[gpu]), engine_pod("n3", "d")]  # fmt: skip
+    pol = policy()
+    s = cache_settings(pol, DEFAULTS)
+    assert isinstance(s, InjectionSettings)
+    desired = desired_cache_pods(pol, s, pods)
+    assert sorted(desired["n1"]["spec"]["tolerations"], key=str) == sorted([gpu, spot], key=str)
+    assert desired["n2"]["spec"]["tolerations"] == [gpu]
+    assert "tolerations" not in desired["n3"]["spec"]
+    assert all({"operator": "Exists"} not in p["spec"].get("tolerations", []) for p in desired.values())
+    hashes = {p["metadata"]["annotations"][c.ANN_CONFIG_HASH] for p in desired.values()}
+    assert len(hashes) == 1, "an engine rollout that changes tolerations does not restart the caches"
+
+
+@pytest.mark.parametrize(
+    ("pod", "why"),
+    [
+        (engine_pod("n9", "bare", owner=None), "a bare pod that labels itself"),
+        (engine_pod("n9", "job", owner="Job"), "a pod of a kind kvoffload does not inject"),
+    ],
+)
+def test_no_cache_pod_for_a_pod_that_no_injected_workload_placed(pod: dict[str, Any], why: str) -> None:
+    assert engine_nodes("shared", [pod]) == [], why
+    uninjected = engine_pod("n9", "copied-label")
+    del uninjected["metadata"]["labels"][c.LABEL_INJECTED]
+    assert engine_nodes("shared", [uninjected]) == []
 
 
 def _cache(node: str, name: str | None = None, digest: str = "h", phase: str = "Running",

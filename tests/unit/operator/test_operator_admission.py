@@ -189,6 +189,17 @@ def test_a_pod_without_a_usable_record_is_admitted_as_written_with_a_warning() -
     assert json.loads(base64.b64decode(answer["response"]["patch"]))
 
 
+def test_a_host_network_pod_is_admitted_without_the_cache_and_the_warning_says_why() -> None:
+    workload = trtllm_deployment("llm", "ns")
+    pod = pod_of(workload)
+    pod["metadata"]["labels"][c.LABEL_INJECT] = "abc"
+    pod["spec"]["hostNetwork"] = True
+    record = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True)
+    answer = admit(pod, "ns", record, ("Deployment", "llm"))
+    assert answer.patch == [] and answer.result == "not_injected"
+    assert "spec.template.spec.hostNetwork" in answer.warnings[0] and "node's loopback" in answer.warnings[0]
+
+
 def _pod(name: str, created: str, injected: bool, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
     labels = {c.LABEL_INJECT: "h", "pod-template-hash": "abc"}
     if injected:

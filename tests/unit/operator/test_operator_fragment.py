@@ -235,6 +235,15 @@ def test_user_fields_that_collide_with_ours_are_errors(mutate: Any, field: str) 
     assert e.reason == "conflict"
 
 
+@pytest.mark.parametrize("backend", ["sidecar", "inprocess"])
+def test_a_host_network_workload_is_refused_before_its_cache_listens_on_the_nodes_loopback(backend: str) -> None:
+    obj = deployment()
+    obj["spec"]["template"]["spec"]["hostNetwork"] = True
+    e = fail(obj, **{c.ANN_BACKEND: backend})
+    assert e.field == "spec.template.spec.hostNetwork" and e.reason == "host_network"
+    assert "node's loopback" in e.message and "remove hostNetwork" in e.message
+
+
 def test_user_scrape_annotations_are_left_alone_with_a_warning() -> None:
     obj = deployment()
     obj["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "8000"}
@@ -530,3 +539,16 @@ def test_models_of_one_layer_group_or_unknown_ones_are_injected(args: list[str])
     engine["args"] = args
     r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
     assert not isinstance(r, PolicyError), r
+
+
+def test_kvoffloads_containers_run_on_a_read_only_root_and_write_only_to_their_run_volume() -> None:
+    spec = pod(render(deployment()).workload_apply)
+    cache = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    bundle = named(spec["initContainers"], c.BUNDLE_INIT_CONTAINER)
+    for injected in (cache, bundle):
+        assert injected["securityContext"]["readOnlyRootFilesystem"] is True, injected["name"]
+    env = env_of(cache)
+    run_mount = next(m for m in cache["volumeMounts"] if m["name"] == c.VOLUME_RUN)
+    assert run_mount["mountPath"] == c.RUN_MOUNT_PATH and not run_mount.get("readOnly")
+    assert env[c.ENV_TMPDIR] == c.RUN_MOUNT_PATH
+    assert env[c.ENV_NUMBA_CACHE_DIR].startswith(c.RUN_MOUNT_PATH + "/")

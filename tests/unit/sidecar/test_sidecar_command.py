@@ -32,7 +32,9 @@ def test_argv_carries_every_setting_and_safe_defaults() -> None:
     )
     cmd = build_server_command(s, {}, shm_free_bytes=None, python="/py")
     argv = cmd.argv
-    assert argv[:4] == ("/py", "-m", "lmcache.cli.main", "server")
+    assert argv[:4] == ("/py", "-m", "kvoffload.sidecar.lmcache_server", "server"), (
+        "LMCache behind the restricted unpickler"
+    )
     assert _flag(argv, "--port") == "6000"
     assert _flag(argv, "--host") == "127.0.0.1"
     assert _flag(argv, "--http-host") == "127.0.0.1"

@@ -285,3 +285,8 @@ def test_valid_quantities_parse_to_their_bytes(number: int, suffix: str) -> None
             load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None)
         return
     assert load_settings({contract.ENV_L1_SIZE: f"{number}{suffix}"}, None).l1_size_bytes == number * scale
+
+
+def test_an_l2_path_on_kvoffloads_own_mount_is_refused_by_the_sidecar_too() -> None:
+    with pytest.raises(SettingsError, match=r"KVOFFLOAD_L2_FS_PATH.*'/dev/shm'.*kvoffload mounts or ships /dev/shm"):
+        load_settings({contract.ENV_L2_FS_PATH: "/dev/shm", contract.ENV_L2_FS_SIZE: "1Gi"}, None)
