@@ -313,7 +313,7 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     server = WebhookServer(kube, metrics, tls, int(args.webhook_port))
     server.start()
     ensure_webhook_configuration(
-        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces)
+        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces, namespace)
     )
     logging.getLogger(__name__).info("injection webhook serving on :%d for %s", server.port, ", ".join(hosts))
     return server
