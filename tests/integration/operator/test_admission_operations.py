@@ -206,3 +206,37 @@ def test_template_changes_the_operator_has_nothing_to_add_to_send_no_operator_pa
     writes = audit.counts(OPERATOR_USER, namespace)
     print(f"operator writes over re-apply, image change and scale: {dict(writes)}")
     assert not [k for k in writes if k[0] == "patch"], writes
+
+
+def test_a_workload_with_every_pod_uninjected_is_caught_up_one_eviction_at_a_time(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Both pods re-created while the operator is down: after its restart, exactly one eviction per
+    pod, each only once the previous replacement is ready (never both pods down), none repeated."""
+    name = "catch-up"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", opted_in=True)))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    admission_operator.stop()
+    try:
+        cluster.kubectl("delete", "pods", "-n", namespace, "-l", f"app={name}")
+        settled(cluster, name, namespace, injected=False, image="trtllm:1.2.0")
+    finally:
+        audit = AuditWindow(cluster.audit_log).mark()
+        admission_operator.start()
+    fewest_ready = 2
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        current = pods(cluster, name, namespace)
+        ready = [p for p in current if any(x["type"] == "Ready" and x["status"] == "True"
+                                           for x in p.get("status", {}).get("conditions", []))]  # fmt: skip
+        fewest_ready = min(fewest_ready, len(ready))
+        if len(ready) == 2 and all(p["metadata"]["labels"].get(c.LABEL_INJECTED) == "true" for p in ready):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"not caught up: {[p['metadata']['name'] for p in pods(cluster, name, namespace)]}")
+    time.sleep(4)
+    tries = evictions(audit, namespace)
+    print(f"catch-up of 2 uninjected pods: eviction calls {tries}, fewest ready pods seen {fewest_ready}")
+    assert sorted(code for _, code in tries) == [201, 201] and len({pod for pod, _ in tries}) == 2, tries
+    assert fewest_ready >= 1, "both pods were down at once"
