@@ -66,6 +66,21 @@ def fake_gpu_node(name: str, gpus: int = 8) -> dict[str, object]:
     }
 
 
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    verbs: [get, list, watch]
+  - level: None
+    resources: [{group: coordination.k8s.io, resources: [leases]}]
+    namespaces: [kube-system, kube-node-lease]
+  - level: Metadata
+"""
+"""Every write, at Metadata level (who, what, which object, the answer); reads and the node and
+control-plane heartbeats are left out."""
+
+
 @dataclass
 class _Proc:
     name: str
@@ -92,6 +107,12 @@ class LocalCluster:
     @property
     def admin_kubeconfig(self) -> Path:
         return self.workdir / "admin.kubeconfig"
+
+    @property
+    def audit_log(self) -> Path:
+        """The apiserver's audit log: one JSON line per write request (create, update, patch,
+        delete), with its user, verb, object and response code; tests count requests from it."""
+        return self.workdir / "logs" / "audit.jsonl"
 
     @property
     def server(self) -> str:
@@ -176,6 +197,8 @@ class LocalCluster:
     def _start_apiserver(self) -> None:
         self.api_port = free_port()
         pki = self.pki
+        policy = self.workdir / "audit-policy.yaml"
+        policy.write_text(AUDIT_POLICY)
         proc = self._spawn("kube-apiserver", [
             str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers={self.etcd_url}",
@@ -189,6 +212,8 @@ class LocalCluster:
             "--authorization-mode=Node,RBAC", "--allow-privileged=true",
             "--enable-admission-plugins=NodeRestriction", "--profiling=false",
             "--storage-media-type=application/vnd.kubernetes.protobuf",
+            f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+            "--audit-log-maxsize=0",
         ])  # fmt: skip
         self.admin_kubeconfig.write_text(
             kubeconfig_yaml(

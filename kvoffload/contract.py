@@ -263,6 +263,10 @@ new value rolls the pods exactly once."""
 ANN_INJECTION_RECORD: Final = "kvoffload.io/injection-record"
 """On the workload itself (admission mode, written in the same apply as ``LABEL_INJECT``): the
 injection record (JSON) the webhook renders the workload's pods from."""
+ANN_INJECTED_FROM: Final = "kvoffload.io/injected-from"
+"""On each pod the webhook injects: the hash of the record it was injected from (the value
+``LABEL_INJECT`` has on a template of that record). A pod of an older ReplicaSet created during a
+rollout carries its template's old label and the current record's hash here."""
 FILE_ANNOTATIONS: Final = {
     TRTLLM_OPTIONS_FILE: "kvoffload.io/extra-llm-api-options.yaml",
     POLICY_FILE: "kvoffload.io/policy.json",
@@ -284,3 +288,5 @@ the injection record, the policy's status and the metrics show what was injected
 (``KvoffloadInjected``, ``KvoffloadRemoved``)."""
 M_OPERATOR_ADMISSIONS: Final = "kvoffload_operator_admissions"
 M_OPERATOR_EVICTIONS: Final = "kvoffload_operator_evictions"
+M_OPERATOR_EVICTION_REFUSALS: Final = "kvoffload_operator_eviction_refusals"
+"""Evictions of pods created without the injection that a PodDisruptionBudget refused (429)."""

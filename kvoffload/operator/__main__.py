@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Literal
 from urllib.parse import urlparse
@@ -28,7 +29,7 @@ from kvoffload.quantity import QuantityError, parse_bytes
 from .events import EventRecorder
 from .injection_plan import ClusterInfo
 from .kube import Kube, load_configuration
-from .leadership import Leadership, serve_health_while_waiting
+from .leadership import RENEW_INTERVAL_S, Leadership, serve_health_while_waiting
 from .metrics import OperatorMetrics
 from .node_caches import NodeCaches
 from .pod_alignment import PodAlignment
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
     admission = _injection_mode(args) == "admission"
     if args.remove_all:
-        return _remove_all(kube, tuple(namespaces), admission)
+        return _remove_all(kube, tuple(namespaces), admission, _uninstall_lease(args, kube))
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
     events = EventRecorder(kube, normal=args.events == c.EVENTS_ALL)
@@ -217,16 +218,52 @@ def _native_sidecars(flag: str, kube: Kube) -> bool:
     raise SystemExit(f"{PROG}: --native-sidecars {flag!r}: allowed auto, true, false")
 
 
-def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool) -> int:
+UNINSTALL_IDENTITY = "kvoffload-uninstall"
+UNINSTALL_HOLD_S = 120
+"""How long the uninstall hook's hold on the Lease lasts after its last step: Helm deletes the
+operator within it, so no operator pod (a restarted container, a standby) acts again before it goes."""
+HANDOVER_WAIT_S = 2 * RENEW_INTERVAL_S
+"""After taking the Lease from a running operator: it sees that at its next renewal and stops."""
+REMOVAL_PASSES = 3
+
+
+def _uninstall_lease(args: argparse.Namespace, kube: Kube) -> Leadership | None:
+    """``--remove-all`` with leader election: the operator's Lease, for the hook to seize."""
+    if args.leader_election == "false":
+        return None
+    if args.leader_election != "true" or not args.leader_election_namespace:
+        raise SystemExit(f"{PROG}: --remove-all with --leader-election true needs --leader-election-namespace "
+                         "(the operator's namespace, where its Lease is)")  # fmt: skip
+    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, UNINSTALL_IDENTITY)
+
+
+def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool, lease: Leadership | None) -> int:
     """``--remove-all``: one line per workload, exit 1 if any could not be returned to the user's pods;
-    then the webhook's registration goes (no pod of the workloads asks for it any more)."""
-    results = remove_every_injection(kube, namespaces)
-    for ref, result in results:
+    then the webhook's registration goes (no pod of the workloads asks for it any more).
+
+    Helm runs this hook while the operator still runs, and a running operator re-injects every
+    workload still opted in: with ``lease`` the hook first seizes the operator's Lease (the
+    operator stops acting at its next renewal), and holds it until Helm has deleted the operator."""
+    if lease is not None and lease.seize(UNINSTALL_HOLD_S):
+        print(f"{PROG}: took Lease {lease.namespace}/{lease.name} from the acting operator; "
+              f"waiting {HANDOVER_WAIT_S:.0f} s for it to stop", flush=True)  # fmt: skip
+        time.sleep(HANDOVER_WAIT_S)
+    results: dict[str, str] = {}
+    for _pass in range(REMOVAL_PASSES):  # a write the stopping operator had in flight may land after a pass
+        found = remove_every_injection(kube, namespaces)
+        for ref, result in found:
+            if result != "noop" or ref not in results:
+                results[ref] = result
+        if all(result == "noop" for _ref, result in found):
+            break
+    for ref, result in results.items():
         print(f"{PROG}: {ref}: {result}", flush=True)
-    left = [ref for ref, result in results if result not in ("removed", "noop")]
+    left = [ref for ref, result in results.items() if result not in ("removed", "noop")]
     print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
     if not left and admission and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
         print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
+    if lease is not None:
+        lease.seize(UNINSTALL_HOLD_S)  # the hold runs from now: Helm deletes the operator next
     return 1 if left else 0
 
 
@@ -276,7 +313,7 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     server = WebhookServer(kube, metrics, tls, int(args.webhook_port))
     server.start()
     ensure_webhook_configuration(
-        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces)
+        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces, namespace)
     )
     logging.getLogger(__name__).info("injection webhook serving on :%d for %s", server.port, ", ".join(hosts))
     return server

@@ -23,10 +23,11 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
+from .drift import object_carries
 from .fragment import RenderedInjection, render
 from .injection_plan import ClusterInfo, InjectionPlan, NodeCacheWiring, choose_engine, plan_injection
-from .managed_fields import owned_by
-from .settings import InjectionSettings
+from .managed_fields import TEMPLATE_META, owned_by
+from .settings import InjectionSettings, enabled_state
 from .workload_view import SUPPORTED_KINDS, empty_apply_body
 
 
@@ -83,15 +84,38 @@ def render_admission(plan: InjectionPlan) -> RenderedInjection:
     workload and the template label naming the hash of the record and the files it gives the pods."""
     in_template = render(plan, files_on_pod=True)  # its warnings, and the files the pods get
     record = record_of(plan).to_json()
-    digest = hashlib.sha256(json.dumps({**in_template.files, _RECORD_KEY: record}, sort_keys=True).encode()
-                            ).hexdigest()[:16]  # fmt: skip
+    digest = record_digest(in_template.files, record)
     body = empty_apply_body(plan.workload)
     body["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: record}
     body["spec"] = {"template": {"metadata": {"labels": {c.LABEL_INJECT: digest}}}}
     return RenderedInjection(
         workload_apply=body, configmap_apply=None, files=in_template.files, config_hash=digest,
-        engine_container=in_template.engine_container, forceable_fields=(), warnings=in_template.warnings,
+        engine_container=in_template.engine_container, forceable_fields=ADMISSION_FORCEABLE,
+        warnings=in_template.warnings,
     )  # fmt: skip
+
+
+ADMISSION_FORCEABLE = (f".metadata.annotations.{c.ANN_INJECTION_RECORD}",
+                       f".spec.template.metadata.labels.{c.LABEL_INJECT}")  # fmt: skip
+"""kvoffload's own keys, taken back when another manager holds them: ``kubectl rollout undo``
+writes an older record and label back as ``kubectl``; the operator re-applies its current one (one
+rollout) instead of leaving pods the webhook refuses."""
+
+
+def intent_in_place(workload: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+    """Whether the workload already carries the record and label an apply would write, both held
+    by kvoffload's field manager: the apply would change nothing, so it is not sent."""
+    owned = all(owned_by(workload, path, c.FIELD_MANAGER) for path in _FORCEABLE_PATHS)
+    return owned and object_carries(rendered.workload_apply, workload)
+
+
+_FORCEABLE_PATHS = (("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}"),
+                    (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}"))  # fmt: skip
+
+
+def record_digest(files: Mapping[str, str], record_json: str) -> str:
+    """The hash naming a record and the files it gives the pods (``LABEL_INJECT``'s value)."""
+    return hashlib.sha256(json.dumps({**files, _RECORD_KEY: record_json}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 _RECORD_KEY = "injection.json"
@@ -107,28 +131,12 @@ def render_for(plan: InjectionPlan) -> RenderedInjection:
 # --- the webhook's side ------------------------------------------------------------
 
 
-def pod_owner(pod: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(kind, name) of the Deployment or StatefulSet whose controller created the pod, if any."""
-    meta = pod.get("metadata") or {}
-    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
-    if owner is None:
-        return None
-    name = str(owner.get("name"))
-    if owner.get("kind") == "StatefulSet":
-        return "StatefulSet", name
-    if owner.get("kind") == "ReplicaSet":
-        template_hash = (meta.get("labels") or {}).get("pod-template-hash")
-        suffix = f"-{template_hash}" if template_hash else None
-        if suffix and name.endswith(suffix):
-            return "Deployment", name[: -len(suffix)]
-        return "Deployment", name.rsplit("-", 1)[0]
-    return None
-
-
 def record_from_workload(workload: Mapping[str, Any] | None, kind: str, name: str) -> InjectionRecord | str:
     """The record the operator wrote on a workload, or why there is none to use."""
     if workload is None:
         return f"{kind} {name} is not there"
+    if enabled_state((workload.get("metadata") or {}).get("annotations")) is not True:
+        return f'{kind} {name} is not opted in ({c.ANN_ENABLED} is not "true")'
     text = ((workload.get("metadata") or {}).get("annotations") or {}).get(c.ANN_INJECTION_RECORD)
     if text is None:
         return f"the operator has not injected {kind} {name} yet (no {c.ANN_INJECTION_RECORD} annotation)"
@@ -158,13 +166,15 @@ def injected_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str, r
                           record.node_cache)  # fmt: skip
     if isinstance(plan, PolicyError):
         return plan
-    template = render(plan, files_on_pod=True).workload_apply["spec"]["template"]
+    rendered = render(plan, files_on_pod=True)
+    template = rendered.workload_apply["spec"]["template"]
     result = copy.deepcopy(dict(pod))
     meta = result.setdefault("metadata", {})
     for part in ("labels", "annotations"):
         merged = {**(meta.get(part) or {}), **(template.get("metadata") or {}).get(part, {})}
         if merged:
             meta[part] = merged
+    meta.setdefault("annotations", {})[c.ANN_INJECTED_FROM] = record_digest(rendered.files, record.to_json())
     result["spec"] = merge_pod_spec(result.get("spec") or {}, template["spec"])
     return result
 
@@ -245,13 +255,14 @@ def admission_response(uid: str, admission: Admission) -> dict[str, Any]:
 
 
 def admit(pod: Mapping[str, Any], namespace: str, record: InjectionRecord | str | None,
-          owner: tuple[str, str] | None) -> Admission:  # fmt: skip
-    """What to do with one pod at creation, given its owner and that owner's record (or why none)."""
+          owner: tuple[str, str] | str) -> Admission:  # fmt: skip
+    """What to do with one pod at creation, given its owner (or why it has none the API confirms)
+    and that owner's record (or why none)."""
     labels = (pod.get("metadata") or {}).get("labels") or {}
     if c.LABEL_INJECT not in labels or labels.get(c.LABEL_INJECTED) == "true":
         return Admission([], (), "ignored")
-    if owner is None:
-        return Admission([], ("kvoffload: the pod has no Deployment or StatefulSet owner; not injected",), "ignored")
+    if isinstance(owner, str):
+        return Admission([], (f"kvoffload: not injected: {owner}",), "ignored")
     kind, name = owner
     if not isinstance(record, InjectionRecord):
         return Admission([], (f"kvoffload: {kind} {name}: not injected: {record}",), "not_injected")

@@ -6,6 +6,10 @@ live and ready, until the Lease is free: released by the old pod when it stops, 
 ``RENEW_INTERVAL_S``; one that finds the Lease taken, or is refused for a whole term
 (``keep_renewing``), stops its handlers. The same identity (the pod's name, kept across container
 restarts) takes its own Lease back at once.
+
+``helm uninstall``'s hook seizes the Lease (``Leadership.seize``) whoever holds it: the acting
+operator stops at its next renewal, standbys keep waiting, and no operator acts until the hook's
+long term has run out, by when Helm has deleted the operator.
 """
 
 from __future__ import annotations
@@ -63,13 +67,18 @@ def lease_state(
 
 
 def lease_body(
-    name: str, namespace: str, identity: str, now: datetime.datetime, previous: Mapping[str, Any] | None
+    name: str,
+    namespace: str,
+    identity: str,
+    now: datetime.datetime,
+    previous: Mapping[str, Any] | None,
+    duration_s: int = LEASE_DURATION_S,
 ) -> dict[str, Any]:
-    """The Lease as ``identity`` holds it from ``now`` (a takeover counts a transition)."""
+    """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a transition)."""
     spec = dict((previous or {}).get("spec") or {})
     taking_over = spec.get("holderIdentity") != identity
     stamp = now.strftime(MICROTIME)
-    spec.update({"holderIdentity": identity, "leaseDurationSeconds": LEASE_DURATION_S, "renewTime": stamp})
+    spec.update({"holderIdentity": identity, "leaseDurationSeconds": duration_s, "renewTime": stamp})
     if taking_over:
         spec["acquireTime"] = stamp
         spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if previous else 0)
@@ -134,6 +143,27 @@ class Leadership:
                 return False
             raise
         return True
+
+    def seize(self, duration_s: int) -> bool:
+        """Take the Lease whoever holds it and hold it ``duration_s`` from now (the uninstall hook:
+        no operator may act while it hands workloads back, nor until Helm has deleted the operator).
+        True when another holder's term was running: it stops at its next renewal."""
+        path = lease_path(self.namespace, self.name)
+        for _attempt in range(10):
+            current = self.kube.get(path)
+            active = lease_state(current, self.identity, _now()) == "held"
+            body = lease_body(self.name, self.namespace, self.identity, _now(), current, duration_s)
+            try:
+                if current is None:
+                    self.kube.create(lease_path(self.namespace), body)
+                else:
+                    self.kube.request("PUT", path, body)
+            except KubeApiError as exc:
+                if exc.status in (409, 422):  # the holder renewed meanwhile: take it from the new version
+                    continue
+                raise
+            return active
+        raise KubeApiError(409, {"message": "the Lease kept changing"}, "PUT", path)
 
     def acquire(self, stop: threading.Event) -> bool:
         """Wait until this process holds the Lease (True) or ``stop`` is set (False)."""

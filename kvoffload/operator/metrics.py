@@ -53,6 +53,10 @@ class OperatorMetrics:
             c.M_OPERATOR_EVICTIONS, "Pods created without the injection (webhook not reached) evicted to be "
             "created again.", registry=self.registry,
         )  # fmt: skip
+        self.eviction_refusals = Counter(
+            c.M_OPERATOR_EVICTION_REFUSALS, "Evictions of pods created without the injection refused (429) by a "
+            "PodDisruptionBudget; retried with backoff.", registry=self.registry,
+        )  # fmt: skip
         for result in ADMISSION_RESULTS:
             self.admissions.labels(result=result)
         for kind in KINDS:  # zeros are visible before the first event

@@ -1,7 +1,12 @@
 """Admission mode's catch-up: pods of an opted-in workload that were created without the injection
 (the webhook was down or could not be reached, so its ``failurePolicy: Ignore`` admitted them as the
 user wrote them) are evicted, one at a time per workload, so their controller creates them again
-through the webhook. Evictions honour PodDisruptionBudgets; repeated ones back off.
+through the webhook. Evictions honour PodDisruptionBudgets; refused and repeated ones back off.
+
+Only a pod the webhook would inject now is evicted: its owner, resolved through the API, is opted
+in and carries a record kvoffload wrote, and that record renders for the pod. A workload that is
+refused, not opted in, or whose record another manager wrote (``kubectl rollout undo``) is left
+running as written; evicting it would only bring the same pod back.
 """
 
 from __future__ import annotations
@@ -9,16 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.policy import PolicyError
 
-from .admission import pod_owner
+from .admission import InjectionRecord, injected_pod, record_from_workload
 from .events import EventRecorder, now_timestamp
 from .kube import Kube, KubeApiError, namespaced_path
 from .metrics import OperatorMetrics
+from .pod_owners import ControllerRef, Owner, controller_ref, resolve_owner
 
 log = logging.getLogger("kvoffload.operator")
 BACKOFF_START_S = 15.0
@@ -35,12 +42,6 @@ def uninjected(pod: Mapping[str, Any]) -> bool:
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     return c.LABEL_INJECT in labels and labels.get(c.LABEL_INJECTED) != "true" and not meta.get("deletionTimestamp")
-
-
-def workload_key(pod: Mapping[str, Any]) -> tuple[str, str, str] | None:
-    """(namespace, kind, name) of the pod's Deployment or StatefulSet, if it has one."""
-    owner = pod_owner(pod)
-    return None if owner is None else (str((pod.get("metadata") or {}).get("namespace")), *owner)
 
 
 def _workload_ref(namespace: object, kind: str, name: str) -> dict[str, Any]:
@@ -62,24 +63,43 @@ def start_failure(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def evictions(pods: Iterable[Mapping[str, Any]]) -> list[tuple[tuple[str, str, str], Mapping[str, Any]]]:
-    """((namespace, kind, name) of the workload, pod) to evict now: per workload the oldest pod
-    without the injection, and none while another of its pods is starting or terminating."""
-    groups: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
-    for pod in pods:
-        key = workload_key(pod)
-        if key is not None:
-            groups.setdefault(key, []).append(pod)
-    chosen = []
-    for key, group in sorted(groups.items()):
-        behind = sorted((p for p in group if uninjected(p)),
-                        key=lambda p: (str((p.get("metadata") or {}).get("creationTimestamp")),
-                                       str((p.get("metadata") or {}).get("name"))))  # fmt: skip
-        busy = any((p.get("metadata") or {}).get("deletionTimestamp") or (not uninjected(p) and not _ready(p))
-                   for p in group)  # fmt: skip
-        if behind and not busy:
-            chosen.append((key, behind[0]))
-    return chosen
+def why_left_as_written(pod: Mapping[str, Any], owner: Owner, namespace: str) -> str | None:
+    """Why an uninjected pod of ``owner`` must not be evicted (None: the webhook would inject its
+    replacement, so evict it)."""
+    record = record_from_workload(owner.workload, owner.kind, owner.name)
+    if not isinstance(record, InjectionRecord):
+        return record
+    template_labels = ((owner.workload.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels", {})
+    if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_INJECT) != template_labels.get(c.LABEL_INJECT):
+        return "a pod of an older template: the rollout under way replaces it"
+    injected = injected_pod(pod, owner.kind, owner.name, namespace, record)
+    return injected.message if isinstance(injected, PolicyError) else None
+
+
+def _created(pod: Mapping[str, Any]) -> tuple[str, str]:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("creationTimestamp")), str(meta.get("name"))
+
+
+def next_eviction(owner: Owner, pods: Sequence[Mapping[str, Any]], namespace: str) -> Mapping[str, Any] | None:
+    """The one pod of ``owner`` to evict now, if any: the oldest uninjected one the webhook would
+    inject, and only while every other pod the workload wants is there and ready (an eviction
+    makes at most one pod of it unavailable)."""
+    behind = sorted((p for p in pods if uninjected(p)), key=_created)
+    if not behind:
+        return None
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    wanted = (owner.workload.get("spec") or {}).get("replicas", 1)
+    if len(live) < len(pods) or sum(1 for p in live if _ready(p)) < max(int(wanted or 0), len(live)):
+        return None  # a pod is terminating, starting or missing: wait until it is back
+    for pod in behind:
+        if why_left_as_written(pod, owner, namespace) is None:
+            return pod
+    return None
+
+
+WorkloadKey = tuple[str, str, str]
+"""(namespace, kind, name) of a Deployment or StatefulSet."""
 
 
 @dataclass
@@ -90,11 +110,13 @@ class PodAlignment:
     events: EventRecorder
     metrics: OperatorMetrics
     namespaces: Sequence[str] = ()
-    _next: dict[tuple[str, str, str], float] = field(default_factory=dict)
-    _evicted_at: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    _next: dict[WorkloadKey, float] = field(default_factory=dict)
+    _evicted_at: dict[WorkloadKey, str] = field(default_factory=dict)
     """When each workload last had a pod evicted (a pod created since without the injection: the webhook still fails)."""
-    _delay: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    _delay: dict[WorkloadKey, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _workload_locks: dict[WorkloadKey, threading.Lock] = field(default_factory=dict)
+    """One pass at a time per workload: kopf's worker threads and the background thread all align."""
 
     def _pods(self, namespace: str | None) -> list[dict[str, Any]]:
         params = {"labelSelector": c.LABEL_INJECT}
@@ -107,12 +129,15 @@ class PodAlignment:
 
     def report_start_failure(self, pod: Mapping[str, Any]) -> bool:
         """A Warning on the pod's workload when a kvoffload container cannot start; True if posted."""
-        failure, key = start_failure(pod), workload_key(pod)
-        if failure is None or key is None:
+        failure = start_failure(pod)
+        if failure is None:
             return False
         meta = pod.get("metadata") or {}
+        owner = resolve_owner(self.kube, pod, str(meta.get("namespace")))
+        if isinstance(owner, str):
+            return False
         self.events.post(
-            _workload_ref(*key), "Warning", "KvoffloadInvalid",
+            _workload_ref(meta.get("namespace"), owner.kind, owner.name), "Warning", "KvoffloadInvalid",
             f"pod {meta.get('name')} cannot start {failure}; a KVCachePolicy's l2.redis.passwordSecretRef must name "
             "a Secret and key that exist in the workload's namespace (the operator cannot check before the pod: "
             "it has no right to read Secrets)", failure,
@@ -125,41 +150,88 @@ class PodAlignment:
         with self._lock:
             return any(key[0] == namespace for key in self._evicted_at)
 
+    def _workload_lock(self, key: WorkloadKey) -> threading.Lock:
+        with self._lock:
+            return self._workload_locks.setdefault(key, threading.Lock())
+
     def align(self, namespace: str | None = None) -> int:
-        """Evict what :func:`evictions` picks in ``namespace`` (None: every watched one); returns how many.
+        """Evict what :func:`next_eviction` picks per workload in ``namespace`` (None: every watched
+        one); returns how many.
 
         A workload whose replacement pod came back without the injection too (the webhook is still
-        not reached) waits 15 s, then twice as long each time, up to 10 min.
+        not reached), or whose eviction a PodDisruptionBudget refused, waits 15 s, then twice as
+        long each time, up to 10 min.
         """
         pods = self._pods(namespace)
-        behind = {workload_key(p) for p in pods if uninjected(p)} - {None}
-        now = time.monotonic()
-        with self._lock:
-            for key in list(self._evicted_at):
-                if key not in behind and (namespace is None or key[0] == namespace):
-                    for table in (self._evicted_at, self._delay, self._next):  # caught up
-                        table.pop(key, None)
+        if not any(uninjected(p) for p in pods):
+            self._caught_up(set(), namespace)
+            return 0
+        groups = self._by_workload(pods)
+        self._caught_up({k for k, (_o, members) in groups.items() if any(uninjected(p) for p in members)}, namespace)
         evicted = 0
-        for key, pod in evictions(pods):
-            with self._lock:
-                since = self._evicted_at.get(key)
-                again = since is not None and any(
-                    uninjected(p)
-                    and workload_key(p) == key
-                    and str(p["metadata"].get("creationTimestamp", "")) >= since
-                    for p in pods
-                )
-                if again:
-                    if now < self._next.get(key, 0.0):
-                        continue
-                    self._delay[key] = min(self._delay.get(key, BACKOFF_START_S / 2) * 2, BACKOFF_MAX_S)
-                    self._next[key] = now + self._delay[key]
-                self._evicted_at[key] = now_timestamp()
-            if self._evict(key, pod):
-                evicted += 1
+        for key, (_owner, members) in sorted(groups.items()):
+            if not any(uninjected(p) for p in members):
+                continue
+            lock = self._workload_lock(key)
+            if not lock.acquire(blocking=False):
+                continue  # another thread is aligning this workload now
+            try:
+                evicted += self._align_workload(key)
+            finally:
+                lock.release()
         return evicted
 
-    def _evict(self, key: tuple[str, str, str], pod: Mapping[str, Any]) -> bool:
+    def _by_workload(self, pods: Sequence[dict[str, Any]]) -> dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]]:
+        """The pods grouped by the workload each belongs to (each controller resolved once through
+        the API); pods of anything else are left out, so never evicted."""
+        by_controller: dict[tuple[str, ControllerRef], list[dict[str, Any]]] = {}
+        for pod in pods:
+            ref = controller_ref(pod)
+            if ref is not None:
+                by_controller.setdefault((str(pod["metadata"].get("namespace")), ref), []).append(pod)
+        groups: dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]] = {}
+        for (ns, _ref), members in by_controller.items():
+            owner = resolve_owner(self.kube, members[0], ns)
+            if not isinstance(owner, str):
+                groups.setdefault((ns, owner.kind, owner.name), (owner, []))[1].extend(members)
+        return groups
+
+    def _caught_up(self, behind: set[WorkloadKey], namespace: str | None) -> None:
+        with self._lock:
+            for key in {*self._evicted_at, *self._delay}:
+                if key not in behind and (namespace is None or key[0] == namespace):
+                    for table in (self._evicted_at, self._delay, self._next):
+                        table.pop(key, None)
+
+    def _align_workload(self, key: WorkloadKey) -> int:
+        """One workload's pass under its lock, from a fresh list: an eviction another pass just made
+        shows as a terminating pod, so no second one follows it."""
+        namespace = key[0]
+        group = self._by_workload(self._pods(namespace)).get(key)
+        if group is None:
+            return 0
+        owner, pods = group
+        pod = next_eviction(owner, pods, namespace)
+        if pod is None:
+            return 0
+        now = time.monotonic()
+        with self._lock:
+            since = self._evicted_at.get(key)
+            again = since is not None and any(uninjected(p) and _created(p)[0] >= since for p in pods)
+            if (again or key in self._delay) and now < self._next.get(key, 0.0):
+                return 0
+            if again:
+                self._back_off(key, now)
+            self._evicted_at[key] = now_timestamp()
+        return 1 if self._evict(key, pod) else 0
+
+    def _back_off(self, key: WorkloadKey, now: float) -> float:
+        """The next try for ``key`` waits 15 s, then twice as long each time, up to 10 min (lock held)."""
+        self._delay[key] = min(self._delay.get(key, BACKOFF_START_S / 2) * 2, BACKOFF_MAX_S)
+        self._next[key] = now + self._delay[key]
+        return self._delay[key]
+
+    def _evict(self, key: WorkloadKey, pod: Mapping[str, Any]) -> bool:
         namespace, kind, name = key
         pod_name = str((pod.get("metadata") or {}).get("name"))
         body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod_name, "namespace": namespace}}
@@ -169,7 +241,7 @@ class PodAlignment:
             if exc.status in (404, 409):
                 return False  # gone already
             if exc.status == 429:
-                log.info("pod %s/%s: eviction refused by a PodDisruptionBudget; trying later", namespace, pod_name)
+                self._refused(key, pod_name, exc)
                 return False
             raise
         self.metrics.evictions.inc()
@@ -180,3 +252,19 @@ class PodAlignment:
             "evicted so that it is created again through the webhook", pod_name,
         )  # fmt: skip
         return True
+
+    def _refused(self, key: WorkloadKey, pod_name: str, exc: KubeApiError) -> None:
+        """A PodDisruptionBudget refused the eviction: counted, said once per pod, tried again later."""
+        namespace, kind, name = key
+        with self._lock:
+            self._evicted_at.pop(key, None)
+            delay = self._back_off(key, time.monotonic())
+        self.metrics.eviction_refusals.inc()
+        log.info("pod %s/%s: eviction refused by a PodDisruptionBudget; next try in %.0f s", namespace, pod_name, delay)
+        self.events.post(
+            _workload_ref(namespace, kind, name), "Warning", "KvoffloadEvictionRefused",
+            f"pod {pod_name} was created without the kvoffload injection, and its eviction (to create it again "
+            f"through the webhook) was refused: {exc.message}; the operator tries again with backoff (15 s "
+            "doubling to 10 min). A PodDisruptionBudget that allows no disruption keeps the pod uninjected",
+            pod_name,
+        )  # fmt: skip

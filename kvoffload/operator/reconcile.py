@@ -17,7 +17,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
-from .admission import render_for
+from .admission import intent_in_place, render_for
 from .drift import object_carries
 from .events import EventRecorder
 from .fragment import RenderedInjection
@@ -225,7 +225,8 @@ class Reconciler:
         answer: Mapping[str, Any] | None = None
         with self._lock:
             first_sight = uid not in self._done
-        if (force or first_sight) and carries_injection(self.kube, obj, rendered):
+        in_place = self.cluster.injection == "admission" and intent_in_place(obj, rendered)
+        if in_place or ((force or first_sight) and carries_injection(self.kube, obj, rendered)):
             result = "unchanged"  # a resync or a restarted operator that found no drift sends nothing
         else:
             result, answer = self._apply_injection(obj, rendered, state)

@@ -12,11 +12,12 @@ from typing import Any
 
 from kvoffload import contract as c
 
-from .admission import Admission, admission_response, admit, pod_owner, record_from_workload
+from .admission import Admission, admission_response, admit, record_from_workload
 from .admission_review import PodReview, parse_pod_review
 from .https_server import HttpsServer, Reply, Request, refusal
-from .kube import Kube, KubeApiError, workload_path
+from .kube import Kube, KubeApiError
 from .metrics import OperatorMetrics
+from .pod_owners import resolve_owner
 from .webhook_tls import TlsMaterial
 
 log = logging.getLogger("kvoffload.operator")
@@ -26,15 +27,18 @@ one at this cap takes tens of MiB for a moment. A larger one gets 413 before its
 
 
 def review_pod(kube: Kube, review: PodReview) -> Admission:
-    """The answer for one pod CREATE: its owner's injection record read, then ``admit``."""
-    owner = pod_owner(review.pod)
-    record = None
-    if owner is not None and c.LABEL_INJECT in ((review.pod.get("metadata") or {}).get("labels") or {}):
-        try:
-            record = record_from_workload(kube.get(workload_path(owner[0], review.namespace, owner[1])), *owner)
-        except KubeApiError as exc:
-            record = f"reading {owner[0]} {owner[1]} failed: {exc}"
-    return admit(review.pod, review.namespace, record, owner)
+    """The answer for one pod CREATE: its owner resolved through the API and that owner's injection
+    record read, then ``admit``."""
+    if c.LABEL_INJECT not in ((review.pod.get("metadata") or {}).get("labels") or {}):
+        return admit(review.pod, review.namespace, None, "the pod does not carry the label")
+    try:
+        resolved = resolve_owner(kube, review.pod, review.namespace)
+    except KubeApiError as exc:
+        return admit(review.pod, review.namespace, None, f"resolving the pod's owner failed: {exc}")
+    if isinstance(resolved, str):
+        return admit(review.pod, review.namespace, None, resolved)
+    owner = (resolved.kind, resolved.name)
+    return admit(review.pod, review.namespace, record_from_workload(resolved.workload, *owner), owner)
 
 
 def server_context(tls: TlsMaterial) -> ssl.SSLContext:

@@ -141,10 +141,16 @@ def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str]) -> T
     return material
 
 
-def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], namespaces: Sequence[str]
-                          ) -> dict[str, Any]:  # fmt: skip
+NEVER_INJECTED_NAMESPACES = ("kube-system",)
+"""Namespaces whose pods are never sent to the webhook, besides the operator's own: the cluster's
+own components must not wait on (or be changed by) it."""
+
+
+def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], namespaces: Sequence[str],
+                          own_namespace: str) -> dict[str, Any]:  # fmt: skip
     """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
-    sent, at creation; a webhook that cannot be reached admits them as the user wrote them."""
+    sent, at creation, never from kube-system or the operator's own namespace; a webhook that
+    cannot be reached admits them as the user wrote them."""
     hook: dict[str, Any] = {
         "name": "pods.kvoffload.io",
         "admissionReviewVersions": ["v1"],
@@ -165,9 +171,11 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
         ],
         "clientConfig": {**client, "caBundle": base64.b64encode(ca_pem).decode()},
     }
+    excluded = sorted({*NEVER_INJECTED_NAMESPACES, own_namespace} - {""})
+    selector = [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded}]
     if namespaces:
-        hook["namespaceSelector"] = {"matchExpressions": [
-            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)}]}  # fmt: skip
+        selector.append({"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)})
+    hook["namespaceSelector"] = {"matchExpressions": selector}
     return {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": name, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},

@@ -34,12 +34,13 @@ HUNG_WORKLOAD, HANG_S = "hung", 3.0
 
 def injected_workload() -> dict[str, Any]:
     """The Deployment as the apiserver returns it after kvoffload injected it (admission mode)."""
-    workload = trtllm_deployment(NAME, NAMESPACE)
+    workload = trtllm_deployment(NAME, NAMESPACE, annotations={c.ANN_ENABLED: "true"})
+    workload["metadata"]["uid"] = "deployment-uid"
     settings = InjectionSettings()
     engine = choose_engine(workload, settings)
     plan = plan_injection(workload, settings, ClusterInfo(native_sidecars=True, injection="admission"), engine)  # type: ignore[arg-type]
     rendered = render_admission(plan)  # type: ignore[arg-type]
-    workload["metadata"]["annotations"] = rendered.workload_apply["metadata"]["annotations"]
+    workload["metadata"]["annotations"].update(rendered.workload_apply["metadata"]["annotations"])
     workload["metadata"]["managedFields"] = [{"manager": c.FIELD_MANAGER, "operation": "Apply",
         "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}}]  # fmt: skip
     workload["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT] = rendered.config_hash
@@ -121,15 +122,21 @@ def webhook_process(workdir: Path) -> Iterator[WebhookProcess]:
 
 
 class _StandInApiserver:
-    """``Kube.get`` for the one injected Deployment; nothing else exists, and ``HUNG_WORKLOAD``
-    takes ``HANG_S`` to be found missing."""
+    """``Kube.get`` for the one injected Deployment and its ReplicaSet; nothing else exists, and
+    ``HUNG_WORKLOAD``'s ReplicaSet takes ``HANG_S`` to be found missing."""
 
     def __init__(self) -> None:
         self.workload = injected_workload()
+        self.replica_set = {"metadata": {"name": f"{NAME}-{TEMPLATE_HASH}", "namespace": NAMESPACE, "uid": "rs-uid",
+                                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                                              "name": NAME, "uid": "deployment-uid",
+                                                              "controller": True}]}}  # fmt: skip
 
     def get(self, path: str) -> dict[str, Any] | None:
-        if path.endswith(f"/deployments/{HUNG_WORKLOAD}"):
+        if path.endswith(f"/replicasets/{HUNG_WORKLOAD}-{TEMPLATE_HASH}"):
             time.sleep(HANG_S)
+        if path.endswith(f"/namespaces/{NAMESPACE}/replicasets/{NAME}-{TEMPLATE_HASH}"):
+            return self.replica_set
         return self.workload if path.endswith(f"/namespaces/{NAMESPACE}/deployments/{NAME}") else None
 
 

@@ -57,3 +57,12 @@ def test_a_refusal_right_after_an_apiserver_outage_longer_than_the_lease_term_is
     assert not keep_renewing(403, NOW, NOW + datetime.timedelta(seconds=LEASE_DURATION_S)), (
         "rights really taken away end it after one term of refusals"
     )
+
+
+def test_the_uninstall_hooks_long_hold_keeps_operators_waiting_until_it_runs_out() -> None:
+    """The hook seizes the Lease for a long term (``lease_body(duration_s=...)``): an operator that
+    restarts or a standby finds it held for that term, not just for a normal one."""
+    seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, held_by("old-pod", 1), 120)
+    later = NOW + datetime.timedelta(seconds=LEASE_DURATION_S + 30)
+    assert lease_state(seized, "old-pod", later) == "held"
+    assert lease_state(seized, "old-pod", NOW + datetime.timedelta(seconds=121)) == "free"

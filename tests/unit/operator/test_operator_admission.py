@@ -1,5 +1,5 @@
 """Injection at admission, pure parts: the record, the pod the webhook admits, its patch, the
-owner it reads, and which uninjected pods are evicted."""
+owner it resolves, and which uninjected pods are evicted."""
 
 from __future__ import annotations
 
@@ -19,15 +19,16 @@ from kvoffload.operator.admission import (
     injected_pod,
     json_patch,
     merge_pod_spec,
-    pod_owner,
     record_from_workload,
     render_admission,
 )
 from kvoffload.operator.fragment import render
 from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.operator.pod_alignment import evictions, start_failure
+from kvoffload.operator.pod_alignment import next_eviction, start_failure
+from kvoffload.operator.pod_owners import Owner, resolve_owner
 from kvoffload.operator.settings import InjectionSettings
-from kvoffload.policy import FsTier, RedisTier
+from kvoffload.operator.webhook_tls import webhook_configuration
+from kvoffload.policy import FsTier, PolicyError, RedisTier
 
 
 def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True) -> Any:
@@ -69,7 +70,10 @@ def test_admission_mode_writes_one_object_the_workload_with_the_record_and_one_t
     record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
     assert isinstance(record, InjectionRecord) and record.settings == InjectionSettings()
     assert set(rendered.files) == {c.TRTLLM_OPTIONS_FILE, c.POLICY_FILE}
-    assert rendered.forceable_fields == ()
+    assert set(rendered.forceable_fields) == {  # only kvoffload's own keys are ever taken back
+        f".metadata.annotations.{c.ANN_INJECTION_RECORD}",
+        f".spec.template.metadata.labels.{c.LABEL_INJECT}",
+    }
     other = render_admission(plan_of(workload, InjectionSettings(l1_bytes=5 * 2**30)))
     assert other.config_hash != rendered.config_hash, "a settings change must roll the pods"
     image = copy.deepcopy(workload)
@@ -150,31 +154,64 @@ def test_the_patch_turns_the_pod_into_the_injected_one() -> None:
     assert patched == new
 
 
+class ObjectsByPath:
+    """A ``Kube`` that answers GETs from a dict of objects by API path."""
+
+    def __init__(self, objects: dict[str, dict[str, Any]]) -> None:
+        self.objects = objects
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        return self.objects.get(path)
+
+
+def _meta(name: str, uid: str, owner: tuple[str, str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": uid}
+    if owner:
+        meta["ownerReferences"] = [{"kind": owner[0], "name": owner[1], "uid": owner[2], "controller": True}]
+    return {"metadata": meta}
+
+
+DEPLOYMENTS = "/apis/apps/v1/namespaces/ns/deployments"
+REPLICASETS = "/apis/apps/v1/namespaces/ns/replicasets"
+
+
 @pytest.mark.parametrize(
-    ("owner", "labels", "expected"),
+    ("pod_owner", "expected"),
     [
-        ({"kind": "ReplicaSet", "name": "my-llm-7f9c", "controller": True}, {"pod-template-hash": "7f9c"},
-         ("Deployment", "my-llm")),
-        ({"kind": "StatefulSet", "name": "db", "controller": True}, {}, ("StatefulSet", "db")),
-        ({"kind": "Job", "name": "j", "controller": True}, {}, None),
-        ({"kind": "ReplicaSet", "name": "x-1", "controller": False}, {}, None),
+        (("ReplicaSet", "llama-7f9c", "rs-1"), ("Deployment", "llama")),
+        (("StatefulSet", "db", "sts-1"), ("StatefulSet", "db")),
+        (("ReplicaSet", "llama-evil", "rs-2"), "is not controlled by a Deployment"),  # the user's own ReplicaSet
+        (("ReplicaSet", "llama-zzzzz", "rs-3"), "not there"),  # a reference to nothing
+        (("ReplicaSet", "llama-7f9c", "forged"), "not there"),  # the name of a real one, another uid
+        (("Job", "j", "job-1"), "its controller is a Job"),
+        (None, "no controller"),
     ],
 )  # fmt: skip
-def test_the_owner_is_the_workload_whose_controller_made_the_pod(
-    owner: dict[str, Any], labels: dict[str, str], expected: tuple[str, str] | None
+def test_the_owner_is_followed_through_the_api_never_guessed_from_a_name(
+    pod_owner: tuple[str, str, str] | None, expected: tuple[str, str] | str
 ) -> None:
-    assert pod_owner({"metadata": {"ownerReferences": [owner], "labels": labels}}) == expected
+    kube = ObjectsByPath({
+        f"{DEPLOYMENTS}/llama": _meta("llama", "dep-1"),
+        f"{REPLICASETS}/llama-7f9c": _meta("llama-7f9c", "rs-1", ("Deployment", "llama", "dep-1")),
+        f"{REPLICASETS}/llama-evil": _meta("llama-evil", "rs-2"),
+        "/apis/apps/v1/namespaces/ns/statefulsets/db": _meta("db", "sts-1"),
+    })  # fmt: skip
+    owner = resolve_owner(kube, _meta("pod", "p-1", pod_owner), "ns")  # type: ignore[arg-type]
+    if isinstance(expected, str):
+        assert isinstance(owner, str) and expected in owner, owner
+    else:
+        assert not isinstance(owner, str) and (owner.kind, owner.name) == expected
 
 
 def test_a_pod_without_a_usable_record_is_admitted_as_written_with_a_warning() -> None:
-    workload = trtllm_deployment("llm", "ns")
+    workload = trtllm_deployment("llm", "ns", annotations={c.ANN_ENABLED: "true"})
     pod = pod_of(workload)
     pod["metadata"]["labels"][c.LABEL_INJECT] = "abc"
     missing = admit(pod, "ns", record_from_workload(workload, "Deployment", "llm"), ("Deployment", "llm"))
     assert missing.patch == [] and missing.result == "not_injected" and "has not injected" in missing.warnings[0]
     text = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True).to_json()
     foreign = copy.deepcopy(workload)
-    foreign["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: text}
+    foreign["metadata"]["annotations"] = {c.ANN_ENABLED: "true", c.ANN_INJECTION_RECORD: text}
     foreign["metadata"]["managedFields"] = [{"manager": "kubectl", "operation": "Update", "fieldsType": "FieldsV1",
         "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}}]  # fmt: skip
     assert "not written by kvoffload" in str(record_from_workload(foreign, "Deployment", "llm"))
@@ -201,25 +238,89 @@ def test_a_host_network_pod_is_admitted_without_the_cache_and_the_warning_says_w
 
 
 def _pod(name: str, created: str, injected: bool, ready: bool = True, deleting: bool = False) -> dict[str, Any]:
-    labels = {c.LABEL_INJECT: "h", "pod-template-hash": "abc"}
+    pod = pod_of(trtllm_deployment("llm", "ns"), "abc")
+    labels = {**pod["metadata"]["labels"], c.LABEL_INJECT: "h"}
     if injected:
         labels[c.LABEL_INJECTED] = "true"
-    meta: dict[str, Any] = {"name": name, "namespace": "ns", "creationTimestamp": created, "labels": labels,
-                            "ownerReferences": [{"kind": "ReplicaSet", "name": "llm-abc", "controller": True}]}  # fmt: skip
+    pod["metadata"].update(name=name, creationTimestamp=created, labels=labels)
     if deleting:
-        meta["deletionTimestamp"] = created
-    return {"metadata": meta, "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+        pod["metadata"]["deletionTimestamp"] = created
+    pod["status"] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return pod
+
+
+def _owner(replicas: int = 3, manager: str = c.FIELD_MANAGER, enabled: str | None = "true",
+           env: list[dict[str, str]] | None = None) -> Owner:  # fmt: skip
+    """Deployment llm with a record written by ``manager``, opted in by ``enabled``."""
+    workload = trtllm_deployment("llm", "ns", replicas=replicas)
+    workload["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT] = "h"
+    annotations = {c.ANN_INJECTION_RECORD: InjectionRecord(InjectionSettings(), None, None, "0.1.0", True).to_json()}
+    if enabled is not None:
+        annotations[c.ANN_ENABLED] = enabled
+    workload["metadata"]["annotations"] = annotations
+    workload["metadata"]["managedFields"] = [{"manager": manager, "operation": "Apply", "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}}]  # fmt: skip
+    return Owner("Deployment", "llm", workload)
+
+
+def _with_env(pods: list[dict[str, Any]], env: list[dict[str, str]]) -> list[dict[str, Any]]:
+    for pod in pods:
+        pod["spec"]["containers"][0]["env"] = env
+    return pods
+
+
+def _evicted(owner: Owner, pods: list[dict[str, Any]]) -> str | None:
+    pod = next_eviction(owner, pods, "ns")
+    return None if pod is None else str(pod["metadata"]["name"])
 
 
 def test_uninjected_pods_are_evicted_oldest_first_one_at_a_time_per_workload() -> None:
     pods = [_pod("a", "2026-01-01T00:00:02Z", False), _pod("b", "2026-01-01T00:00:01Z", False),
             _pod("c", "2026-01-01T00:00:00Z", True)]  # fmt: skip
-    assert [(key, p["metadata"]["name"]) for key, p in evictions(pods)] == [(("ns", "Deployment", "llm"), "b")]
-    starting = [*pods, _pod("d", "2026-01-01T00:00:03Z", True, ready=False)]
-    assert evictions(starting) == [], "none while a replacement is starting"
-    terminating = [*pods, _pod("e", "2026-01-01T00:00:03Z", False, deleting=True)]
-    assert evictions(terminating) == [], "none while one is terminating"
-    assert evictions([_pod("c", "2026-01-01T00:00:00Z", True)]) == []
+    assert _evicted(_owner(), pods) == "b"
+    assert _evicted(_owner(), [*pods[1:], _pod("d", "2026-01-01T00:00:03Z", True, ready=False)]) is None, (
+        "none while a replacement is starting")  # fmt: skip
+    assert _evicted(_owner(), [*pods, _pod("e", "2026-01-01T00:00:03Z", False, deleting=True)]) is None, (
+        "none while one is terminating")  # fmt: skip
+    assert _evicted(_owner(), pods[1:]) is None, "none while a pod the workload wants is missing"
+    assert _evicted(_owner(replicas=1), [_pod("c", "2026-01-01T00:00:00Z", True)]) is None
+    older = _owner()
+    older.workload["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT] = "newer"
+    assert _evicted(older, pods) is None, "pods of an older template are the rollout's to replace"
+
+
+@pytest.mark.parametrize(
+    ("owner", "env", "why"),
+    [
+        (_owner(enabled=None), None, "carries the label, not opted in (a copy of kubectl get -o yaml)"),
+        (_owner(enabled="false"), None, "opted out"),
+        (_owner(manager="kubectl"), None, "its record written back by kubectl rollout undo"),
+        (_owner(), [{"name": c.ENV_PYTHONPATH, "value": "/app/lib"}], "the webhook refuses its env"),
+    ],
+)  # fmt: skip
+def test_a_pod_the_webhook_would_not_inject_is_never_evicted(
+    owner: Owner, env: list[dict[str, str]] | None, why: str
+) -> None:
+    pods = [_pod("a", "2026-01-01T00:00:02Z", False), _pod("b", "2026-01-01T00:00:01Z", False),
+            _pod("c", "2026-01-01T00:00:00Z", False)]  # fmt: skip
+    if env:
+        _with_env(pods, env)
+    assert _evicted(owner, pods) is None, why
+
+
+def test_an_injected_pod_names_the_record_it_was_injected_from() -> None:
+    """The template label of a record and the pod annotation of a pod injected from it agree; a pod
+    of an older template (another label) names the record it really got."""
+    workload = trtllm_deployment("llm", "ns", annotations={c.ANN_ENABLED: "true"})
+    rendered = render_admission(plan_of(workload))
+    record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
+    assert isinstance(record, InjectionRecord)
+    pod = pod_of(workload)
+    pod["metadata"]["labels"][c.LABEL_INJECT] = "an-older-hash"
+    injected = injected_pod(pod, "Deployment", "llm", "ns", record)
+    assert not isinstance(injected, PolicyError)
+    assert injected["metadata"]["annotations"][c.ANN_INJECTED_FROM] == rendered.config_hash
+    assert injected["metadata"]["labels"][c.LABEL_INJECT] == "an-older-hash"
 
 
 def test_a_kvoffload_container_the_kubelet_cannot_create_is_reported_by_name() -> None:
@@ -230,3 +331,20 @@ def test_a_kvoffload_container_the_kubelet_cannot_create_is_reported_by_name() -
     assert start_failure(pod) == f'container {c.SIDECAR_CONTAINER}: secret "redis-pw" not found'
     pod["status"]["initContainerStatuses"] = [{"name": "users-own", "state": waiting}]
     assert start_failure(pod) is None, "the user's own containers are the user's business"
+
+
+def test_the_webhook_never_sees_pods_of_kube_system_or_the_operators_namespace() -> None:
+    client = {"url": "https://127.0.0.1:8443/mutate-pods"}
+    (hook,) = webhook_configuration("kvoffload-pod-injection", b"ca", client, (), "kvoffload-system")["webhooks"]
+    excluded = {
+        "key": "kubernetes.io/metadata.name",
+        "operator": "NotIn",
+        "values": ["kube-system", "kvoffload-system"],
+    }
+    assert hook["namespaceSelector"] == {"matchExpressions": [excluded]}
+    (scoped,) = webhook_configuration("kvoffload-pod-injection", b"ca", client, ("team-a",), "kvoffload-system")[
+        "webhooks"
+    ]
+    assert scoped["namespaceSelector"]["matchExpressions"] == [
+        excluded, {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a"]}
+    ]  # fmt: skip

@@ -1,0 +1,242 @@
+"""Admission mode under a platform team's ordinary operations, every write counted by the
+apiserver's audit log: ``kubectl rollout undo`` after a policy change, settings the webhook
+refuses, a label without the opt-in, a PodDisruptionBudget that allows no disruption, owners that
+only look like a workload's, and template changes that need nothing from the operator."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hack.localcluster import LocalCluster
+from hack.ports import free_port
+from hack.workloads import apply, get, list_objects, wait_for
+from kvoffload import contract as c
+from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
+from tests.support.audit import OPERATOR_USER, AuditWindow
+from tests.support.operator_fixtures import operator_instead
+from tests.support.operator_support import OperatorProcess, admission_args, admission_rules, events_for
+
+pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
+WATCH_S = 20.0
+"""How long a workload is watched for evictions that must not happen (past the 15 s first backoff)."""
+
+
+@pytest.fixture(scope="module")
+def admission_operator(
+    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The admission-mode operator with the chart's admission rules (the session operator stopped)."""
+    try:
+        with operator_instead(cluster, operator, tmp_path_factory.mktemp("admission-ops"),
+                              admission_rules("kvoffload-operator-ops"), admission_args(free_port())) as proc:  # fmt: skip
+            yield proc
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
+
+
+def evictions(audit: AuditWindow, namespace: str) -> list[tuple[str, int]]:
+    """(pod, answer) of every eviction the operator asked for in ``namespace``."""
+    return [(w.name, w.code) for w in audit.writes(OPERATOR_USER, namespace) if w.resource == "pods/eviction"]
+
+
+def policy(name: str, namespace: str, l1: str) -> dict[str, Any]:
+    return {"apiVersion": f"{c.API_GROUP}/{c.API_VERSION}", "kind": c.POLICY_KIND,
+            "metadata": {"name": name, "namespace": namespace}, "spec": {"cache": {"l1Size": l1}}}  # fmt: skip
+
+
+def sidecar_l1(pod: dict[str, Any]) -> str:
+    sidecar = next(x for x in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]
+                   if x["name"] == c.SIDECAR_CONTAINER)  # fmt: skip
+    return str(next(e["value"] for e in sidecar["env"] if e["name"] == c.ENV_L1_SIZE))
+
+
+def record_manager(dep: dict[str, Any]) -> set[str]:
+    """Field managers holding the record annotation."""
+    return {m["manager"] for m in dep["metadata"]["managedFields"]
+            if f"f:{c.ANN_INJECTION_RECORD}" in m.get("fieldsV1", {}).get("f:metadata", {}).get("f:annotations", {})}  # fmt: skip
+
+
+def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evictions(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    name = "undo"
+    apply(cluster, policy("tuned", namespace, "4Gi"))
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    body["metadata"]["annotations"][c.ANN_POLICY] = "tuned"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    assert {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.0")} == {"4Gi"}
+    apply(cluster, policy("tuned", namespace, "5Gi"))  # the policy change: one rollout
+    wait_for(lambda: {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.0")} == {"5Gi"},
+             120, what="pods on the changed policy")  # fmt: skip
+    time.sleep(4)
+    audit = AuditWindow(cluster.audit_log).mark()
+    before = revision(cluster, name, namespace)
+    cluster.kubectl("rollout", "undo", f"deployment/{name}", "-n", namespace)
+    undone = live(cluster, name, namespace)
+    print(f"after the undo: record held by {record_manager(undone)}, template labels "
+          f"{undone['spec']['template']['metadata']['labels']}")  # fmt: skip
+
+    def converged() -> bool:
+        dep = live(cluster, name, namespace)
+        found = settled(cluster, name, namespace, True, "trtllm:1.2.0")
+        label = dep["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
+        return (record_manager(dep) == {c.FIELD_MANAGER} and {sidecar_l1(p) for p in found} == {"5Gi"}
+                and all(p["metadata"]["annotations"].get(c.ANN_INJECTED_FROM) == label for p in found))  # fmt: skip
+
+    wait_for(converged, 120, what="the operator's record back in force and every pod injected from it")
+    time.sleep(6)
+    rollouts = revision(cluster, name, namespace) - before
+    evicted = evictions(audit, namespace)
+    patches = [w for w in audit.writes(OPERATOR_USER, namespace) if w.verb == "patch" and w.resource == "deployments"]
+    print(f"rollout undo: rollouts {rollouts} (the undo's own and the operator's re-apply), evictions {evicted}, "
+          f"operator PATCHes {[(w.name, w.code) for w in patches]}")  # fmt: skip
+    assert evicted == [], "nothing to evict: the rollout replaces every pod"
+    assert rollouts <= 2, rollouts
+    assert len(patches) <= 3, patches
+
+
+def test_pods_the_webhook_would_not_inject_are_never_evicted(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """A setting the webhook refuses (the user's PYTHONPATH on the engine) and a Deployment that
+    carries the label but is not opted in (a copy of ``kubectl get -o yaml``): pods start as written
+    and stay; the refusal is said once."""
+    refused = manifest("refused", namespace, "trtllm:1.2.0", opted_in=True)
+    refused["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "PYTHONPATH", "value": "/app/lib"}]
+    copied = manifest("copied", namespace, "trtllm:1.2.0", opted_in=False)
+    copied["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT] = "0123456789abcdef"
+    audit = AuditWindow(cluster.audit_log).mark()
+    for body in (refused, copied):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    first = {n: {p["metadata"]["name"] for p in settled(cluster, n, namespace, False, "trtllm:1.2.0")}
+             for n in ("refused", "copied")}  # fmt: skip
+    time.sleep(WATCH_S)
+    for name in ("refused", "copied"):
+        assert {p["metadata"]["name"] for p in pods(cluster, name, namespace)} == first[name], f"{name}'s pods changed"
+    assert evictions(audit, namespace) == []
+    invalid = events_for(cluster, namespace, "refused", "KvoffloadInvalid")
+    assert len(invalid) == 1 and invalid[0].get("count", 1) == 1, invalid
+    assert not events_for(cluster, namespace, "refused", "KvoffloadNotInjected")
+    assert not events_for(cluster, namespace, "copied", "KvoffloadNotInjected")
+
+
+def test_a_pod_disruption_budget_refusal_is_reported_and_retried_with_backoff(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    name = "guarded"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", opted_in=True)))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    apply(cluster, {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": name}}}})  # fmt: skip
+    admission_operator.stop()
+    try:
+        cluster.kubectl("delete", "pod", pods(cluster, name, namespace)[0]["metadata"]["name"], "-n", namespace)
+        wait_for(lambda: len([p for p in pods(cluster, name, namespace) if p.get("status", {}).get("phase") == "Running"
+                              and p["metadata"]["labels"].get(c.LABEL_INJECTED) != "true"]) == 1, 60,
+                 what="a replacement admitted without the injection")  # fmt: skip
+        wait_for(lambda: get(cluster, "pdb", name, namespace).get("status", {}).get("currentHealthy") == 2, 60,
+                 what="the budget sees both pods healthy")  # fmt: skip
+    finally:
+        audit = AuditWindow(cluster.audit_log).mark()
+        admission_operator.start()
+    refusal = wait_for(lambda: events_for(cluster, namespace, name, "KvoffloadEvictionRefused"), 30,
+                       what="a KvoffloadEvictionRefused Event")  # fmt: skip
+    time.sleep(WATCH_S)
+    tries = evictions(audit, namespace)
+    print(f"eviction tries against a budget allowing no disruption, in {WATCH_S:.0f} s: {tries}")
+    assert tries and all(code == 429 for _, code in tries), tries
+    assert len(tries) <= 3, "backoff: 15 s, then 30 s"
+    assert admission_operator.metric_sum(c.M_OPERATOR_EVICTION_REFUSALS + "_total") == len(tries)
+    assert "PodDisruptionBudget" in refusal[0]["message"] or "disruption budget" in refusal[0]["message"]
+    cluster.kubectl("delete", "pdb", name, "-n", namespace)
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")  # the next try goes through
+
+
+def test_a_pod_whose_owner_only_looks_like_an_opted_in_workload_is_not_injected(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Deployment ``llama`` is opted in; the user's own ReplicaSet ``llama-evil`` and a bare pod whose
+    owner reference says ``llama-zzzzz`` carry its label: neither gets its sidecar."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest("llama", namespace, "trtllm:1.2.0", opted_in=True)))
+    settled(cluster, "llama", namespace, injected=True, image="trtllm:1.2.0")
+    label = get(cluster, "deployment", "llama", namespace)["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
+    template = manifest("evil", namespace, "trtllm:1.2.0", opted_in=False)["spec"]["template"]
+    template["metadata"]["labels"][c.LABEL_INJECT] = label
+    apply(cluster, {"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": {"name": "llama-evil", "namespace": namespace},
+                    "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "evil"}}, "template": template}})  # fmt: skip
+    rs = get(cluster, "replicaset", "llama-evil", namespace)
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "llama-zzzzz-abcde", "namespace": namespace, "labels": {"app": "bare", c.LABEL_INJECT: label},
+        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llama-zzzzz",
+                             "uid": rs["metadata"]["uid"], "controller": True}]},
+        "spec": template["spec"]}  # fmt: skip
+    # the garbage collector deletes a pod whose owner is not there: what counts is the pod as admitted
+    admitted = json.loads(cluster.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(bare)).stdout)
+    evil = wait_for(lambda: list_objects(cluster, "pods", namespace, "app=evil"), 60, what="llama-evil's pod")
+    for pod in [admitted, *evil]:
+        names = [x["name"] for x in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]]
+        assert c.SIDECAR_CONTAINER not in names, f"{pod['metadata']['name']} was injected as llama's"
+        assert pod["metadata"]["labels"].get(c.LABEL_INJECTED) != "true"
+
+
+def test_template_changes_the_operator_has_nothing_to_add_to_send_no_operator_patch(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Re-apply, image change, replicas change: the apiserver logs no PATCH from the operator."""
+    name = "quiet"
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    time.sleep(4)
+    audit = AuditWindow(cluster.audit_log).mark()
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    body["spec"]["template"]["spec"]["containers"][0]["image"] = "trtllm:1.2.1"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.1")
+    cluster.kubectl("scale", f"deployment/{name}", "-n", namespace, "--replicas=3")
+    wait_for(lambda: len([p for p in pods(cluster, name, namespace)
+                          if p["metadata"]["labels"].get(c.LABEL_INJECTED) == "true"]) == 3, 60, what="3 pods")  # fmt: skip
+    time.sleep(4)
+    writes = audit.counts(OPERATOR_USER, namespace)
+    print(f"operator writes over re-apply, image change and scale: {dict(writes)}")
+    assert not [k for k in writes if k[0] == "patch"], writes
+
+
+def test_a_workload_with_every_pod_uninjected_is_caught_up_one_eviction_at_a_time(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Both pods re-created while the operator is down: after its restart, exactly one eviction per
+    pod, each only once the previous replacement is ready (never both pods down), none repeated."""
+    name = "catch-up"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", opted_in=True)))
+    settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    admission_operator.stop()
+    try:
+        cluster.kubectl("delete", "pods", "-n", namespace, "-l", f"app={name}")
+        settled(cluster, name, namespace, injected=False, image="trtllm:1.2.0")
+    finally:
+        audit = AuditWindow(cluster.audit_log).mark()
+        admission_operator.start()
+    fewest_ready = 2
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        current = pods(cluster, name, namespace)
+        ready = [p for p in current if any(x["type"] == "Ready" and x["status"] == "True"
+                                           for x in p.get("status", {}).get("conditions", []))]  # fmt: skip
+        fewest_ready = min(fewest_ready, len(ready))
+        if len(ready) == 2 and all(p["metadata"]["labels"].get(c.LABEL_INJECTED) == "true" for p in ready):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"not caught up: {[p['metadata']['name'] for p in pods(cluster, name, namespace)]}")
+    time.sleep(4)
+    tries = evictions(audit, namespace)
+    print(f"catch-up of 2 uninjected pods: eviction calls {tries}, fewest ready pods seen {fewest_ready}")
+    assert sorted(code for _, code in tries) == [201, 201] and len({pod for pod, _ in tries}) == 2, tries
+    assert fewest_ready >= 1, "both pods were down at once"
