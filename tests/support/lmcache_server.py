@@ -36,6 +36,8 @@ class LMCacheServer:
     http_port: int = field(default_factory=free_port)
     shm_name: str = field(default_factory=lambda: f"kvo_test_{uuid.uuid4().hex[:10]}")
     extra_args: Sequence[str] = ()
+    argv: Sequence[str] | None = None
+    """The whole command line instead of this class's (a test that starts the server as the sidecar does)."""
     _proc: subprocess.Popen[bytes] | None = None
     _starts: int = 0
 
@@ -50,6 +52,8 @@ class LMCacheServer:
 
     def command(self) -> list[str]:
         """The server command line (``lmcache server`` through its module entry point)."""
+        if self.argv is not None:
+            return list(self.argv)
         return [
             sys.executable,
             "-m",
