@@ -3,7 +3,8 @@
 One LMCache server started from the sidecar's command line with the KV-event module
 (``KVOFFLOAD_KV_EVENTS_PORT``) and a ZMQ subscriber reading its events; two worker backends on it,
 one with ``KVOFFLOAD_KV_EVENTS`` on, one off. Each store is a fresh one-chunk prompt (256 tokens,
-``connector_bench.OVERHEAD_SHAPE``), the variants interleaved round by round. Per store:
+``connector_bench.OVERHEAD_SHAPE``; with ``--prompt-tokens N`` the last chunk of an N-token prompt), the
+variants interleaved round by round. Per store:
 
 * ``store_ms``: ``CacheServerBackend.store`` on the calling (engine's saver) thread: PREPARE, copies,
   COMMIT queued;
@@ -11,7 +12,7 @@ one with ``KVOFFLOAD_KV_EVENTS`` on, one off. Each store is a fresh one-chunk pr
   report sent (the committer thread's work: what a lookup of the same prompt would wait for);
 * ``event_ms`` (events on): from the store's start until the subscriber holds the ``BlockStored``.
 
-    python -m benchmarks.kv_events_cost [--reps 300]
+    python -m benchmarks.kv_events_cost [--reps 300] [--prompt-tokens 256]
 
 Prints JSON. Asserts nothing about timings (benchmarks are not tests).
 """
@@ -58,7 +59,9 @@ def _sidecar_server(chunk: int, l1: str, events_port: int) -> Any:
     )
 
 
-def kv_events_cost(reps: int, warmup: int = 5) -> dict[str, Any]:
+def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, Any]:
+    """Each store writes the last chunk of a fresh ``prompt_tokens``-token prompt (the report carries
+    all of its tokens, and the server hashes them from the first)."""
     _standin_on_path()
     import msgspec
     import zmq
@@ -117,7 +120,7 @@ def kv_events_cost(reps: int, warmup: int = 5) -> dict[str, Any]:
         def run(i: int) -> float:
             n = next(ids)
             sid = f"bench-events-{n}"
-            op = TransferOp(0, sid, _prompt(n, chunk), 0, chunk, src, 0, "")
+            op = TransferOp(0, sid, _prompt(n, prompt_tokens), prompt_tokens - chunk, prompt_tokens, src, 0, "")
             t0 = time.perf_counter()
             assert backends[on].store(op) > 0, "store failed"
             t1 = time.perf_counter()
@@ -147,6 +150,7 @@ def kv_events_cost(reps: int, warmup: int = 5) -> dict[str, Any]:
         "machine": machine_info(),
         "command": " ".join(["python", "-m", "benchmarks.kv_events_cost", *sys.argv[1:]]),
         "chunk_tokens": chunk,
+        "prompt_tokens": prompt_tokens,
         "chunk_bytes": chunk * shape.bytes_per_token,
         "store_ms": {k: summarize(v) for k, v in store_ms.items()},
         "published_ms": {k: summarize(v) for k, v in published.items()},
@@ -158,8 +162,11 @@ def kv_events_cost(reps: int, warmup: int = 5) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=256, help="a multiple of 256; each store is its last chunk"
+    )
     args = parser.parse_args()
-    print(json.dumps(kv_events_cost(args.reps), indent=2))
+    print(json.dumps(kv_events_cost(args.reps, args.prompt_tokens), indent=2))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 The connector (``connector.backends``) encodes it; the cache server's KV-event module
 (``sidecar.kv_events_module``) decodes it and announces the chunks to KV-aware routers. Plain JSON
-through LMCache's opaque ``server_module_call`` envelope; standard library only.
+through LMCache's opaque ``server_module_call`` envelope: a JSON header line, then the token ids as
+little-endian uint32 (a 32k-token prompt encodes in 0.2 ms this way, 4.5 ms as JSON, on the committer
+thread that sends the next COMMIT); standard library only.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from dataclasses import dataclass
 
 METHOD = "kvoffload.chunks_stored"
@@ -36,30 +40,41 @@ class ChunksStored:
     """The store's key salt; a server announces only unsalted (``""``) chunks."""
 
 
+def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
+    packed = array("I", tokens)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def encode(report: ChunksStored) -> bytes:
-    return json.dumps(
-        [report.served_model, report.cache_model, report.world_size, list(report.token_ids[: report.end]),
-         report.start, report.end, report.tokens_per_block, report.salt],
-        separators=(",", ":"),
-    ).encode()  # fmt: skip
+    """The report as bytes; raises ``OverflowError`` for a token id outside uint32."""
+    header = [report.served_model, report.cache_model, report.world_size, report.start, report.end,
+              report.tokens_per_block, report.salt]  # fmt: skip
+    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + _tokens_bytes(report.token_ids[: report.end])
 
 
 def decode(payload: bytes) -> ChunksStored:
     """The report in ``payload``; raises ``ReportError`` naming what is wrong."""
+    head, newline, packed = payload.partition(b"\n")
     try:
-        fields = json.loads(payload)
+        fields = json.loads(head)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ReportError(f"chunks_stored: payload is not JSON ({exc})") from None
-    if not isinstance(fields, list) or len(fields) != 8:
-        raise ReportError("chunks_stored: payload must be a JSON array of 8 fields")
-    served, cache, world, tokens, start, end, tpb, salt = fields
+        raise ReportError(f"chunks_stored: header is not JSON ({exc})") from None
+    if not newline or len(packed) % 4:
+        raise ReportError(f"chunks_stored: token_ids must follow the header as uint32, got {len(packed)} bytes")
+    if not isinstance(fields, list) or len(fields) != 7:
+        raise ReportError("chunks_stored: header must be a JSON array of 7 fields")
+    served, cache, world, start, end, tpb, salt = fields
     if not (isinstance(served, str) and isinstance(cache, str) and isinstance(salt, str)):
         raise ReportError("chunks_stored: served_model, cache_model and salt must be strings")
     ints = (world, start, end, tpb)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
         raise ReportError(f"chunks_stored: world_size, start, end, tokens_per_block must be integers, got {ints!r}")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ReportError("chunks_stored: token_ids must be a list of integers")
+    tokens = array("I")
+    tokens.frombytes(packed)
+    if sys.byteorder != "little":
+        tokens.byteswap()
     if world < 1 or tpb < 1 or not 0 <= start < end <= len(tokens):
         raise ReportError(
             f"chunks_stored: need world_size>=1, tokens_per_block>=1, 0<=start<end<=len(token_ids); "

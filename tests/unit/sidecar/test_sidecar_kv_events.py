@@ -82,12 +82,17 @@ def test_a_report_round_trips_and_a_malformed_one_is_refused_naming_the_field() 
     report = chunk_report.ChunksStored("m", MODEL, 2, tuple(range(200)), 64, 128, TPB, "")
     decoded = chunk_report.decode(chunk_report.encode(report))
     assert decoded == chunk_report.ChunksStored("m", MODEL, 2, tuple(range(128)), 64, 128, TPB, "")
+    two_tokens = b"\x01\x00\x00\x00\x02\x00\x00\x00"
     with pytest.raises(chunk_report.ReportError, match="start"):
-        chunk_report.decode(b'["m","c",1,[1,2],1,0,16,""]')
+        chunk_report.decode(b'["m","c",1,1,0,16,""]\n' + two_tokens)
     with pytest.raises(chunk_report.ReportError, match="JSON"):
-        chunk_report.decode(b"\xff")
-    with pytest.raises(chunk_report.ReportError, match="token_ids"):
-        chunk_report.decode(b'["m","c",1,[true],0,1,16,""]')
+        chunk_report.decode(b"\xff\n")
+    with pytest.raises(chunk_report.ReportError, match="uint32"):
+        chunk_report.decode(b'["m","c",1,0,1,16,""]\n\x01\x00')
+    with pytest.raises(chunk_report.ReportError, match="integers"):
+        chunk_report.decode(b'["m","c",true,0,1,16,""]\n' + two_tokens)
+    with pytest.raises(OverflowError):
+        chunk_report.encode(chunk_report.ChunksStored("m", MODEL, 1, (-1,), 0, 1, TPB, ""))
 
 
 def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both() -> None:
@@ -96,3 +101,13 @@ def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both() -> N
     check_lmcache_version(SUPPORTED_LMCACHE[0])
     with pytest.raises(KvEventsUnavailable, match=r"0\.6\.0 is installed.*0\.5\.6"):
         check_lmcache_version("0.6.0")
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.data())
+def test_every_report_of_uint32_tokens_round_trips(tokens: list[int], data: st.DataObject) -> None:
+    end = data.draw(st.integers(1, len(tokens)))
+    start = data.draw(st.integers(0, end - 1))
+    report = chunk_report.ChunksStored("m", MODEL, 1, tuple(tokens), start, end, TPB, "")
+    assert chunk_report.decode(chunk_report.encode(report)) == chunk_report.ChunksStored(
+        "m", MODEL, 1, tuple(tokens[:end]), start, end, TPB, ""
+    )
