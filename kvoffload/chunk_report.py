@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 METHOD = "kvoffload.chunks_stored"
 """The namespaced server-module method the report is sent to."""
+MAX_TOKENS = 1 << 22
+"""The longest prompt a report may carry (4 Mi tokens, 16 MiB): the server hashes all of it."""
 
 
 class ReportError(ValueError):
@@ -61,6 +63,8 @@ def decode(payload: bytes) -> ChunksStored:
         fields = json.loads(head)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ReportError(f"chunks_stored: header is not JSON ({exc})") from None
+    if len(packed) > 4 * MAX_TOKENS:
+        raise ReportError(f"chunks_stored: token_ids: {len(packed) // 4} tokens, more than {MAX_TOKENS}")
     if not newline or len(packed) % 4:
         raise ReportError(f"chunks_stored: token_ids must follow the header as uint32, got {len(packed)} bytes")
     if not isinstance(fields, list) or len(fields) != 7:

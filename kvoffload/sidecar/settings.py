@@ -100,6 +100,7 @@ class SidecarSettings:
             "l2_fs": self.l2_fs.path if self.l2_fs else "",
             "l2_fs_size_bytes": str(self.l2_fs.size_bytes or "") if self.l2_fs else "",
             "l2_redis": f"{self.l2_redis.host}:{self.l2_redis.port}" if self.l2_redis else "",
+            "kv_events_port": str(self.kv_events_port or ""),
         }
 
 

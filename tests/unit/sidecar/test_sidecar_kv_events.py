@@ -91,6 +91,8 @@ def test_a_report_round_trips_and_a_malformed_one_is_refused_naming_the_field() 
         chunk_report.decode(b'["m","c",1,0,1,16,""]\n\x01\x00')
     with pytest.raises(chunk_report.ReportError, match="integers"):
         chunk_report.decode(b'["m","c",true,0,1,16,""]\n' + two_tokens)
+    with pytest.raises(chunk_report.ReportError, match="more than"):
+        chunk_report.decode(b'["m","c",1,0,1,16,""]\n' + bytes(4 * (chunk_report.MAX_TOKENS + 1)))
     with pytest.raises(OverflowError):
         chunk_report.encode(chunk_report.ChunksStored("m", MODEL, 1, (-1,), 0, 1, TPB, ""))
 
