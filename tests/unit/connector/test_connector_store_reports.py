@@ -90,3 +90,15 @@ def test_a_server_that_never_answers_bounds_the_reports_in_flight() -> None:
     for _ in range(MAX_IN_FLIGHT + 3):
         reporter.report(client, key())
     assert len(client.sent) == MAX_IN_FLIGHT and errors.counted == [("kv_event", "timeout")] * 3
+
+
+def test_the_in_process_backend_never_reports_its_server_loads_no_event_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from kvoffload.connector.backends import inprocess
+    from kvoffload.connector.settings import ConnectorSettings
+
+    monkeypatch.setattr(inprocess, "start_engine", lambda settings: "tcp://127.0.0.1:1")
+    fields = {f.name: None for f in dataclasses.fields(ConnectorSettings) if f.default is dataclasses.MISSING}
+    settings = ConnectorSettings(**{**fields, "kv_events": True})  # type: ignore[arg-type]
+    assert inprocess.inprocess_settings(settings).kv_events is False
