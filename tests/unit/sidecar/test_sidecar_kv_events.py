@@ -113,3 +113,60 @@ def test_every_report_of_uint32_tokens_round_trips(tokens: list[int], data: st.D
     assert chunk_report.decode(chunk_report.encode(report)) == chunk_report.ChunksStored(
         "m", MODEL, 1, tuple(tokens[:end]), start, end, TPB, ""
     )
+
+
+class FakeServerContext:
+    """The parts of LMCache's MPCacheServerContext the module uses: chunk size, key resolution, sessions."""
+
+    chunk_size = 64
+
+    def __init__(self) -> None:
+        self.resolved: list[tuple[int, int]] = []
+        self.removed: list[str] = []
+        self.session_manager = self
+
+    def resolve_obj_keys(self, key: object, groups: list[int]) -> list[list[object]]:
+        from types import SimpleNamespace
+
+        start, end = key.start, key.end  # type: ignore[attr-defined]
+        self.resolved.append((start, end))
+        chunks = range(start // self.chunk_size, end // self.chunk_size)
+        # two KV ranks per chunk, as LMCache returns them for world size 2
+        return [[SimpleNamespace(chunk_hash=f"h{i}".encode()) for i in chunks for _rank in range(2)]]
+
+    def remove(self, session: str) -> None:
+        self.removed.append(session)
+
+
+class CapturingPublisher:
+    def __init__(self) -> None:
+        self.tracker = ChunkTracker()
+        self.events: list[list[object]] = []
+        self.counts: dict[str, int] = {}
+
+    def submit(self, change: object) -> None:
+        self.events += change(self.tracker)  # type: ignore[operator]
+
+
+def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_before_and_never_a_salted_report() -> None:
+    from types import SimpleNamespace
+
+    from kvoffload.sidecar.kv_events_module import KvEventsModule
+
+    ctx, publisher = FakeServerContext(), CapturingPublisher()
+    module = KvEventsModule(ctx, publisher)  # type: ignore[arg-type]
+    tokens = tuple(range(200))
+    salted = chunk_report.ChunksStored("m", MODEL, 2, tokens, 0, 128, TPB, "stenant")
+    assert module.chunks_stored(chunk_report.encode(salted)) == b"salted"
+    assert publisher.events == [] and ctx.resolved == []
+
+    report = chunk_report.ChunksStored("m", MODEL, 2, tokens, 64, 192, TPB, "")
+    assert module.chunks_stored(chunk_report.encode(report)) == b"ok"
+    assert ctx.resolved == [(0, 192)] and len(ctx.removed) == 1  # hashed from the first chunk, session dropped
+    assert [e[1] for e in publisher.events] == [list(block_ids(MODEL, b"h1", 4)), list(block_ids(MODEL, b"h2", 4))]
+    assert publisher.events[0][2] == block_ids(MODEL, b"h0", 4)[-1]
+    assert publisher.events[0][3] == list(range(64, 128))
+
+    evicted = SimpleNamespace(metadata={"keys": [SimpleNamespace(model_name=MODEL, chunk_hash=b"h2", cache_salt="")]})
+    module.on_keys_evicted(evicted)
+    assert publisher.events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"h2", 4)), "CPU"]
