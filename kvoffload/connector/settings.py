@@ -56,6 +56,8 @@ class ConnectorSettings:
     """Serve the pod's connector metrics on this port (no sidecar in the pod to do it)."""
     async_load_min_tokens: int = 0
     """Loads of at least this many tokens are asynchronous (tensor parallelism: never); 0: never."""
+    kv_events: bool = False
+    """Report committed stores to the cache server's KV-event module (``KVOFFLOAD_KV_EVENTS``)."""
     attention_dp: bool = False
     """``enable_attention_dp``: every rank holds whole KV heads for its own requests, runs its own
     scheduler, and shares the cache with the other ranks as rank 0 of one."""
@@ -181,6 +183,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         heartbeat_interval_ms=timeout(contract.ENV_HEARTBEAT_INTERVAL_MS, DEFAULT_HEARTBEAT_INTERVAL_MS),
         save_decode_tokens=_parse_bool(env, contract.ENV_SAVE_DECODE_TOKENS, False),
         async_save=_parse_bool(env, contract.ENV_ASYNC_SAVE, DEFAULT_ASYNC_SAVE),
+        kv_events=_parse_bool(env, contract.ENV_KV_EVENTS, False),
         metrics_enabled=_parse_bool(env, contract.ENV_METRICS_ENABLED, True),
         metrics_dir=env.get(contract.ENV_PROMETHEUS_MULTIPROC_DIR) or None,
         metrics_port=_parse_port(env, contract.ENV_METRICS_PORT),

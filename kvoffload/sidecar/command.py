@@ -16,6 +16,9 @@ Why each fixed flag is there:
   eagerly; with lazy allocation it silently ignores the name. It also falls back to
   pickle when ``/dev/shm`` has less free space than L1. So the sidecar asks for SHM
   only when ``/dev/shm`` can hold all of L1 (the caller measures the free space).
+- ``--server-module`` (only with ``KVOFFLOAD_KV_EVENTS_PORT``): kvoffload's KV-event publisher
+  (``kv_events_module``), loaded into the server process, bound on all addresses: routers on other
+  pods subscribe to it; it answers nothing but subscriptions.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ _NOT_INHERITED = (
     "prometheus_multiproc_dir",
     contract.ENV_L2_REDIS_PASSWORD,
 )
+
+KV_EVENTS_MODULE = "kvoffload.sidecar.kv_events_module"
+"""The server module publishing KV events (``--server-module``), loaded into the server process."""
 
 LMCACHE_CLI_MODULE = "kvoffload.sidecar.lmcache_server"
 """The module ``python -m`` runs for ``lmcache server``: LMCache's CLI behind the restricted
@@ -115,6 +121,16 @@ def l2_adapter_specs(settings: SidecarSettings, fs_capacity_bytes: int | None = 
     return specs
 
 
+def kv_events_module_spec(port: int) -> dict[str, object]:
+    """The ``--server-module`` object loading kvoffload's KV-event publisher, bound on all addresses
+    (routers reach it on the pod IP; it only sends)."""
+    return {
+        "module_path": KV_EVENTS_MODULE,
+        "factory_name": "build_server_modules",
+        "config": {"host": "0.0.0.0", "port": port},
+    }
+
+
 def build_server_command(
     settings: SidecarSettings,
     base_env: Mapping[str, str],
@@ -160,6 +176,8 @@ def build_server_command(
         argv += ["--shm-name", settings.shm_name, "--no-l1-use-lazy"]
     for spec in l2_adapter_specs(settings, fs_capacity_bytes):
         argv += ["--l2-adapter", json.dumps(spec, sort_keys=True)]
+    if settings.kv_events_port is not None:
+        argv += ["--server-module", json.dumps(kv_events_module_spec(settings.kv_events_port), sort_keys=True)]
 
     env = {k: v for k, v in base_env.items() if k not in _NOT_INHERITED}
     env[contract.ENV_LMCACHE_TRACK_USAGE] = "true" if settings.track_usage else "false"

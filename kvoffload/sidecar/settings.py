@@ -82,6 +82,8 @@ class SidecarSettings:
     warm_standby: bool = True
     """Keep a standby process with LMCache's server imported (about 0.65 GiB resident), which forks
     a new server at once when the running one crashes (``KVOFFLOAD_WARM_STANDBY``)."""
+    kv_events_port: int | None = None
+    """Publish KV events for routers on this port (``KVOFFLOAD_KV_EVENTS_PORT``); None: no events."""
     request_host: str = "127.0.0.1"
     """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
     node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""
@@ -98,6 +100,7 @@ class SidecarSettings:
             "l2_fs": self.l2_fs.path if self.l2_fs else "",
             "l2_fs_size_bytes": str(self.l2_fs.size_bytes or "") if self.l2_fs else "",
             "l2_redis": f"{self.l2_redis.host}:{self.l2_redis.port}" if self.l2_redis else "",
+            "kv_events_port": str(self.kv_events_port or ""),
         }
 
 
@@ -242,8 +245,13 @@ def load_settings(
     request_port = _port(env, contract.ENV_REQUEST_PORT, contract.REQUEST_PORT)
     lmcache_http_port = _port(env, contract.ENV_LMCACHE_HTTP_PORT, contract.LMCACHE_HTTP_PORT)
     sidecar_http_port = _port(env, contract.ENV_SIDECAR_HTTP_PORT, contract.SIDECAR_HTTP_PORT)
-    _distinct_ports({contract.ENV_REQUEST_PORT: request_port, contract.ENV_LMCACHE_HTTP_PORT: lmcache_http_port,
-                     contract.ENV_SIDECAR_HTTP_PORT: sidecar_http_port})  # fmt: skip
+    ports = {contract.ENV_REQUEST_PORT: request_port, contract.ENV_LMCACHE_HTTP_PORT: lmcache_http_port,
+             contract.ENV_SIDECAR_HTTP_PORT: sidecar_http_port}  # fmt: skip
+    events_raw = env.get(contract.ENV_KV_EVENTS_PORT, "").strip()
+    kv_events_port = _port(env, contract.ENV_KV_EVENTS_PORT, 0) if events_raw else None
+    if kv_events_port is not None:
+        ports[contract.ENV_KV_EVENTS_PORT] = kv_events_port
+    _distinct_ports(ports)
     policy = _policy(env, spec)
 
     instance_id = _name(contract.ENV_INSTANCE_ID, env.get(contract.ENV_INSTANCE_ID, "") or "kvoffload")
@@ -272,6 +280,7 @@ def load_settings(
         policy_file=policy_file,
         request_host=_request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1"),
         warm_standby=_bool(contract.ENV_WARM_STANDBY, env.get(contract.ENV_WARM_STANDBY, "true")),
+        kv_events_port=kv_events_port,
     )
 
 

@@ -40,6 +40,8 @@ class LMCacheServer:
     """Run it as the sidecar does: LMCache's CLI behind kvoffload's restricted unpickler."""
     shm: bool = True
     """L1 in a named SHM segment; without it clients fall back to the pickle transport."""
+    argv: Sequence[str] | None = None
+    """The whole command line instead of this class's (a test that starts the server as the sidecar does)."""
     _proc: subprocess.Popen[bytes] | None = None
     _starts: int = 0
 
@@ -54,6 +56,8 @@ class LMCacheServer:
 
     def command(self) -> list[str]:
         """The server command line (``lmcache server`` through its module entry point)."""
+        if self.argv is not None:
+            return list(self.argv)
         entry = (
             ["kvoffload.sidecar.lmcache_server", "server"] if self.guarded else ["lmcache.v1.multiprocess.http_server"]
         )

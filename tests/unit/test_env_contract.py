@@ -43,6 +43,7 @@ USER_SET = {
         c.ENV_HEARTBEAT_INTERVAL_MS,
         c.ENV_MODEL_NAME,
         c.ENV_TOKENS_PER_BLOCK,
+        c.ENV_KV_EVENTS,
     },
     "sidecar": {
         c.ENV_GRACE_SECONDS,
@@ -51,6 +52,7 @@ USER_SET = {
         c.ENV_L2_FS_SIZE,
         c.ENV_L2_REDIS_URL,
         c.ENV_WARM_STANDBY,
+        c.ENV_KV_EVENTS_PORT,
     },
 }
 """Env vars a component reads that the operator leaves to the user (each documented in docs/)."""

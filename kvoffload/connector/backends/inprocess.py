@@ -103,8 +103,9 @@ def start_engine(settings: ConnectorSettings) -> str:
 
 
 def inprocess_settings(settings: ConnectorSettings) -> ConnectorSettings:
-    """Settings pointing the sidecar client at this process's own engine."""
-    return dataclasses.replace(settings, server_url=start_engine(settings))
+    """Settings pointing the sidecar client at this process's own engine (which publishes no KV
+    events: it loads no server module, so reports would only be refused)."""
+    return dataclasses.replace(settings, server_url=start_engine(settings), kv_events=False)
 
 
 def stop_engine() -> None:

@@ -41,6 +41,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
+from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.keys import cache_model_name, chunk_layout
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
@@ -180,6 +181,10 @@ class LMCacheMPClient:
         self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
         self.chunk_size = self._initial_chunk_size()
         self._blocks_per_chunk = self.chunk_size // settings.tokens_per_block
+        self._store_reports = (
+            StoreReporter(settings.model_name, settings.tokens_per_block, metrics) if settings.kv_events else None
+        )
+        """Reports committed stores to the server's KV-event module (opt-in), from the committer thread."""
         self._commits: queue.Queue[DeferredCommit | None] = queue.Queue()
         self._committer = threading.Thread(target=self._commit_loop, name=f"kvoffload-commit-{role}", daemon=True)
         self._committer.start()
@@ -449,6 +454,8 @@ class LMCacheMPClient:
         if not ok:
             self._metrics.error(item.operation, "server_error")
             logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+        elif item.operation == "store" and self._store_reports is not None:
+            self._store_reports.report(self._client, item.key)
         logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
                      (time.perf_counter() - start) * 1e3)  # fmt: skip
 

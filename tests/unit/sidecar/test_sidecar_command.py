@@ -120,3 +120,25 @@ def test_request_host_must_be_an_ip_address() -> None:
 
     with pytest.raises(SettingsError, match=contract.ENV_REQUEST_HOST):
         load_settings({contract.ENV_REQUEST_HOST: "every where"}, None)
+
+
+def test_kv_events_load_kvoffloads_server_module_only_when_a_port_is_set() -> None:
+    off = build_server_command(load_settings({}, None), {}, shm_free_bytes=None)
+    assert "--server-module" not in off.argv
+    on = build_server_command(load_settings({contract.ENV_KV_EVENTS_PORT: "5570"}, None), {}, shm_free_bytes=None)
+    spec = json.loads(_flag(on.argv, "--server-module"))
+    assert spec == {
+        "module_path": "kvoffload.sidecar.kv_events_module",
+        "factory_name": "build_server_modules",
+        "config": {"host": "0.0.0.0", "port": 5570},
+    }
+    import importlib
+
+    module = importlib.import_module(spec["module_path"])
+    assert callable(getattr(module, spec["factory_name"]))
+
+
+@pytest.mark.parametrize("raw", ["0", "70000", "events", str(contract.REQUEST_PORT)])
+def test_kv_events_port_must_be_a_free_port_number(raw: str) -> None:
+    with pytest.raises(Exception, match=contract.ENV_KV_EVENTS_PORT):
+        load_settings({contract.ENV_KV_EVENTS_PORT: raw}, None)

@@ -1,0 +1,74 @@
+"""Reports of committed stores to the cache server's KV-event module, sent fire-and-forget.
+
+Opt-in (``KVOFFLOAD_KV_EVENTS``). The committer thread calls :meth:`StoreReporter.report` once a
+store's COMMIT was answered; the report goes out through LMCache's public ``server_module_call``
+RPC without waiting for its answer, so neither the engine nor the next COMMIT waits on it. Answers
+are collected on later calls: failures are counted (``errors_total{operation="kv_event"}``), never
+raised. Salted stores (tenants, LoRA, multimodal) are never reported, so a router never learns a
+tenant's prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+from kvoffload import chunk_report
+from kvoffload.connector.metrics import ConnectorMetrics
+
+logger = logging.getLogger("kvoffload.connector")
+
+MAX_IN_FLIGHT = 256
+"""Reports sent and not yet answered; past it a report is dropped (counted) rather than queued."""
+
+
+class StoreReporter:
+    """Sends ``chunk_report.ChunksStored`` for one connector process's committed stores."""
+
+    def __init__(self, served_model: str, tokens_per_block: int, metrics: ConnectorMetrics) -> None:
+        self._served_model = served_model
+        self._tokens_per_block = tokens_per_block
+        self._metrics = metrics
+        self._in_flight: deque[Any] = deque()
+
+    def report(self, client: Any, key: IPCCacheServerKey) -> None:
+        """Report ``key``'s chunks stored on ``client``'s server; never raises, never waits."""
+        try:
+            self._collect()
+            if key.cache_salt or key.worker_id not in (None, 0):
+                return  # tensor parallelism: rank 0 reports for all (the chunks' hashes are the same)
+            if len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._metrics.error("kv_event", "timeout")
+                return
+            report = chunk_report.ChunksStored(
+                served_model=self._served_model,
+                cache_model=key.model_name,
+                world_size=key.world_size,
+                token_ids=tuple(key.token_ids),
+                start=key.start,
+                end=key.end,
+                tokens_per_block=self._tokens_per_block,
+                salt=key.cache_salt,
+            )
+            request = ServerModuleCallRequest(method=chunk_report.METHOD, payload=chunk_report.encode(report))
+            self._in_flight.append(client.server_module_call(request))
+        except Exception as exc:
+            self._metrics.error("kv_event", "error")
+            logger.debug("event=kv_event_report_failed error=%r", exc)
+
+    def _collect(self) -> None:
+        """Count the answers that came back (in order; the first unanswered one stops the scan)."""
+        while self._in_flight and self._in_flight[0].query():
+            future = self._in_flight.popleft()
+            try:
+                answer = future.result(timeout=0)
+            except Exception:
+                self._metrics.error("kv_event", "unavailable")
+                continue
+            if not getattr(answer, "success", False):
+                self._metrics.error("kv_event", "server_error")
+                logger.debug("event=kv_event_refused error=%s", getattr(answer, "error", ""))

@@ -1,0 +1,134 @@
+"""KV events from the cache tier, read by a real KV-aware router (Dynamo's indexer).
+
+Two LMCache servers started from the sidecar's own command line (``KVOFFLOAD_KV_EVENTS_PORT`` set,
+so with kvoffload's KV-event module), two stand-in engines with ``KVOFFLOAD_KV_EVENTS`` on, and
+``dynamo.indexer`` subscribed to both servers' event ports. Nothing is skipped: without the
+indexer (``hack/setup.sh python`` installs it) the test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hack.ports import free_port
+from kvoffload import contract
+from kvoffload.sidecar.command import build_server_command
+from kvoffload.sidecar.settings import load_settings
+from tests.support.kv_router import DynamoIndexer
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import BLOCK, CHUNK, PromptRequest, make_prompt, settle_commits
+
+pytestmark = pytest.mark.connector
+
+GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 2048}
+"""Blocks of 2 MiB (fp16), chunks of 8 MiB: the sidecar's smallest L1 (64 MiB) holds about 7 chunks."""
+PROMPT = 4 * CHUNK + 10
+"""Four whole chunks and a tail that stays on the device."""
+CACHED = 4 * CHUNK
+
+
+def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
+    """An LMCache server on the sidecar's command line with KV events on; and its event endpoint."""
+    events_port = free_port()
+    env = {
+        contract.ENV_REQUEST_PORT: str(free_port()),
+        contract.ENV_LMCACHE_HTTP_PORT: str(free_port()),
+        contract.ENV_SIDECAR_HTTP_PORT: str(free_port()),
+        contract.ENV_INSTANCE_ID: f"events-{name}-{free_port()}",
+        contract.ENV_KV_EVENTS_PORT: str(events_port),
+        contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}"),
+    }
+    settings = load_settings(env, {"cache": {"l1Size": contract.MIN_L1_SIZE, "chunkSize": CHUNK, "maxWorkers": 1}})
+    command = build_server_command(settings, {}, shutil.disk_usage("/dev/shm").free)
+    assert command.uses_shm and "--server-module" in command.argv
+    server = LMCacheServer(
+        chunk_size=CHUNK,
+        log_dir=tmp_path / f"lmcache-{name}",
+        port=settings.request_port,
+        http_port=settings.lmcache_http_port,
+        shm_name=settings.shm_name,
+        argv=command.argv,
+    )
+    return server, f"tcp://127.0.0.1:{events_port}"
+
+
+@pytest.fixture
+def two_servers(tmp_path: Path) -> Iterator[tuple[LMCacheServer, LMCacheServer, DynamoIndexer]]:
+    server_a, events_a = sidecar_server(tmp_path, "a")
+    server_b, events_b = sidecar_server(tmp_path, "b")
+    indexer = DynamoIndexer({1: events_a, 2: events_b}, BLOCK, tmp_path / "indexer.log")
+    started: list[Any] = []
+    try:
+        for part in (server_a, server_b, indexer):
+            part.start()
+            started.append(part)
+        yield server_a, server_b, indexer
+    finally:
+        for part in reversed(started):
+            part.stop()
+
+
+def eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}")
+
+
+def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictions_restarts_and_tenants(
+    two_servers: tuple[LMCacheServer, LMCacheServer, DynamoIndexer],
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stores a prompt: the indexer ranks A (host tier, the cached chunks) and not B; B's own prompt
+    ranks B. A's L1 (64 MiB) overflowing evicts the first prompt: A's score for it drops. A salted
+    tenant's prompt is never announced. A's server killed and restarted: A's state is cleared, B's stays."""
+    server_a, server_b, indexer = two_servers
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    engine_a = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
+    engine_b = executor_factory("events-model", server_b.url, num_blocks=40, **GEOMETRY)
+
+    def run(engine: Any, seed: int, salt: str = "", prompt: list[int] | None = None) -> list[int]:
+        prompt = prompt or make_prompt(seed, PROMPT)
+        (result,) = engine.run([PromptRequest(seed, prompt, 2, cache_salt=salt or None)])
+        assert not result.failed, result.error
+        assert settle_commits()
+        engine.evict_device_cache()
+        return prompt
+
+    first = run(engine_a, 1)
+    eventually(lambda: indexer.host_tier_matches(first) == {1: CACHED}, "A holds the first prompt's chunks")
+    other = run(engine_b, 2)
+    eventually(lambda: indexer.host_tier_matches(other) == {2: CACHED}, "B holds its own prompt")
+    assert indexer.host_tier_matches(first) == {1: CACHED}
+
+    # Another prompt on A fills its 64 MiB L1 (8 chunks of 8 MiB); LMCache's eviction controller
+    # brings it under its 80 % watermark by dropping the least recently used: the first prompt's.
+    run(engine_a, 3)
+    eventually(lambda: indexer.host_tier_matches(first).get(1, 0) < CACHED, "A's score for the evicted prompt drops")
+
+    tenant = run(engine_a, 5, salt="tenant-x")
+    # Reported after the tenant's store, by the same committer. A store that finds L1 full before the
+    # eviction controller's next pass is refused for the chunks that did not fit: run it again then.
+    marker = make_prompt(6, PROMPT)
+    for attempt in range(4):
+        run(engine_a, 6 + 100 * attempt, prompt=marker)
+        with contextlib.suppress(AssertionError):
+            eventually(lambda: indexer.host_tier_matches(marker) == {1: CACHED}, "A announced the marker", 5.0)
+            break
+    assert indexer.host_tier_matches(marker) == {1: CACHED}
+    assert indexer.host_tier_matches(tenant) == {}
+
+    server_a.kill()
+    server_a.start()
+    eventually(lambda: 1 not in indexer.host_tier_matches(marker), "A's restarted, empty server cleared A")
+    assert indexer.host_tier_matches(other) == {2: CACHED}

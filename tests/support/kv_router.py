@@ -1,0 +1,86 @@
+"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a real router for tests.
+
+Installed by ``hack/setup.sh python`` into ``$KVOFFLOAD_CACHE/kv-router`` (pinned in
+``hack/kv-router/requirements.txt``). It subscribes to each worker's KV-event endpoint and answers
+``POST /query`` with every worker's longest prefix match per tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hack.ports import free_port
+
+ROUTER_MODEL = "m"
+
+
+def router_python() -> Path:
+    """The indexer's interpreter; raises (never skips) when the setup did not install it."""
+    cache = os.environ.get("KVOFFLOAD_CACHE") or str(Path.home() / ".cache" / "kvoffload")
+    python = Path(cache) / "kv-router" / "bin" / "python"
+    check = subprocess.run([str(python), "-c", "import dynamo.indexer"], capture_output=True, text=True) if (
+        python.exists()
+    ) else None  # fmt: skip
+    if check is None or check.returncode != 0:
+        detail = check.stderr[-2000:] if check is not None else f"{python} does not exist"
+        raise RuntimeError(f"Dynamo's indexer is not installed (run hack/setup.sh python): {detail}")
+    return python
+
+
+@dataclass
+class DynamoIndexer:
+    """One indexer process subscribed to ``workers`` (worker id -> ZMQ endpoint)."""
+
+    workers: Mapping[int, str]
+    block_size: int
+    log_path: Path
+    port: int = 0
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.port = self.port or free_port()
+        workers = ",".join(f"{wid}={endpoint}" for wid, endpoint in self.workers.items())
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [str(router_python()), "-m", "dynamo.indexer", "--block-size", str(self.block_size),
+                 "--port", str(self.port), "--model-name", ROUTER_MODEL, "--workers", workers, "--threads", "1"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"dynamo.indexer exited: {self.log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                self.host_tier_matches([1])
+                return
+            except OSError:
+                time.sleep(0.25)
+        raise TimeoutError(f"dynamo.indexer did not answer within {timeout_s}s")
+
+    def host_tier_matches(self, tokens: Sequence[int]) -> dict[int, int]:
+        """Worker id -> tokens of ``tokens``' prefix it holds in its host (CPU) tier; absent workers hold none."""
+        body = json.dumps({"token_ids": list(tokens), "model_name": ROUTER_MODEL}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/query", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            instances = json.loads(answer.read())["instances"]
+        return {int(wid): int(scores.get("cpu", 0)) for wid, scores in instances.items() if scores.get("cpu", 0)}
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(timeout=10)
+        self._proc = None

@@ -1,0 +1,172 @@
+"""Which chunks the cache announces to routers, and the events that say so (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload import chunk_report
+from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids
+
+pytestmark = pytest.mark.sidecar
+
+MODEL = "m~kvoffload-blocks-v1~float16-t16-b4096"
+TPB = 16
+
+
+def chunks(*hashes: bytes, size: int = 64) -> list[StoredChunk]:
+    return [StoredChunk(h, list(range(i * size, (i + 1) * size)), i) for i, h in enumerate(hashes)]
+
+
+def test_a_stored_chunk_is_announced_as_its_engine_blocks_chained_to_the_chunk_before() -> None:
+    tracker = ChunkTracker()
+    events = tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
+    assert [e[0] for e in events] == ["BlockStored", "BlockStored"]
+    first, second = events
+    assert first[1] == list(block_ids(MODEL, b"a", 4)) and first[2] is None
+    assert second[2] == first[1][-1]  # the parent link crosses the chunk boundary
+    assert first[3] == list(range(64)) and first[4] == TPB and first[6] == "CPU"
+    assert all(0 <= i < 2**63 for e in events for i in e[1])
+
+
+def test_a_salted_store_is_never_announced_nor_its_eviction() -> None:
+    tracker = ChunkTracker()
+    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "stenant") == []
+    assert tracker.evicted([(MODEL, b"a", "stenant")]) == []
+    assert len(tracker) == 0
+
+
+def test_an_eviction_removes_exactly_the_blocks_announced_for_that_chunk() -> None:
+    tracker = ChunkTracker()
+    tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
+    assert tracker.evicted([(MODEL, b"b", ""), (MODEL, b"unknown", ""), ("other-model", b"a", "")]) == [
+        ["BlockRemoved", list(block_ids(MODEL, b"b", 4)), "CPU"]
+    ]
+
+
+def test_a_chunk_already_announced_is_not_announced_again() -> None:
+    tracker = ChunkTracker()
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "") == []
+
+
+def test_past_capacity_the_least_recently_stored_chunk_is_announced_removed() -> None:
+    tracker = ChunkTracker(capacity=2)
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    tracker.stored(MODEL, chunks(b"b"), None, TPB, "")
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")  # a is used again: b is now the oldest
+    events = tracker.stored(MODEL, chunks(b"c"), None, TPB, "")
+    assert events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"b", 4)), "CPU"]
+    assert len(tracker) == 2
+
+
+def test_a_snapshot_clears_then_restores_every_chunk_parents_first() -> None:
+    tracker = ChunkTracker()
+    tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")  # the parent moves behind its child in LRU order
+    snapshot = tracker.snapshot()
+    assert snapshot[0] == ["AllBlocksCleared"]
+    assert [e[1][0] for e in snapshot[1:]] == [block_ids(MODEL, b"a", 1)[0], block_ids(MODEL, b"b", 1)[0]]
+    assert tracker.clear() == [["AllBlocksCleared"]] and tracker.snapshot() == [["AllBlocksCleared"]]
+
+
+@given(st.integers(0, 1000), st.integers(1, 300))
+def test_batches_keep_every_event_in_order(count: int, per_batch: int) -> None:
+    events = [["BlockRemoved", [i], "CPU"] for i in range(count)]
+    cut = batches(events, per_batch)
+    assert [e for b in cut for e in b] == events and all(0 < len(b) <= per_batch for b in cut)
+
+
+def test_a_report_round_trips_and_a_malformed_one_is_refused_naming_the_field() -> None:
+    report = chunk_report.ChunksStored("m", MODEL, 2, tuple(range(200)), 64, 128, TPB, "")
+    decoded = chunk_report.decode(chunk_report.encode(report))
+    assert decoded == chunk_report.ChunksStored("m", MODEL, 2, tuple(range(128)), 64, 128, TPB, "")
+    two_tokens = b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    with pytest.raises(chunk_report.ReportError, match="start"):
+        chunk_report.decode(b'["m","c",1,1,0,16,""]\n' + two_tokens)
+    with pytest.raises(chunk_report.ReportError, match="JSON"):
+        chunk_report.decode(b"\xff\n")
+    with pytest.raises(chunk_report.ReportError, match="uint32"):
+        chunk_report.decode(b'["m","c",1,0,1,16,""]\n\x01\x00')
+    with pytest.raises(chunk_report.ReportError, match="integers"):
+        chunk_report.decode(b'["m","c",true,0,1,16,""]\n' + two_tokens)
+    with pytest.raises(chunk_report.ReportError, match="more than"):
+        chunk_report.decode(b'["m","c",1,0,1,16,""]\n' + bytes(4 * (chunk_report.MAX_TOKENS + 1)))
+    with pytest.raises(OverflowError):
+        chunk_report.encode(chunk_report.ChunksStored("m", MODEL, 1, (-1,), 0, 1, TPB, ""))
+
+
+def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both() -> None:
+    from kvoffload.sidecar.kv_events_module import SUPPORTED_LMCACHE, KvEventsUnavailable, check_lmcache_version
+
+    check_lmcache_version(SUPPORTED_LMCACHE[0])
+    with pytest.raises(KvEventsUnavailable, match=r"0\.6\.0 is installed.*0\.5\.6"):
+        check_lmcache_version("0.6.0")
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.data())
+def test_every_report_of_uint32_tokens_round_trips(tokens: list[int], data: st.DataObject) -> None:
+    end = data.draw(st.integers(1, len(tokens)))
+    start = data.draw(st.integers(0, end - 1))
+    report = chunk_report.ChunksStored("m", MODEL, 1, tuple(tokens), start, end, TPB, "")
+    assert chunk_report.decode(chunk_report.encode(report)) == chunk_report.ChunksStored(
+        "m", MODEL, 1, tuple(tokens[:end]), start, end, TPB, ""
+    )
+
+
+class FakeServerContext:
+    """The parts of LMCache's MPCacheServerContext the module uses: chunk size, key resolution, sessions."""
+
+    chunk_size = 64
+
+    def __init__(self) -> None:
+        self.resolved: list[tuple[int, int]] = []
+        self.removed: list[str] = []
+        self.session_manager = self
+
+    def resolve_obj_keys(self, key: object, groups: list[int]) -> list[list[object]]:
+        from types import SimpleNamespace
+
+        start, end = key.start, key.end  # type: ignore[attr-defined]
+        self.resolved.append((start, end))
+        chunks = range(start // self.chunk_size, end // self.chunk_size)
+        # two KV ranks per chunk, as LMCache returns them for world size 2
+        return [[SimpleNamespace(chunk_hash=f"h{i}".encode()) for i in chunks for _rank in range(2)]]
+
+    def remove(self, session: str) -> None:
+        self.removed.append(session)
+
+
+class CapturingPublisher:
+    def __init__(self) -> None:
+        self.tracker = ChunkTracker()
+        self.events: list[list[object]] = []
+        self.counts: dict[str, int] = {}
+
+    def submit(self, change: object) -> None:
+        self.events += change(self.tracker)  # type: ignore[operator]
+
+
+def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_before_and_never_a_salted_report() -> None:
+    from types import SimpleNamespace
+
+    from kvoffload.sidecar.kv_events_module import KvEventsModule
+
+    ctx, publisher = FakeServerContext(), CapturingPublisher()
+    module = KvEventsModule(ctx, publisher)  # type: ignore[arg-type]
+    tokens = tuple(range(200))
+    salted = chunk_report.ChunksStored("m", MODEL, 2, tokens, 0, 128, TPB, "stenant")
+    assert module.chunks_stored(chunk_report.encode(salted)) == b"salted"
+    assert publisher.events == [] and ctx.resolved == []
+
+    report = chunk_report.ChunksStored("m", MODEL, 2, tokens, 64, 192, TPB, "")
+    assert module.chunks_stored(chunk_report.encode(report)) == b"ok"
+    assert ctx.resolved == [(0, 192)] and len(ctx.removed) == 1  # hashed from the first chunk, session dropped
+    assert [e[1] for e in publisher.events] == [list(block_ids(MODEL, b"h1", 4)), list(block_ids(MODEL, b"h2", 4))]
+    assert publisher.events[0][2] == block_ids(MODEL, b"h0", 4)[-1]
+    assert publisher.events[0][3] == list(range(64, 128))
+
+    evicted = SimpleNamespace(metadata={"keys": [SimpleNamespace(model_name=MODEL, chunk_hash=b"h2", cache_salt="")]})
+    module.on_keys_evicted(evicted)
+    assert publisher.events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"h2", 4)), "CPU"]
