@@ -1,6 +1,7 @@
-"""The one seam to LMCache's cache server wherever kvoffload runs one (the sidecar's
+"""The seam to the internals of LMCache's cache server wherever kvoffload runs one (the sidecar's
 ``kvoffload.sidecar.lmcache_server``, the connector's in-process backend): the LMCache version it
-was written for, and the restricted unpickler it puts in place of LMCache's.
+was written for, and the restricted unpickler it puts in place of LMCache's. (The connector's
+client-side imports of LMCache are not behind it.)
 
 Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STORE that
 carries bytes (``v1/multiprocess/modules/server_transfer.py``, ``pickle.loads``), from any
