@@ -1,5 +1,5 @@
 """The security scanners of ``make test``: bandit on the package, checkov on the chart as Helm
-renders it in each mode. Every finding must be fixed or waived, with a reason, in
+renders it in each mode and on what the operator injects (its containers, a node cache pod). Every finding must be fixed or waived, with a reason, in
 ``hack/scan-waivers.yaml``; a waiver that no longer matches anything fails too, so the file stays
 true. checkov gives no severities offline, so no finding passes on its severity alone.
 
@@ -101,8 +101,55 @@ def _run_bandit() -> list[Finding]:
     return bandit_findings(json.loads(out.stdout))
 
 
+def injected_objects() -> list[dict[str, Any]]:
+    """What the operator puts into clusters besides the chart: a pod holding only the containers
+    it injects beside an engine (the engine is the user's), and a node-mode cache pod."""
+    from hack.workloads import trtllm_deployment
+    from kvoffload import contract as c
+    from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
+    from kvoffload.operator.node_mode import cache_settings, render_cache_network_policy, render_cache_pod
+    from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+
+    defaults = OperatorDefaults()
+    workload = trtllm_deployment("llm", "team-a")
+    settings = resolve_settings({c.ANN_ENABLED: "true"}, None, defaults, "team-a")
+    assert isinstance(settings, InjectionSettings), settings
+    rendered = render_injection_fragment(workload, settings, ClusterInfo(native_sidecars=True))
+    assert isinstance(rendered, RenderedInjection), rendered
+    spec = rendered.workload_apply["spec"]["template"]["spec"]
+    ours = {
+        "initContainers": spec["initContainers"],
+        "containers": [_hardened_stand_in()],
+        "automountServiceAccountToken": False,  # the user's choice; kvoffload's containers need no token
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},  # the user's, as the token
+        **{k: v for k, v in spec.items() if k not in ("initContainers", "containers")},
+    }  # fmt: skip
+    injected = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "injected", "namespace": "team-a"},
+                "spec": ours}  # fmt: skip
+    policy = {"apiVersion": f"{c.API_GROUP}/{c.API_VERSION}", "kind": c.POLICY_KIND,
+              "metadata": {"name": "shared", "namespace": "team-a", "uid": "u"},
+              "spec": {"mode": "node", "cache": {"l1Size": "4Gi"}}}  # fmt: skip
+    node_settings = cache_settings(policy, defaults)
+    assert isinstance(node_settings, InjectionSettings), node_settings
+    return [injected, render_cache_pod(policy, node_settings, "gpu-node-0"), render_cache_network_policy(policy)]
+
+
+def _hardened_stand_in() -> dict[str, Any]:
+    """The engine's place in the scanned pod, written so that every finding there is kvoffload's."""
+    probe = {"httpGet": {"path": "/health", "port": 8000}}
+    return {
+        "name": "engine-stand-in", "image": "registry.example/engine@sha256:" + "0" * 64,
+        "imagePullPolicy": "Always", "livenessProbe": probe, "readinessProbe": probe,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "runAsNonRoot": True, "runAsUser": 10001, "readOnlyRootFilesystem": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }  # fmt: skip
+
+
 def _run_checkov() -> list[Finding]:
     with tempfile.TemporaryDirectory(prefix="kvoffload-scan-") as tmp:
+        Path(tmp, "injected.yaml").write_text(yaml.safe_dump_all(injected_objects()))
         for name, values in RENDERS.items():
             argv = ["helm", "template", "kvo", str(CHART), "--namespace", "kvoffload-system"]
             for value in values:

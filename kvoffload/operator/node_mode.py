@@ -175,6 +175,7 @@ def render_cache_pod(
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
         ]}}},
         "restartPolicy": "Always",
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},  # each container also sets its own
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
     }  # fmt: skip

@@ -1,6 +1,7 @@
-"""The webhook's TLS and registration: a CA and serving certificate kept in one Secret in the
-operator's namespace (every replica serves with the same one), and the MutatingWebhookConfiguration
-that sends opted-in pods to it, with that CA as its caBundle.
+"""The webhook's TLS and registration: a serving certificate kept in one Secret in the operator's
+namespace (every replica serves with the same one), the CA that signs it in another (read only to
+issue or renew), and the MutatingWebhookConfiguration that sends opted-in pods to it, with that CA
+as its caBundle.
 """
 
 from __future__ import annotations
@@ -95,50 +96,85 @@ def still_good(material: TlsMaterial, hosts: Sequence[str], now: datetime.dateti
     return all(h in covered for h in hosts)
 
 
-_SECRET_KEYS = ("ca.crt", "ca.key", "tls.crt", "tls.key")
+_SERVING_KEYS = ("ca.crt", "tls.crt", "tls.key")
+_CA_KEYS = ("ca.crt", "ca.key")
 
 
-def _from_secret(secret: Mapping[str, Any] | None) -> TlsMaterial | None:
+def _decoded(secret: Mapping[str, Any] | None, keys: Sequence[str]) -> tuple[bytes, ...] | None:
     data = (secret or {}).get("data") or {}
-    if not all(k in data for k in _SECRET_KEYS):
+    if not all(k in data for k in keys):
         return None
-    return TlsMaterial(*(base64.b64decode(data[k]) for k in _SECRET_KEYS))
+    return tuple(base64.b64decode(data[k]) for k in keys)
 
 
-def _secret_body(namespace: str, name: str, material: TlsMaterial) -> dict[str, Any]:
-    values = (material.ca_pem, material.ca_key_pem, material.cert_pem, material.key_pem)
+def _serving_from_secret(secret: Mapping[str, Any] | None) -> TlsMaterial | None:
+    """The serving certificate a Secret holds (its ``ca_key_pem`` empty: it is kept elsewhere)."""
+    values = _decoded(secret, _SERVING_KEYS)
+    return None if values is None else TlsMaterial(values[0], b"", values[1], values[2])
+
+
+def _secret_body(namespace: str, name: str, data: Mapping[str, bytes]) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": name, "namespace": namespace, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
-        "data": {k: base64.b64encode(v).decode() for k, v in zip(_SECRET_KEYS, values, strict=True)},
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
     }  # fmt: skip
 
 
-def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str]) -> TlsMaterial:
-    """The Secret's material, issued (or renewed, keeping its CA) when missing, stale or for other hosts.
-    Replicas racing to create it agree on whichever lands first."""
-    path = namespaced_path("/api/v1", "secrets", namespace, name)
-    secret = kube.get(path)
-    current = _from_secret(secret)
-    if current is not None and still_good(current, hosts):
-        return current
-    material = issue(hosts, current.ca_pem if current else None, current.ca_key_pem if current else None)
-    body = _secret_body(namespace, name, material)
+def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
+           current: Mapping[str, Any] | None) -> Mapping[str, Any] | None:  # fmt: skip
+    """Create or replace the Secret; when another replica wrote it first (409), theirs (None if gone)."""
+    body = _secret_body(namespace, name, data)
     try:
-        if secret is None:
+        if current is None:
             kube.create(namespaced_path("/api/v1", "secrets", namespace), body)
         else:
-            body["metadata"]["resourceVersion"] = (secret.get("metadata") or {}).get("resourceVersion")
-            kube.request("PUT", path, body=body)
+            body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
+            kube.request("PUT", namespaced_path("/api/v1", "secrets", namespace, name), body=body)
     except KubeApiError as exc:
         if exc.status != 409:
             raise
-        winner = _from_secret(kube.get(path))  # another replica wrote it first: use theirs
-        if winner is None:
-            raise
-        return winner
-    log.info("webhook certificate issued for %s", ", ".join(hosts))
-    return material
+        return kube.get(namespaced_path("/api/v1", "secrets", namespace, name))
+    return body
+
+
+def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] | None) -> tuple[bytes, bytes]:
+    """(CA certificate, CA key) from the CA's own Secret, created from ``seed`` or a new CA when missing."""
+    secret = kube.get(namespaced_path("/api/v1", "secrets", namespace, name))
+    found = _decoded(secret, _CA_KEYS)
+    if found is not None:
+        return found[0], found[1]
+    if seed is None:
+        fresh = issue(["kvoffload-webhook-ca"])
+        seed = (fresh.ca_pem, fresh.ca_key_pem)
+    written = _decoded(_write(kube, namespace, name, dict(zip(_CA_KEYS, seed, strict=True)), secret), _CA_KEYS)
+    if written is None:
+        raise RuntimeError(f"Secret {namespace}/{name}: the webhook CA could not be stored")
+    return written[0], written[1]
+
+
+def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str],
+               ca_name: str = c.WEBHOOK_CA_SECRET) -> TlsMaterial:  # fmt: skip
+    """The serving certificate in Secret ``name``, issued (or renewed) when missing, stale or for other
+    hosts by the CA kept apart in Secret ``ca_name``, which is read only then. The result carries no
+    CA key. Replicas racing to write a Secret agree on whichever lands first."""
+    path = namespaced_path("/api/v1", "secrets", namespace, name)
+    secret = kube.get(path)
+    current = _serving_from_secret(secret)
+    legacy_ca = _decoded(secret, _CA_KEYS)  # before 0.2 the CA key sat beside the serving certificate
+    if current is not None and still_good(current, hosts) and legacy_ca is None:
+        return current
+    ca_pem, ca_key_pem = _ensure_ca(kube, namespace, ca_name, (legacy_ca[0], legacy_ca[1]) if legacy_ca else None)
+    if current is not None and still_good(current, hosts) and current.ca_pem == ca_pem:
+        material = current  # only the CA key moves out
+    else:
+        material = issue(hosts, ca_pem, ca_key_pem)
+        log.info("webhook certificate issued for %s", ", ".join(hosts))
+    data = dict(zip(_SERVING_KEYS, (material.ca_pem, material.cert_pem, material.key_pem), strict=True))
+    winner = _serving_from_secret(_write(kube, namespace, name, data, secret))
+    if winner is None:
+        raise RuntimeError(f"Secret {namespace}/{name}: the webhook certificate could not be stored")
+    return winner
 
 
 NEVER_INJECTED_NAMESPACES = ("kube-system",)

@@ -1,116 +1,15 @@
-"""The sidecar's one seam to LMCache's server process: the LMCache version it was written for,
-the restricted unpickler it puts in place of LMCache's, and the entry point that runs
-``lmcache server`` with both.
+"""The sidecar's LMCache server: LMCache's own CLI run behind kvoffload's restricted unpickler
+(``kvoffload.lmcache_guard``), so no client of the request port can make it run code.
 
     python -m kvoffload.sidecar.lmcache_server server --host 127.0.0.1 ...
-
-Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STORE that
-carries bytes (``v1/multiprocess/modules/server_transfer.py``, ``pickle.loads``), from any
-client that reaches its request port, authenticated or not. A pickle may name any callable,
-so a foreign client could run code in the cache server. Here that module's ``pickle`` is
-replaced by one whose ``loads`` builds only what LMCache's pickle transport sends: a list of
-CPU tensors (``torch._utils._rebuild_tensor_v2`` over storages that ``torch.load`` reads with
-``weights_only=True``, torch's own restricted unpickler). Anything else is refused
-before it is built, and the COMMIT fails as a bad payload would.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
-import io
-import pickle
 import sys
-import types
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
-"""LMCache releases whose unpickling sites this module was checked against."""
-UNPICKLING_MODULE = "lmcache.v1.multiprocess.modules.server_transfer"
-"""The one module of the server that unpickles request data (its ``pickle`` global is replaced)."""
-
-
-class LMCacheVersionError(RuntimeError):
-    """The installed LMCache is not one this seam was written for."""
-
-
-def _storage_from_bytes(data: bytes) -> Any:
-    """``torch.storage._load_from_bytes`` without its ``weights_only=False``: a storage's bytes
-    are a pickle too, read here by torch's own restricted unpickler."""
-    import torch
-
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-@functools.cache
-def _allowed_globals() -> dict[tuple[str, str], Callable[..., Any]]:
-    import torch._utils
-
-    return {
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
-        ("collections", "OrderedDict"): OrderedDict,
-    }
-
-
-class TensorListUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals a pickled list of CPU tensors names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _allowed_globals().get((module, name))
-        if found is None:
-            raise pickle.UnpicklingError(f"kvoffload refused a pickled global {module}.{name}: not a tensor payload")
-        return found
-
-
-def restricted_loads(data: bytes) -> Any:
-    """``pickle.loads`` for tensor payloads only; raises ``pickle.UnpicklingError`` for any other global."""
-    return TensorListUnpickler(io.BytesIO(data)).load()
-
-
-def check_lmcache_version() -> str:
-    """The installed LMCache version; raises ``LMCacheVersionError`` when it is not a supported one."""
-    try:
-        version = importlib.metadata.version("lmcache")
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise LMCacheVersionError("LMCache is not installed") from exc
-    if version not in SUPPORTED_LMCACHE_VERSIONS:
-        raise LMCacheVersionError(
-            f"LMCache {version} is installed; kvoffload's server guard was written for "
-            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} (check where it unpickles before allowing it)"
-        )
-    return version
-
-
-def install_restricted_unpickler() -> None:
-    """Check the version, then make LMCache's server unpickle request data with ``restricted_loads``.
-
-    Fails (``LMCacheVersionError``) rather than start a server whose unpickling site moved.
-    """
-    check_lmcache_version()
-    target = importlib.import_module(UNPICKLING_MODULE)
-    current = getattr(target, "pickle", None)
-    if current is not pickle and not _is_guard(current):
-        raise LMCacheVersionError(f"{UNPICKLING_MODULE} no longer unpickles through its 'pickle' global")
-    target.pickle = types.SimpleNamespace(  # type: ignore[attr-defined]
-        loads=restricted_loads,
-        dumps=pickle.dumps,
-        UnpicklingError=pickle.UnpicklingError,
-        kvoffload_guard=True,
-    )
-
-
-def _is_guard(value: object) -> bool:
-    return bool(getattr(value, "kvoffload_guard", False))
-
-
-def unpickler_is_restricted() -> bool:
-    """Whether this process's LMCache server unpickles through ``restricted_loads``."""
-    module = sys.modules.get(UNPICKLING_MODULE)
-    return module is not None and _is_guard(getattr(module, "pickle", None))
+from kvoffload.lmcache_guard import LMCacheVersionError, install_restricted_unpickler
 
 
 def run_server(arguments: Sequence[str]) -> None:

@@ -133,7 +133,8 @@ def _int(setting: str, raw: object, low: int, high: int, allowed: str) -> int:
 
 def _env_int(raw: str) -> object:
     """An env var's text as the integer a policy field holds (anything else stays text, to be refused)."""
-    return int(raw) if re.fullmatch(r"\s*[0-9]+\s*", raw) else raw
+    # ASCII digits between spaces only: re's \s also matches \x1c-\x1f, which int() refuses.
+    return int(raw) if re.fullmatch(r"[ \t]*[0-9]+[ \t]*", raw) else raw
 
 
 def _absolute_path(setting: str, raw: object) -> str:

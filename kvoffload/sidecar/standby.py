@@ -25,8 +25,10 @@ import signal
 import sys
 from typing import Any, TextIO
 
+from kvoffload.lmcache_guard import install_restricted_unpickler
+
 from .command import die_with_parent
-from .lmcache_server import install_restricted_unpickler, run_server
+from .lmcache_server import run_server
 from .standby_handle import EXITED, SERVING, WARM
 
 _REAP_EVERY_S = 0.05

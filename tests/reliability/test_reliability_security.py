@@ -134,6 +134,7 @@ def test_operator_rbac_is_least_privilege(cluster: LocalCluster, operator_kubeco
 
 MWC = "kvoffload-pod-injection"
 TLS_SECRET = "kvoffload-webhook-tls"
+CA_SECRET = "kvoffload-webhook-ca"
 # Admission mode adds these rules (files/operator-admission-*.yaml; the Secret rules as a Role in the
 # release namespace). (verb, group, resource, subresource, namespace, name, allowed?, why)
 ADMISSION_ACCESS: list[tuple[str, str, str, str, str, str, bool, str]] = [
@@ -182,6 +183,7 @@ ADMISSION_ACCESS: list[tuple[str, str, str, str, str, str, bool, str]] = [
     ),
     ("get", "", "secrets", "", OPERATOR_NAMESPACE, TLS_SECRET, True, "the webhook's certificate"),
     ("update", "", "secrets", "", OPERATOR_NAMESPACE, TLS_SECRET, True, "renewal"),
+    ("get", "", "secrets", "", OPERATOR_NAMESPACE, CA_SECRET, True, "the CA, read only to issue or renew"),
     ("create", "", "secrets", "", OPERATOR_NAMESPACE, "", True, "first issue (create cannot be limited to a name)"),
     ("get", "", "secrets", "", OPERATOR_NAMESPACE, "another-secret", False, "no other Secret of its namespace"),
     ("list", "", "secrets", "", OPERATOR_NAMESPACE, "", False, "no listing"),

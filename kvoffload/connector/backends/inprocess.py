@@ -77,6 +77,9 @@ def start_engine(settings: ConnectorSettings) -> str:
         )
         from lmcache.v1.multiprocess.server import run_cache_server
 
+        from kvoffload.lmcache_guard import install_restricted_unpickler
+
+        install_restricted_unpickler()  # the engine's own server unpickles no stranger's code either
         parser = argparse.ArgumentParser()
         add_mp_server_args(parser)
         add_storage_manager_args(parser)

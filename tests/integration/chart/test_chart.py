@@ -349,8 +349,8 @@ def test_the_lease_and_the_webhook_secret_are_granted_in_the_release_namespace_o
     assert role["rules"] == [
         *lease,
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [contract.WEBHOOK_TLS_SECRET],
-         "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["secrets"],
+         "resourceNames": [contract.WEBHOOK_TLS_SECRET, contract.WEBHOOK_CA_SECRET], "verbs": ["get", "update"]},
     ]  # fmt: skip
     template_mode = next(d for d in render("injection.mode=template") if d["kind"] == "Role")
     assert template_mode["rules"] == lease

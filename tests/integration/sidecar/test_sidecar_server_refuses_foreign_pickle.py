@@ -48,7 +48,7 @@ def test_the_pickle_transport_of_a_server_without_shared_memory_still_stores_thr
 
 WARM_STANDBY_PROBE = """
 from kvoffload.sidecar.standby import warm_up
-from kvoffload.sidecar.lmcache_server import unpickler_is_restricted
+from kvoffload.lmcache_guard import unpickler_is_restricted
 warm_up()
 print(unpickler_is_restricted())
 """

@@ -234,6 +234,9 @@ def test_cache_pod_runs_the_sidecar_container_configured_by_env() -> None:
     (prepare,) = pod["spec"]["initContainers"]
     assert prepare["command"] == ["chmod", "1777", "/dev/shm"] and prepare["securityContext"]["runAsUser"] == 0
     assert "tolerations" not in pod["spec"]
+    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert all(x["securityContext"]["readOnlyRootFilesystem"] for x in [*pod["spec"]["initContainers"], cache])
 
 
 def test_a_cache_pod_tolerates_what_its_nodes_engines_tolerate_and_no_more() -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvoffload.sidecar import lmcache_server
-from kvoffload.sidecar.lmcache_server import LMCacheVersionError, restricted_loads
+from kvoffload import lmcache_guard
+from kvoffload.lmcache_guard import LMCacheVersionError, restricted_loads
 
 pytestmark = pytest.mark.sidecar
 
@@ -66,14 +66,14 @@ def test_code_hidden_in_a_tensor_storage_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_lmcache_version_it_was_not_written_for_stops_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lmcache_server.importlib.metadata, "version", lambda _name: "0.5.7")
+    monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.5.7")
     with pytest.raises(LMCacheVersionError, match=r"LMCache 0\.5\.7 is installed.*0\.5\.6"):
-        lmcache_server.install_restricted_unpickler()
+        lmcache_guard.install_restricted_unpickler()
 
 
 def test_lmcache_server_unpickles_request_data_through_the_guard_once_installed() -> None:
-    lmcache_server.install_restricted_unpickler()
-    assert lmcache_server.unpickler_is_restricted()
+    lmcache_guard.install_restricted_unpickler()
+    assert lmcache_guard.unpickler_is_restricted()
     import lmcache.v1.multiprocess.modules.server_transfer as site
 
     assert site.pickle.loads is restricted_loads

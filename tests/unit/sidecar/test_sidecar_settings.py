@@ -290,3 +290,9 @@ def test_valid_quantities_parse_to_their_bytes(number: int, suffix: str) -> None
 def test_an_l2_path_on_kvoffloads_own_mount_is_refused_by_the_sidecar_too() -> None:
     with pytest.raises(SettingsError, match=r"KVOFFLOAD_L2_FS_PATH.*'/dev/shm'.*kvoffload mounts or ships /dev/shm"):
         load_settings({contract.ENV_L2_FS_PATH: "/dev/shm", contract.ENV_L2_FS_SIZE: "1Gi"}, None)
+
+
+def test_a_port_with_a_control_character_is_refused_not_crashed_on() -> None:
+    """Found by the settings fuzz test: re's \\s matched \\x1f, and int() then raised ValueError."""
+    with pytest.raises(SettingsError, match=r"KVOFFLOAD_REQUEST_PORT: '0\\x1f' is not allowed"):
+        load_settings({contract.ENV_REQUEST_PORT: "0\x1f"}, None)
