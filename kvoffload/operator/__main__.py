@@ -31,6 +31,7 @@ from .injection_plan import ClusterInfo
 from .kube import Kube, load_configuration
 from .leadership import RENEW_INTERVAL_S, Leadership, serve_health_while_waiting
 from .metrics import OperatorMetrics
+from .new_workloads import Planner, planner
 from .node_caches import NodeCaches
 from .pod_alignment import PodAlignment
 from .reconcile import Reconciler
@@ -180,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
     if admission:
         handlers.register_admission_handlers()
-        _serve_webhook(args, kube, metrics, tuple(namespaces))  # on every replica, the standby too
+        plan = planner(kube, defaults, reconciler.cluster)
+        _serve_webhook(args, kube, metrics, tuple(namespaces), plan)  # on every replica, the standby too
 
     @kopf.on.login()
     def login(**kwargs: object) -> kopf.ConnectionInfo | None:
@@ -297,8 +299,8 @@ def _injection_mode(args: argparse.Namespace) -> str:
     return str(args.injection)
 
 
-def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...]
-                   ) -> WebhookServer:  # fmt: skip
+def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...],
+                   plan: Planner) -> WebhookServer:  # fmt: skip
     """Start the webhook's HTTPS server, then register it (its CA as the caBundle)."""
     namespace = args.leader_election_namespace
     if args.webhook_url:
@@ -310,7 +312,7 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
         client = {"service": {"namespace": namespace, "name": service, "port": int(args.webhook_port),
                               "path": c.WEBHOOK_PATH}}  # fmt: skip
     tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
-    server = WebhookServer(kube, metrics, tls, int(args.webhook_port))
+    server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan)
     server.start()
     ensure_webhook_configuration(
         kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces, namespace)

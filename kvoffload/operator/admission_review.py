@@ -1,5 +1,6 @@
-"""The AdmissionReview the webhook answers, checked strictly at the edge, pure: a pod CREATE in
-``admission.k8s.io/v1`` with a uid to echo, or a one-line reason to refuse the body with."""
+"""The AdmissionReview the webhook answers, checked strictly at the edge, pure: a pod CREATE (or a
+Deployment or StatefulSet CREATE, on the workloads path) in ``admission.k8s.io/v1`` with a uid to
+echo, or a one-line reason to refuse the body with."""
 
 from __future__ import annotations
 
@@ -23,8 +24,39 @@ class PodReview:
     pod: Mapping[str, Any]
 
 
+@dataclass(frozen=True)
+class WorkloadReview:
+    """One Deployment or StatefulSet CREATE to answer."""
+
+    uid: str
+    namespace: str
+    kind: str
+    workload: Mapping[str, Any]
+
+
+POD_KINDS = frozenset({("", "Pod")})
+WORKLOAD_KINDS = frozenset({("apps", "Deployment"), ("apps", "StatefulSet")})
+
+
 def parse_pod_review(body: bytes) -> PodReview | str:
     """The review in ``body``, or why it is not a pod CREATE this webhook answers."""
+    request = _request(body)
+    if isinstance(request, str):
+        return request
+    created = _create(request, POD_KINDS)
+    return created if isinstance(created, str) else PodReview(created[0], created[1], created[3])
+
+
+def parse_workload_review(body: bytes) -> WorkloadReview | str:
+    """The review in ``body``, or why it is not a Deployment or StatefulSet CREATE."""
+    request = _request(body)
+    if isinstance(request, str):
+        return request
+    created = _create(request, WORKLOAD_KINDS)
+    return created if isinstance(created, str) else WorkloadReview(*created)
+
+
+def _request(body: bytes) -> dict[str, Any] | str:
     try:
         review = json.loads(body)
     except RecursionError:
@@ -39,30 +71,33 @@ def parse_pod_review(body: bytes) -> PodReview | str:
     request = review.get("request")
     if not isinstance(request, dict):
         return f"request is {type(request).__name__}, not an object"
-    return _pod_create(request)
+    return request
 
 
-def _pod_create(request: Mapping[str, Any]) -> PodReview | str:
+def _create(request: Mapping[str, Any], kinds: frozenset[tuple[str, str]]
+            ) -> tuple[str, str, str, Mapping[str, Any]] | str:  # fmt: skip
+    """(uid, namespace, kind, object) of a CREATE of one of ``kinds`` ((group, kind) pairs)."""
     uid, namespace, pod = request.get("uid"), request.get("namespace"), request.get("object")
     kind = request.get("kind")
     group, kind_name = (kind.get("group", ""), kind.get("kind")) if isinstance(kind, dict) else (None, kind)
     if not isinstance(uid, str) or not 0 < len(uid) <= MAX_UID_CHARS:
         return f"request.uid {_shown(uid)}: a string of 1 to {MAX_UID_CHARS} characters is required"
-    if group != "" or kind_name != "Pod":
-        return f"request.kind group {_shown(group)} kind {_shown(kind_name)}: only core Pods are reviewed"
+    if not isinstance(group, str) or not isinstance(kind_name, str) or (group, kind_name) not in kinds:
+        allowed = ", ".join(f"{k} ({g or 'core'})" for g, k in sorted(kinds))
+        return f"request.kind group {_shown(group)} kind {_shown(kind_name)}: only {allowed} reviewed here"
     if request.get("operation") != "CREATE":
         return f"request.operation {_shown(request.get('operation'))}: only CREATE is reviewed"
     if not isinstance(namespace, str) or not namespace:
         return f"request.namespace {_shown(namespace)}: a non-empty string is required"
     if not isinstance(pod, dict):
-        return f"request.object is {type(pod).__name__}, not a pod object"
+        return f"request.object is {type(pod).__name__}, not an object"
     meta = pod.get("metadata", {})
     if not isinstance(meta, dict):
         return f"request.object.metadata is {type(meta).__name__}, not an object"
     if meta.get("namespace") not in (None, "", namespace):
         return (f"request.object.metadata.namespace {_shown(meta.get('namespace'))} is not "
                 f"request.namespace {_shown(namespace)}")  # fmt: skip
-    return PodReview(uid, namespace, pod)
+    return uid, namespace, str(kind_name), pod
 
 
 def _shown(value: object) -> str:

@@ -12,11 +12,12 @@ from typing import Any
 
 from kvoffload import contract as c
 
-from .admission import Admission, admission_response, admit, record_from_workload
-from .admission_review import PodReview, parse_pod_review
+from .admission import Admission, InjectionRecord, admission_response, admit, record_from_workload
+from .admission_review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
 from .https_server import HttpsServer, Reply, Request, refusal
 from .kube import Kube, KubeApiError
 from .metrics import OperatorMetrics
+from .new_workloads import Planner, label_for_new_workload, record_before_the_operator
 from .pod_owners import resolve_owner
 from .webhook_tls import TlsMaterial
 
@@ -26,7 +27,7 @@ MAX_REVIEW_BYTES = 2**20
 one at this cap takes tens of MiB for a moment. A larger one gets 413 before its body is read."""
 
 
-def review_pod(kube: Kube, review: PodReview) -> Admission:
+def review_pod(kube: Kube, review: PodReview, plan: Planner | None = None) -> Admission:
     """The answer for one pod CREATE: its owner resolved through the API and that owner's injection
     record read, then ``admit``."""
     if c.LABEL_INJECT not in ((review.pod.get("metadata") or {}).get("labels") or {}):
@@ -38,7 +39,24 @@ def review_pod(kube: Kube, review: PodReview) -> Admission:
     if isinstance(resolved, str):
         return admit(review.pod, review.namespace, None, resolved)
     owner = (resolved.kind, resolved.name)
-    return admit(review.pod, review.namespace, record_from_workload(resolved.workload, *owner), owner)
+    record = record_from_workload(resolved.workload, *owner)
+    annotations = (resolved.workload.get("metadata") or {}).get("annotations") or {}
+    if plan is not None and isinstance(record, str) and c.ANN_INJECTION_RECORD not in annotations:
+        # a workload created opted in, whose record the operator has not written yet
+        label = ((review.pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_INJECT)
+        early = record_before_the_operator(resolved.workload, label, plan)
+        record = early if isinstance(early, InjectionRecord) else record
+    return admit(review.pod, review.namespace, record, owner)
+
+
+def review_workload(review: WorkloadReview, plan: Planner) -> Admission:
+    """The answer for a Deployment or StatefulSet CREATE: an opted-in one gets the template label
+    the operator would write; anything else is admitted as written."""
+    planned = plan({"kind": review.kind, **review.workload,
+                    "metadata": {**(review.workload.get("metadata") or {}), "namespace": review.namespace}})  # fmt: skip
+    if isinstance(planned, str):
+        return Admission([], (), "ignored")
+    return Admission(label_for_new_workload(review.workload, planned), (), "injected")
 
 
 def server_context(tls: TlsMaterial) -> ssl.SSLContext:
@@ -61,9 +79,15 @@ class WebhookServer:
     webhook that cannot answer reviews is not ready."""
 
     def __init__(
-        self, kube: Kube, metrics: OperatorMetrics, tls: TlsMaterial, port: int, host: str = "0.0.0.0"
+        self,
+        kube: Kube,
+        metrics: OperatorMetrics,
+        tls: TlsMaterial,
+        port: int,
+        host: str = "0.0.0.0",
+        plan: Planner | None = None,
     ) -> None:
-        self.kube, self.metrics = kube, metrics
+        self.kube, self.metrics, self.plan = kube, metrics, plan
         self.server = HttpsServer(server_context(tls), host, port, self.handle, MAX_REVIEW_BYTES)
         self.port = self.server.port
 
@@ -71,7 +95,10 @@ class WebhookServer:
         """The reply to one whole request (in one of the server's handler threads)."""
         if request.method == "GET" and request.path in ("/healthz", c.PATH_READY):
             return Reply(200, b"ok\n")
-        if request.method != "POST" or request.path.split("?")[0] != c.WEBHOOK_PATH:
+        path = request.path.split("?")[0]
+        if request.method == "POST" and path == c.WEBHOOK_WORKLOADS_PATH and self.plan is not None:
+            return self.handle_workload(request)
+        if request.method != "POST" or path != c.WEBHOOK_PATH:
             return refusal(404, "not found")
         review = parse_pod_review(request.body)
         if isinstance(review, str):
@@ -80,10 +107,26 @@ class WebhookServer:
             return refusal(400, review)
         return Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
 
+    def handle_workload(self, request: Request) -> Reply:
+        """A Deployment or StatefulSet CREATE (``review_workload``); never refused for our bug."""
+        review = parse_workload_review(request.body)
+        if isinstance(review, str):
+            self.metrics.admissions.labels(result="refused").inc()
+            return refusal(400, review)
+        assert self.plan is not None
+        try:
+            admission = review_workload(review, self.plan)
+        except Exception as exc:  # admit it as written
+            log.exception("webhook: reviewing a workload failed")
+            admission = Admission([], (f"kvoffload: not labelled: internal error {type(exc).__name__}",), "error")
+        if admission.result != "ignored":
+            log.info("webhook: workload %s: %s", review.uid, admission.result)
+        return Reply(200, json.dumps(admission_response(review.uid, admission)).encode(), "application/json")
+
     def answer(self, review: PodReview) -> dict[str, Any]:
         """The AdmissionReview response for a valid pod CREATE; a pod is never refused for our bug."""
         try:
-            admission = review_pod(self.kube, review)
+            admission = review_pod(self.kube, review, self.plan)
         except Exception as exc:  # admit it as written
             log.exception("webhook: reviewing a pod failed")
             admission = Admission([], (f"kvoffload: not injected: internal error {type(exc).__name__}",), "error")

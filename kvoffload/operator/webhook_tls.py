@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse, urlunparse
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -186,7 +187,8 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
                           own_namespace: str) -> dict[str, Any]:  # fmt: skip
     """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
     sent, at creation, never from kube-system or the operator's own namespace; a webhook that
-    cannot be reached admits them as the user wrote them."""
+    cannot be reached admits them as the user wrote them. A second entry sees each Deployment and
+    StatefulSet CREATE there (``new_workloads``: one created opted in gets its label at once)."""
     hook: dict[str, Any] = {
         "name": "pods.kvoffload.io",
         "admissionReviewVersions": ["v1"],
@@ -212,11 +214,25 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
     if namespaces:
         selector.append({"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)})
     hook["namespaceSelector"] = {"matchExpressions": selector}
+    workloads = {
+        **hook, "name": "workloads.kvoffload.io",
+        "rules": [{"operations": ["CREATE"], "apiGroups": ["apps"], "apiVersions": ["v1"],
+                   "resources": ["deployments", "statefulsets"], "scope": "Namespaced"}],
+        "clientConfig": {**_client_at(client, c.WEBHOOK_WORKLOADS_PATH), "caBundle": hook["clientConfig"]["caBundle"]},
+    }  # fmt: skip
+    del workloads["objectSelector"]  # the opt-in is an annotation, which no selector can match
     return {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": name, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
-        "webhooks": [hook],
+        "webhooks": [hook, workloads],
     }  # fmt: skip
+
+
+def _client_at(client: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """The same client config with another path (a URL's, or the Service's)."""
+    if "url" in client:
+        return {"url": urlunparse(urlparse(str(client["url"]))._replace(path=path))}
+    return {"service": {**client["service"], "path": path}}
 
 
 def ensure_webhook_configuration(kube: Kube, body: Mapping[str, Any]) -> None:

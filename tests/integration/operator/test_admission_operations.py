@@ -16,6 +16,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, wait_for
 from kvoffload import contract as c
+from kvoffload.operator.workload_writes import LOCKED_APPLY_TRIES
 from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
 from tests.support.operator_fixtures import operator_instead
@@ -97,7 +98,9 @@ def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evi
           f"operator PATCHes {[(w.name, w.code) for w in patches]}")  # fmt: skip
     assert evicted == [], "nothing to evict: the rollout replaces every pod"
     assert rollouts <= 2, rollouts
-    assert len(patches) <= 3, patches
+    # per pass one unforced apply and up to LOCKED_APPLY_TRIES forced ones (each locked to a
+    # resourceVersion the rollout's status writes may have moved on): two passes at most
+    assert len(patches) <= 2 * (1 + LOCKED_APPLY_TRIES), patches
 
 
 def test_pods_the_webhook_would_not_inject_are_never_evicted(
@@ -240,3 +243,33 @@ def test_a_workload_with_every_pod_uninjected_is_caught_up_one_eviction_at_a_tim
     print(f"catch-up of 2 uninjected pods: eviction calls {tries}, fewest ready pods seen {fewest_ready}")
     assert sorted(code for _, code in tries) == [201, 201] and len({pod for pod, _ in tries}) == 2, tries
     assert fewest_ready >= 1, "both pods were down at once"
+
+
+@pytest.mark.parametrize("method", ["client-side", "server-side"])
+def test_a_new_app_that_arrives_opted_in_rolls_once(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, method: str
+) -> None:
+    """A GitOps tool creates the Deployment with the opt-in already in it: one ReplicaSet, its pods
+    injected from the start, the operator's one write changes no template; a re-apply stays quiet."""
+    from tests.integration.operator.test_operator_admission import gitops_apply, gitops_diff
+
+    name = f"born-{method}"
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    audit = AuditWindow(cluster.audit_log).mark()
+    gitops_apply(cluster, method, body)
+    found = settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+    time.sleep(4)
+    dep = live(cluster, name, namespace)
+    label = dep["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
+    assert record_manager(dep) == {c.FIELD_MANAGER}
+    assert all(p["metadata"]["annotations"][c.ANN_INJECTED_FROM] == label for p in found)
+    gitops_apply(cluster, method, body)
+    time.sleep(4)
+    rollouts = revision(cluster, name, namespace)
+    replica_sets = list_objects(cluster, "replicasets", namespace, f"app={name}")
+    writes = audit.counts(OPERATOR_USER, namespace)
+    print(f"new app opted in [{method}]: revision {rollouts}, ReplicaSets {len(replica_sets)}, "
+          f"evictions {evictions(audit, namespace)}, operator writes {dict(writes)}")  # fmt: skip
+    assert rollouts == 1 and len(replica_sets) == 1, (rollouts, [r["metadata"]["name"] for r in replica_sets])
+    assert evictions(audit, namespace) == []
+    assert gitops_diff(cluster, method, body) == ""

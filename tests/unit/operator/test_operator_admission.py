@@ -24,6 +24,7 @@ from kvoffload.operator.admission import (
 )
 from kvoffload.operator.fragment import render
 from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
+from kvoffload.operator.new_workloads import label_for_new_workload, record_before_the_operator
 from kvoffload.operator.pod_alignment import next_eviction, start_failure
 from kvoffload.operator.pod_owners import Owner, resolve_owner
 from kvoffload.operator.settings import InjectionSettings
@@ -335,16 +336,36 @@ def test_a_kvoffload_container_the_kubelet_cannot_create_is_reported_by_name() -
 
 def test_the_webhook_never_sees_pods_of_kube_system_or_the_operators_namespace() -> None:
     client = {"url": "https://127.0.0.1:8443/mutate-pods"}
-    (hook,) = webhook_configuration("kvoffload-pod-injection", b"ca", client, (), "kvoffload-system")["webhooks"]
+    pods_hook, workloads_hook = webhook_configuration("kvoffload-pod-injection", b"ca", client, (), "kvoffload-system")[
+        "webhooks"
+    ]
     excluded = {
         "key": "kubernetes.io/metadata.name",
         "operator": "NotIn",
         "values": ["kube-system", "kvoffload-system"],
     }
-    assert hook["namespaceSelector"] == {"matchExpressions": [excluded]}
-    (scoped,) = webhook_configuration("kvoffload-pod-injection", b"ca", client, ("team-a",), "kvoffload-system")[
+    assert pods_hook["namespaceSelector"] == workloads_hook["namespaceSelector"] == {"matchExpressions": [excluded]}
+    assert workloads_hook["clientConfig"]["url"] == "https://127.0.0.1:8443" + c.WEBHOOK_WORKLOADS_PATH
+    assert workloads_hook["rules"][0]["resources"] == ["deployments", "statefulsets"]
+    scoped = webhook_configuration("kvoffload-pod-injection", b"ca", client, ("team-a",), "kvoffload-system")[
         "webhooks"
-    ]
+    ][0]
     assert scoped["namespaceSelector"]["matchExpressions"] == [
         excluded, {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a"]}
     ]  # fmt: skip
+
+
+def test_a_workload_created_opted_in_gets_the_operators_label_and_its_first_pods_the_same_record() -> None:
+    """At CREATE the template gets the label the operator's apply will carry; a pod created before
+    the record exists is injected from the plan made at admission, only if the hashes agree."""
+    workload = trtllm_deployment("llm", "ns", annotations={c.ANN_ENABLED: "true"})
+    plan = plan_of(workload)
+    rendered = render_admission(plan)
+    (op,) = label_for_new_workload(workload, plan)
+    assert op == {"op": "add", "path": "/spec/template/metadata/labels/kvoffload.io~1inject",
+                  "value": rendered.config_hash}  # fmt: skip
+    early = record_before_the_operator(workload, rendered.config_hash, lambda _w: plan)
+    assert isinstance(early, InjectionRecord) and early.to_json() == rendered.workload_apply["metadata"][
+        "annotations"][c.ANN_INJECTION_RECORD]  # fmt: skip
+    assert isinstance(record_before_the_operator(workload, "another", lambda _w: plan), str)
+    assert record_before_the_operator(workload, rendered.config_hash, lambda _w: "not opted in") == "not opted in"
