@@ -21,10 +21,10 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import apply, list_objects, wait_for
 from kvoffload import contract as c
-from tests.integration.operator.test_operator_admission import manifest
 from tests.support.audit import OPERATOR_USER, AuditWindow
 from tests.support.operator_fixtures import operator_instead
 from tests.support.operator_support import OperatorProcess, admission_args, admission_rules
+from tests.support.operator_support import gitops_manifest as manifest
 from tests.support.scale import count
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane, pytest.mark.timeout(count(ci=900, soak=2400))]

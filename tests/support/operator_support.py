@@ -26,10 +26,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localcluster import LocalCluster
 from hack.ports import free_port
-from hack.workloads import get, list_objects, wait_for
+from hack.workloads import get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.settings import OperatorDefaults
 from tests.conftest import REPO_ROOT
+
+
+def gitops_manifest(name: str, namespace: str, image: str, opted_in: bool) -> dict[str, Any]:
+    """A user's TensorRT-LLM Deployment as it sits in git (no status, no server fields): two replicas,
+    surge one, ``opted_in`` by the kvoffload annotation."""
+    body = trtllm_deployment(name, namespace, replicas=2, annotations={c.ANN_ENABLED: "true"} if opted_in else {})
+    body["spec"]["template"]["spec"]["containers"][0]["image"] = image
+    body["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return body
+
 
 CHART = REPO_ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"

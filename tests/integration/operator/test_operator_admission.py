@@ -15,10 +15,16 @@ import pytest
 
 from hack.localcluster import LocalCluster
 from hack.ports import free_port
-from hack.workloads import get, list_objects, trtllm_deployment, wait_for
+from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
 from tests.support.operator_fixtures import operator_instead
-from tests.support.operator_support import OperatorProcess, admission_args, admission_rules, events_for
+from tests.support.operator_support import (
+    OperatorProcess,
+    admission_args,
+    admission_rules,
+    events_for,
+)
+from tests.support.operator_support import gitops_manifest as manifest
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 GITOPS_MANAGER = "argocd-controller"
@@ -39,14 +45,6 @@ def admission_operator(
             yield proc
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
-
-
-def manifest(name: str, namespace: str, image: str, opted_in: bool) -> dict[str, Any]:
-    """The user's manifest as it sits in git (no status, no server fields)."""
-    body = trtllm_deployment(name, namespace, replicas=2, annotations={c.ANN_ENABLED: "true"} if opted_in else {})
-    body["spec"]["template"]["spec"]["containers"][0]["image"] = image
-    body["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    return body
 
 
 def gitops_apply(cluster: LocalCluster, method: str, body: dict[str, Any]) -> None:
