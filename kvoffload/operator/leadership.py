@@ -133,13 +133,17 @@ class Leadership:
         if lease_state(current, self.identity, _now()) == "held":
             return False
         body = lease_body(self.name, self.namespace, self.identity, _now(), current)
+        return self._write(path, current, body)  # False: someone else wrote it first, look again
+
+    def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
+        """Create or replace the Lease as read in ``current``; False when another writer got there first."""
         try:
             if current is None:
                 self.kube.create(lease_path(self.namespace), body)
             else:
                 self.kube.request("PUT", path, body)
         except KubeApiError as exc:
-            if exc.status in (409, 422):  # someone else wrote it first: look again
+            if exc.status in (409, 422):
                 return False
             raise
         return True
@@ -153,16 +157,9 @@ class Leadership:
             current = self.kube.get(path)
             active = lease_state(current, self.identity, _now()) == "held"
             body = lease_body(self.name, self.namespace, self.identity, _now(), current, duration_s)
-            try:
-                if current is None:
-                    self.kube.create(lease_path(self.namespace), body)
-                else:
-                    self.kube.request("PUT", path, body)
-            except KubeApiError as exc:
-                if exc.status in (409, 422):  # the holder renewed meanwhile: take it from the new version
-                    continue
-                raise
-            return active
+            if self._write(path, current, body):
+                return active
+            # the holder renewed meanwhile: take it from the new version
         raise KubeApiError(409, {"message": "the Lease kept changing"}, "PUT", path)
 
     def acquire(self, stop: threading.Event) -> bool:

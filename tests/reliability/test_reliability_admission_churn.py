@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
-from hack.ports import free_port
 from hack.workloads import apply, list_objects, wait_for
 from kvoffload import contract as c
 from tests.support.audit import OPERATOR_USER, AuditWindow
-from tests.support.operator_fixtures import operator_instead
-from tests.support.operator_support import OperatorProcess, admission_args, admission_rules
+from tests.support.operator_fixtures import admission_operator_instead
+from tests.support.operator_support import OperatorProcess
 from tests.support.operator_support import gitops_manifest as manifest
 from tests.support.scale import count
 
@@ -37,12 +36,10 @@ NEVER_EVICTED = ("refused", "copied")
 def admission_operator(
     cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    try:
-        with operator_instead(cluster, operator, tmp_path_factory.mktemp("admission-churn"),
-                              admission_rules("kvoffload-operator-churn"), admission_args(free_port())) as proc:  # fmt: skip
-            yield proc
-    finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
+    with admission_operator_instead(
+        cluster, operator, tmp_path_factory.mktemp("admission-churn"), "kvoffload-operator-churn"
+    ) as proc:
+        yield proc
 
 
 def workloads(namespace: str) -> list[dict[str, Any]]:

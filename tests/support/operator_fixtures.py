@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from hack.localcluster import LocalCluster
+from hack.ports import free_port
 from hack.workloads import apply, wait_for
+from kvoffload import contract as c
 from tests.support.operator_support import (
     CRD_FILE,
     LEADER_ELECTION_RULES_FILE,
@@ -25,6 +27,8 @@ from tests.support.operator_support import (
     OPERATOR_SA,
     RULES_FILE,
     OperatorProcess,
+    admission_args,
+    admission_rules,
 )
 
 
@@ -76,6 +80,20 @@ def operator_instead(
         for name in rules:
             cluster.kubectl("delete", "clusterrolebinding,clusterrole", name, check=False)
     assert_no_internal_errors(proc)
+
+
+@contextmanager
+def admission_operator_instead(
+    cluster: LocalCluster, operator: OperatorProcess, workdir: Path, role: str
+) -> Iterator[OperatorProcess]:
+    """The operator with ``--injection admission`` and the chart's admission rules (ClusterRoles named
+    after ``role``), its webhook on 127.0.0.1, in the session operator's place; its webhook
+    registration is deleted afterwards."""
+    try:
+        with operator_instead(cluster, operator, workdir, admission_rules(role), admission_args(free_port())) as proc:
+            yield proc
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
-from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.workload_writes import LOCKED_APPLY_TRIES
 from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
-from tests.support.operator_fixtures import operator_instead
-from tests.support.operator_support import OperatorProcess, admission_args, admission_rules, events_for
+from tests.support.operator_fixtures import admission_operator_instead
+from tests.support.operator_support import OperatorProcess, events_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 WATCH_S = 20.0
@@ -32,12 +31,10 @@ def admission_operator(
     cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     """The admission-mode operator with the chart's admission rules (the session operator stopped)."""
-    try:
-        with operator_instead(cluster, operator, tmp_path_factory.mktemp("admission-ops"),
-                              admission_rules("kvoffload-operator-ops"), admission_args(free_port())) as proc:  # fmt: skip
-            yield proc
-    finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
+    with admission_operator_instead(
+        cluster, operator, tmp_path_factory.mktemp("admission-ops"), "kvoffload-operator-ops"
+    ) as proc:
+        yield proc
 
 
 def evictions(audit: AuditWindow, namespace: str) -> list[tuple[str, int]]:

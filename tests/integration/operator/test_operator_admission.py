@@ -17,11 +17,10 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
-from tests.support.operator_fixtures import operator_instead
+from tests.support.operator_fixtures import admission_operator_instead
 from tests.support.operator_support import (
     OperatorProcess,
     admission_args,
-    admission_rules,
     events_for,
 )
 from tests.support.operator_support import gitops_manifest as manifest
@@ -39,12 +38,10 @@ def admission_operator(
 ) -> Iterator[OperatorProcess]:
     """The operator with ``--injection admission`` and the chart's admission rules, its webhook on
     127.0.0.1 (``--webhook-url``); the session operator is stopped meanwhile."""
-    try:
-        with operator_instead(cluster, operator, tmp_path_factory.mktemp("admission-operator"),
-                              admission_rules("kvoffload-operator-test"), admission_args(free_port())) as proc:  # fmt: skip
-            yield proc
-    finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
+    with admission_operator_instead(
+        cluster, operator, tmp_path_factory.mktemp("admission-operator"), "kvoffload-operator-test"
+    ) as proc:
+        yield proc
 
 
 def gitops_apply(cluster: LocalCluster, method: str, body: dict[str, Any]) -> None:
