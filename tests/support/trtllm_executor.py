@@ -722,6 +722,10 @@ class StandinExecutor:
         self._loading_votes: dict[int, int] = {}
         self.async_loads = 0
         self.short_honours = 0
+        self.grow_fails_every = 0
+        """Every n-th grow fails whatever the pool holds (other traffic's pressure, which the stand-in does
+        not run); 0: grows fail only when the pool cannot give the pages."""
+        self._grows = 0
         self.load_deadline_s = ADP_LOAD_DEADLINE_S
         self.pauses = 0
         """KVCacheManagerV2 allocations destroyed for want of pages (the request replayed)."""
@@ -1014,7 +1018,9 @@ class StandinExecutor:
         if offer == 0 or local + offer < capacity or self.chunk is None:
             return offer, max(capacity, local + offer + 1)
         target = min(req.prompt_len, local + offer + chunk)
-        if self.blocks.available() >= -(-target // self.block) - local // self.block:  # the grow's pages fit
+        self._grows += 1
+        squeezed = self.grow_fails_every > 0 and self._grows % self.grow_fails_every == 0
+        if not squeezed and self.blocks.available() >= -(-target // self.block) - local // self.block:
             return offer, target
         self.short_honours += 1
         fallback_end = ((capacity - 1) // self.block) * self.block

@@ -86,18 +86,24 @@ def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evi
         return (record_manager(dep) == {c.FIELD_MANAGER} and {sidecar_l1(p) for p in found} == {"5Gi"}
                 and all(p["metadata"]["annotations"].get(c.ANN_INJECTED_FROM) == label for p in found))  # fmt: skip
 
+    def operator_patches() -> list[Any]:
+        return [w for w in audit.writes(OPERATOR_USER, namespace) if w.verb == "patch" and w.resource == "deployments"]
+
     wait_for(converged, 120, what="the operator's record back in force and every pod injected from it")
+    at_convergence = operator_patches()
     time.sleep(6)
     rollouts = revision(cluster, name, namespace) - before
     evicted = evictions(audit, namespace)
-    patches = [w for w in audit.writes(OPERATOR_USER, namespace) if w.verb == "patch" and w.resource == "deployments"]
+    patches = operator_patches()
     print(f"rollout undo: rollouts {rollouts} (the undo's own and the operator's re-apply), evictions {evicted}, "
           f"operator PATCHes {[(w.name, w.code) for w in patches]}")  # fmt: skip
     assert evicted == [], "nothing to evict: the rollout replaces every pod"
     assert rollouts <= 2, rollouts
-    # per pass one unforced apply and up to LOCKED_APPLY_TRIES forced ones (each locked to a
-    # resourceVersion the rollout's status writes may have moved on): two passes at most
-    assert len(patches) <= 2 * (1 + LOCKED_APPLY_TRIES), patches
+    # How many applies conflict depends on how often the undo's rollout moves the resourceVersion
+    # (3 to 11 here, by load); what may not vary: the record is taken back by a pass's few applies, and
+    # once converged the operator writes nothing more.
+    assert len([w for w in patches if w.code < 400]) <= 1 + LOCKED_APPLY_TRIES, patches
+    assert patches == at_convergence, "the operator kept writing after the workload converged"
 
 
 def test_pods_the_webhook_would_not_inject_are_never_evicted(
