@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -34,29 +33,10 @@ from benchmarks.connector_bench import MODEL, OVERHEAD_SHAPE, _pool, _prompt, _s
 
 
 def _sidecar_server(chunk: int, l1: str, events_port: int) -> Any:
-    from hack.ports import free_port
-    from kvoffload import contract
-    from kvoffload.sidecar.command import build_server_command
-    from kvoffload.sidecar.settings import load_settings
-    from tests.support.lmcache_server import LMCacheServer
+    from tests.support.lmcache_server import sidecar_events_server
 
-    env = {
-        contract.ENV_REQUEST_PORT: str(free_port()),
-        contract.ENV_LMCACHE_HTTP_PORT: str(free_port()),
-        contract.ENV_SIDECAR_HTTP_PORT: str(free_port()),
-        contract.ENV_INSTANCE_ID: f"bench-events-{events_port}",
-        contract.ENV_KV_EVENTS_PORT: str(events_port),
-    }
-    settings = load_settings(env, {"cache": {"l1Size": l1, "chunkSize": chunk, "maxWorkers": 1}})
-    command = build_server_command(settings, {}, shutil.disk_usage("/dev/shm").free)
-    return LMCacheServer(
-        chunk_size=chunk,
-        log_dir=Path(tempfile.mkdtemp(prefix="kvo-bench-events-")),
-        port=settings.request_port,
-        http_port=settings.lmcache_http_port,
-        shm_name=settings.shm_name,
-        argv=command.argv,
-    )
+    log_dir = Path(tempfile.mkdtemp(prefix="kvo-bench-events-"))
+    return sidecar_events_server(log_dir, chunk, l1, events_port, f"bench-events-{events_port}", {})
 
 
 def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, Any]:

@@ -162,3 +162,35 @@ class LMCacheServer:
         """All logs of this server's starts, concatenated."""
         parts = sorted(self.log_dir.glob(f"lmcache-server-{self.port}-*.log"))
         return "\n".join(p.read_text(errors="replace") for p in parts)
+
+
+def sidecar_events_server(
+    log_dir: Path, chunk_size: int, l1_size: str, events_port: int, instance_id: str, extra_env: dict[str, str]
+) -> LMCacheServer:
+    """An LMCache server on the sidecar's own command line (``build_server_command``) with KV events
+    published on ``events_port``; ``extra_env`` goes over the sidecar env it is built from."""
+    import shutil
+
+    from kvoffload import contract
+    from kvoffload.sidecar.command import build_server_command
+    from kvoffload.sidecar.settings import load_settings
+
+    env = {
+        contract.ENV_REQUEST_PORT: str(free_port()),
+        contract.ENV_LMCACHE_HTTP_PORT: str(free_port()),
+        contract.ENV_SIDECAR_HTTP_PORT: str(free_port()),
+        contract.ENV_INSTANCE_ID: instance_id,
+        contract.ENV_KV_EVENTS_PORT: str(events_port),
+        **extra_env,
+    }
+    settings = load_settings(env, {"cache": {"l1Size": l1_size, "chunkSize": chunk_size, "maxWorkers": 1}})
+    command = build_server_command(settings, {}, shutil.disk_usage("/dev/shm").free)
+    assert command.uses_shm and "--server-module" in command.argv, command.argv
+    return LMCacheServer(
+        chunk_size=chunk_size,
+        log_dir=log_dir,
+        port=settings.request_port,
+        http_port=settings.lmcache_http_port,
+        shm_name=settings.shm_name,
+        argv=command.argv,
+    )

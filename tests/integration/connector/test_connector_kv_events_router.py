@@ -9,7 +9,6 @@ indexer (``hack/setup.sh python`` installs it) the test fails.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,10 +18,8 @@ import pytest
 
 from hack.ports import free_port
 from kvoffload import contract
-from kvoffload.sidecar.command import build_server_command
-from kvoffload.sidecar.settings import load_settings
 from tests.support.kv_router import DynamoIndexer
-from tests.support.lmcache_server import LMCacheServer
+from tests.support.lmcache_server import LMCacheServer, sidecar_events_server
 from tests.support.trtllm_executor import BLOCK, CHUNK, PromptRequest, make_prompt, settle_commits
 
 pytestmark = pytest.mark.connector
@@ -37,24 +34,13 @@ CACHED = 4 * CHUNK
 def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
     """An LMCache server on the sidecar's command line with KV events on; and its event endpoint."""
     events_port = free_port()
-    env = {
-        contract.ENV_REQUEST_PORT: str(free_port()),
-        contract.ENV_LMCACHE_HTTP_PORT: str(free_port()),
-        contract.ENV_SIDECAR_HTTP_PORT: str(free_port()),
-        contract.ENV_INSTANCE_ID: f"events-{name}-{free_port()}",
-        contract.ENV_KV_EVENTS_PORT: str(events_port),
-        contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}"),
-    }
-    settings = load_settings(env, {"cache": {"l1Size": contract.MIN_L1_SIZE, "chunkSize": CHUNK, "maxWorkers": 1}})
-    command = build_server_command(settings, {}, shutil.disk_usage("/dev/shm").free)
-    assert command.uses_shm and "--server-module" in command.argv
-    server = LMCacheServer(
-        chunk_size=CHUNK,
-        log_dir=tmp_path / f"lmcache-{name}",
-        port=settings.request_port,
-        http_port=settings.lmcache_http_port,
-        shm_name=settings.shm_name,
-        argv=command.argv,
+    server = sidecar_events_server(
+        tmp_path / f"lmcache-{name}",
+        CHUNK,
+        contract.MIN_L1_SIZE,
+        events_port,
+        f"events-{name}-{free_port()}",
+        {contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}")},
     )
     return server, f"tcp://127.0.0.1:{events_port}"
 
