@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -504,26 +505,40 @@ class RankState:
             shutdown()
 
 
-def _lag_commits(seconds: float) -> None:
-    """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may:
-    TensorRT-LLM's ranks never promise to finish a save together."""
+@contextlib.contextmanager
+def commits_lagging(seconds: float, on_first: Callable[[], None] | None = None) -> Iterator[None]:
+    """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may
+    (TensorRT-LLM's ranks never promise to finish a save together); ``on_first`` runs when the first
+    one is due to leave, its PREPARE answered and its copies done (a fault can land there)."""
     from kvoffload.connector.backends.lmcache_mp import LMCacheMPClient
 
     send = LMCacheMPClient._commit_now
+    first = [on_first]
 
     def late(self: Any, item: Any) -> None:
+        hook, first[0] = first[0], None
+        if hook is not None:
+            hook()
         time.sleep(seconds)
         send(self, item)
 
     LMCacheMPClient._commit_now = late  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LMCacheMPClient._commit_now = send  # type: ignore[method-assign]
 
 
 def _follower_main(
     conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], env: dict[str, str], commit_lag_s: float
 ) -> None:
     os.environ.update(env)
-    if commit_lag_s:
-        _lag_commits(commit_lag_s)
+    lagging = commits_lagging(commit_lag_s) if commit_lag_s else contextlib.nullcontext()
+    with lagging:
+        _serve_rank(conn, rank, llm_args, geometry)
+
+
+def _serve_rank(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int]) -> None:
     try:
         state = RankState(rank, llm_args, geometry)
         conn.send({"ready": True})
@@ -643,7 +658,7 @@ class StandinExecutor:
         attention_dp_rank: int = 0,
         follower_commit_lag_s: float = 0.0,
     ) -> None:
-        """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``_lag_commits``)."""
+        """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``commits_lagging``)."""
         _ensure_paths()
         resolve_kv_cache_manager(llm_args, version)
         self.llm_args = llm_args

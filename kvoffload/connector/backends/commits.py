@@ -29,6 +29,9 @@ class DeferredCommit:
     key: IPCCacheServerKey
     chain: Chain | None = None
     """A store's chain (lookups on it wait for this COMMIT); None for a retrieve's."""
+    segment: tuple[str, int] | None = None
+    """The server segment its PREPARE reserved in (None in pickle mode): the COMMIT goes to whichever
+    connection reaches that segment's server, and nowhere once the server is gone."""
 
 
 class PendingCommits:

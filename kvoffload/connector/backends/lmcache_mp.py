@@ -61,6 +61,15 @@ _PINGS_MISSED_FOR_DOWN = 2
 PING is a busy server (the next goes ``_RECONNECT_S`` later); a dropped connection is down at once."""
 _RECONNECT_PING_TIMEOUT_S = 1.0
 """A PING to a server believed down: a restarted one answers a fresh socket in milliseconds."""
+_COMMIT_AWAITS_REGISTRATION_S = 15.0
+"""How long after a reset COMMITs queued before it wait for the next registration, which says
+whether the server that prepared them is still there (same segment: send them there) or gone (drop
+them). Dropping one for a live server would keep its reservation, and LMCache would refuse to store
+those chunks again until the reservation's write lock expires (600 s by default). One deadline for
+all of them: a long outage holds the queue this long once, not once per COMMIT."""
+_COMMIT_ATTEMPTS = 3
+"""Sends of one COMMIT at most: a connection reset under a COMMIT to a server that is still there
+sends it again on the new connection."""
 _RETIRED_GRACE_S = 10.0
 """A replaced transfer context (server restarted) stays mapped until the end of the engine's
 iteration (``release_loaded``), or this long when the engine is idle, and in any case while a load
@@ -168,6 +177,12 @@ class LMCacheMPClient:
         """The model name in this client's keys (:meth:`cache_model`)."""
         self._transfer: Any = None
         self._shm_identity: tuple[str, int] | None = None
+        self._registered = threading.Condition(self._lock)
+        """Notified when a transfer context is registered (or the client closes): a COMMIT queued
+        during a reset waits on it to learn whether its server is still there."""
+        self._closing = False
+        self._transfer_lost_at = 0.0
+        """When a reset last dropped the transfer context (monotonic)."""
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
         self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
         self._secured_open: Counter[tuple[str, int]] = Counter()
@@ -336,6 +351,7 @@ class LMCacheMPClient:
             old, self._transfer = self._transfer, transfer
             old_identity, self._shm_identity = self._shm_identity, self._shm_of(transfer)
             self._needs_register = False
+            self._registered.notify_all()
         if old is not None:
             self._retire(old, old_identity)
         mode = "shm" if self._shm_identity else "pickle"
@@ -408,11 +424,17 @@ class LMCacheMPClient:
         self._retired = keep
 
     # --- deferred COMMIT ----------------------------------------------------------------
-    def _commit_later(self, operation: str, key: IPCCacheServerKey, transfer: Any = None) -> None:
-        """Queue the COMMIT of a finished copy for ``transfer`` (default: the current transfer context;
-        one queued for a context replaced before it is sent is dropped: that server is gone)."""
+    def _commit_later(
+        self, operation: str, key: IPCCacheServerKey, prepared_on: tuple[Any, tuple[str, int] | None] | None = None
+    ) -> None:
+        """Queue the COMMIT of a finished copy prepared on ``prepared_on`` (transfer context, segment;
+        default: the current ones). It is sent to that segment's server, through whichever connection
+        reaches it then, and dropped once that server is gone (``_commit_target``)."""
         chain = chain_of(key, self.chunk_size) if operation == "store" else None
-        commit = DeferredCommit(operation, transfer if transfer is not None else self._transfer, key, chain)
+        if prepared_on is None:
+            with self._lock:
+                prepared_on = (self._transfer, self._shm_identity)
+        commit = DeferredCommit(operation, prepared_on[0], key, chain, prepared_on[1])
         PENDING_COMMITS.add(commit)
         self._commits.put(commit)
 
@@ -430,50 +452,56 @@ class LMCacheMPClient:
 
     def _commit_now(self, item: DeferredCommit) -> None:
         """Send one COMMIT and wait for its answer, without holding the transfer lock meanwhile (the
-        MQ client takes requests from any thread): lookups, secures and copies go on during it."""
-        transfer = self._commit_target(item)
-        if transfer is None:
-            self._commit_dropped(item)
-            return
-        edc = transfer.engine_driven_context
-        start = time.perf_counter()
-        try:
-            ok = True
-            if item.operation == "store":
-                ok = bool(edc.commit_store(item.key, self._instance_id, []))
-            else:
-                edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
-        except Exception as exc:
-            with self._lock:
-                replaced = transfer is not self._transfer
-            if replaced:  # the connection was reset under it: that server is gone
+        MQ client takes requests from any thread): lookups, secures and copies go on during it. A
+        reset under it sends it again to the same server; it is dropped only once that server is gone."""
+        for _attempt in range(_COMMIT_ATTEMPTS):
+            transfer = self._commit_target(item)
+            if transfer is None:
                 self._commit_dropped(item)
-            else:
+                return
+            edc = transfer.engine_driven_context
+            start = time.perf_counter()
+            try:
+                ok = True
+                if item.operation == "store":
+                    ok = bool(edc.commit_store(item.key, self._instance_id, []))
+                else:
+                    edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
+            except Exception as exc:
+                with self._lock:
+                    replaced = transfer is not self._transfer
+                if replaced:  # the connection was reset under it: send it again where it belongs
+                    continue
                 self._fail(item.operation, failure_reason(exc), f"COMMIT: {exc!r}")
+                return
+            if not ok:
+                self._metrics.error(item.operation, "server_error")
+                logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+            elif item.operation == "store" and self._store_reports is not None:
+                self._store_reports.report(self._client, item.key)
+            logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
+                         (time.perf_counter() - start) * 1e3)  # fmt: skip
             return
-        if not ok:
-            self._metrics.error(item.operation, "server_error")
-            logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
-        elif item.operation == "store" and self._store_reports is not None:
-            self._store_reports.report(self._client, item.key)
-        logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
-                     (time.perf_counter() - start) * 1e3)  # fmt: skip
+        self._commit_dropped(item)
 
     def _commit_target(self, item: DeferredCommit) -> Any:
         """The transfer context to send ``item``'s COMMIT through: the one that prepared it while it
         is current; the current one where the context was replaced on the same server segment (a
         re-registration with the server that prepared it: without the COMMIT it would keep the
         reservation, and refuse to store those chunks again, for good); None once that server is gone.
-        COMMITs name the instance and the key, not the connection."""
-        with self._lock:
-            current, segment = self._transfer, self._shm_identity
-        if item.transfer is None or current is None:
+        During a reset it waits for the next registration, which tells which. COMMITs name the
+        instance and the key, not the connection."""
+        if item.transfer is None and item.segment is None:
             return None
-        if item.transfer is current:
+        with self._registered:
+            wait_s = self._transfer_lost_at + _COMMIT_AWAITS_REGISTRATION_S - time.monotonic()
+            self._registered.wait_for(lambda: self._transfer is not None or self._closing, timeout=max(0.0, wait_s))
+            current, segment = self._transfer, self._shm_identity
+        if current is None:
+            return None
+        if item.transfer is current or (item.segment is not None and item.segment == segment):
             return current
-        with self._retired_lock:
-            prepared_on = next((ident for t, ident, _ in self._retired if t is item.transfer), None)
-        return current if prepared_on is not None and prepared_on == segment else None
+        return None
 
     def _commit_dropped(self, item: DeferredCommit) -> None:
         """Reconnected meanwhile: that server (and its reservation) is gone; a store is lost."""
@@ -547,12 +575,17 @@ class LMCacheMPClient:
                 self._needs_register = True
             transfer, self._transfer = self._transfer, None
             identity, self._shm_identity = self._shm_identity, None
+            if transfer is not None:
+                self._transfer_lost_at = time.monotonic()
         if transfer is not None:
             self._retire(transfer, identity)
         old.close()
 
     def close(self) -> None:
         """Send the queued COMMITs, stop the heartbeat, unregister and close the connection."""
+        with self._registered:
+            self._closing = True  # a COMMIT waiting for a registration gives up
+            self._registered.notify_all()
         self._commits.put(None)
         self._committer.join(timeout=max(5.0, self._store_timeout_s))
         self._stop.set()
