@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
 from kvoffload.connector.backends.commits import PENDING_COMMITS, chain_of
 from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, AsyncLoad, LMCacheMPClient, failure_reason
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, slot_view
 from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
@@ -313,10 +312,7 @@ class CacheServerBackend(LMCacheMPClient):
         if transfer is None:
             raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
         edc = transfer.engine_driven_context
-        return [
-            edc._make_tensor_view(offset=slot.offset, length=slot.length, shape=list(slot.shape), dtype_str=slot.dtype)
-            for slot in secured.slots[self._rank]
-        ]
+        return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in secured.slots[self._rank]]
 
     def _fast_copies(self) -> bool:
         """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 Chain = tuple[str, str, tuple[int, ...]]
 """(model, salt, first chunk's tokens): LMCache hashes a prompt's chunks as a chain from its first

@@ -1,7 +1,7 @@
 """LMCache's multi-process server, as a client: connection, registration, health, deferred COMMITs.
 
-Everything here is LMCache's public client API (``RequestClientFactory``, ``create_transfer_context``,
-``IPCCacheServerKey``). :class:`~kvoffload.connector.backends.cache_server.CacheServerBackend`
+LMCache comes through :mod:`kvoffload.connector.lmcache_seam` (its client, transfer contexts, keys,
+and the private names that seam lists). :class:`~kvoffload.connector.backends.cache_server.CacheServerBackend`
 builds the connector's lookups, loads and stores on it, for the pod's sidecar or for the server
 the in-process backend hosts.
 
@@ -28,21 +28,26 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from lmcache.utils import EngineType
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
-from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.keys import cache_model_name, chunk_layout
+from kvoffload.connector.lmcache_seam import (
+    EngineType,
+    IPCCacheServerKey,
+    MPTransferMode,
+    RequestClientFactory,
+    ServerDisconnected,
+    create_transfer_context,
+    fail_requests_on_disconnect,
+    shm_segment_name,
+)
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
 from kvoffload.connector.settings import ConnectorSettings
@@ -90,38 +95,6 @@ def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, ServerDisconnected):
         return "unavailable"
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
-
-
-class ServerDisconnected(ConnectionError):
-    """The LMCache server's connection dropped (it died or restarted) while a request waited on it."""
-
-
-def fail_requests_on_disconnect(client: Any, on_disconnect: Callable[[], None] | None = None) -> bool:
-    """Make requests waiting on ``client`` fail as soon as its connection to the server drops,
-    rather than at their timeouts: a killed server never answers them; then call ``on_disconnect``.
-
-    LMCache's ZMQ client polling loop already watches the socket's disconnect events, but only
-    wakes subscription streams (``cancel_streams``); this extends that callback, on the loop's own
-    thread (the one that owns ``pending_futures``), to fail the pending requests too. False where
-    the client is not LMCache 0.5's ZMQ client (then requests wait for their timeouts, as before).
-    """
-    mq: Any = getattr(client, "_message_queue_client", None)
-    pending = getattr(mq, "pending_futures", None)
-    original = getattr(mq, "cancel_streams", None)
-    if not isinstance(pending, dict) or original is None:
-        return False
-
-    def cancel_streams_and_requests() -> None:
-        original()
-        waiting = list(pending.values())
-        pending.clear()
-        for future, _spec in waiting:
-            future.set_exception(ServerDisconnected("the LMCache server's connection dropped"))
-        if on_disconnect is not None:
-            on_disconnect()
-
-    mq.cancel_streams = cancel_streams_and_requests
-    return True
 
 
 class LMCacheMPClient:
@@ -369,8 +342,7 @@ class LMCacheMPClient:
     @staticmethod
     def _shm_of(transfer: Any) -> tuple[str, int] | None:
         """(segment name, inode) of the server L1 segment this context mapped; None in pickle mode."""
-        # lmcache 0.5.6 keeps the name on the SHM context only as a private attribute.
-        name = getattr(getattr(transfer, "_engine_driven_context", None), "_shm_name", None)
+        name = shm_segment_name(transfer)
         if not name:
             return None
         try:
