@@ -1106,7 +1106,9 @@ class StandinExecutor:
 
     def _match_partial(self, req: StandinLlmRequest, salt: str, full_blocks: int) -> tuple[int | None, int]:
         """With ``enable_partial_reuse``: a reusable block matching the start of the next block
-        (up to the prompt's last token, which is never reused)."""
+        (up to the prompt's last token, which is never reused). KVCacheManagerV2 does the same: its
+        radix tree matches into a block and the page is copied at the first ``resume()``, before the
+        forward (_kv_cache.py @00f6bd6 ``_setup_for_reuse``)."""
         if not self.partial_reuse:
             return None, 0
         start = full_blocks * self.block
