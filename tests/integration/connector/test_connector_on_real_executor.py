@@ -15,7 +15,13 @@ import pytest
 
 from kvoffload import contract
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import CHUNK, TRTLLM_VERSIONS, PromptRequest, make_prompt
+from tests.support.trtllm_executor import (
+    CHUNK,
+    KV_CACHE_MANAGER_V2_VERSIONS,
+    TRTLLM_VERSIONS,
+    PromptRequest,
+    make_prompt,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -70,7 +76,10 @@ def make_server_busy(ex: Any, seconds: float) -> None:
     backend.store = busy_server_store
 
 
-ENGINES = [*((version, False) for version in sorted(TRTLLM_VERSIONS)), ("main", True)]
+ENGINES = [
+    *((version, False) for version in sorted(TRTLLM_VERSIONS)),
+    *((v, True) for v in KV_CACHE_MANAGER_V2_VERSIONS),
+]
 """(TensorRT-LLM version, KVCacheManagerV2): every version on V1, and V2 where it exists."""
 ENGINE_IDS = [f"{version}-{'kv-cache-manager-v2' if v2 else 'v1'}" for version, v2 in ENGINES]
 
@@ -306,7 +315,10 @@ def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_output
 
 @pytest.mark.parametrize(("version", "manager_v2"), ENGINES, ids=ENGINE_IDS)
 def test_asynchronous_loads_park_the_request_and_give_the_same_outputs_and_exact_kv(
-    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, version: str,
+    lmcache_server: LMCacheServer,
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
     manager_v2: bool,
 ) -> None:
     """Loads of a chunk or more answered ``(n, True)``: TensorRT-LLM parks the request (no forward,

@@ -201,7 +201,9 @@ def test_async_saves_hold_blocks_until_every_rank_saved(lmcache_server: LMCacheS
 
 
 @pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
-def test_sidecar_killed_mid_run_requests_keep_completing(tmp_path: Path, executor_factory: Any, manager_v2: bool) -> None:
+def test_sidecar_killed_mid_run_requests_keep_completing(
+    tmp_path: Path, executor_factory: Any, manager_v2: bool
+) -> None:
     """Kill the LMCache server between requests: zero failures, exact output; hits return after restart."""
     server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
     server.start()
