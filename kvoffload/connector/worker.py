@@ -23,7 +23,7 @@ from kvoffload.connector.runtime import (
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import parse_settings
+from kvoffload.connector.settings import parse_settings, pool_layout_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -67,7 +67,11 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             self._save_thread.start()
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``."""
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``;
+        a pool it cannot move (multi-head latent attention) is refused here, before any request."""
+        problem = pool_layout_problem(int(kv_cache_tensor.shape[2]), self._settings.model_name)
+        if problem is not None:
+            raise RuntimeError(f"kvoffload: {problem}")
         geometry = kv_geometry(
             int(kv_cache_tensor.shape[-1]),
             self._block,
