@@ -25,6 +25,7 @@ pytestmark = pytest.mark.connector
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 DEEPSEEK = "deepseek-ai/DeepSeek-V3"
+MINIMAX = "MiniMaxAI/MiniMax-M2"
 
 on_every_v2_version = pytest.mark.parametrize("version", KV_CACHE_MANAGER_V2_VERSIONS)
 """Every test here runs on each stand-in version whose connector path runs on KVCacheManagerV2."""
@@ -87,11 +88,11 @@ def test_chunked_prefill_with_pages_per_chunk_gives_the_outputs_of_v1(
     assert outputs[True] == outputs[False] and len(outputs[False]) >= 15
 
 
-@pytest.mark.parametrize(("model", "resolved"), [(LLAMA, False), (DEEPSEEK, True)], ids=["llama-3", "deepseek-v3"])
+@pytest.mark.parametrize(("model", "resolved"), [(LLAMA, False), (MINIMAX, True)], ids=["llama-3", "minimax-m2"])
 def test_on_a_1_3_rc_before_the_v2_connector_path_the_engine_runs_v1_whatever_the_flag_says(
     lmcache_server: LMCacheServer, executor_factory: Any, model: str, resolved: bool
 ) -> None:
-    """1.3.0rc22-rc26: "auto" resolves DeepSeek to V2 (not yet Llama) and writes True back, but with a
+    """1.3.0rc22-rc26: "auto" resolves MiniMax M2 to V2 (#17360; not yet Llama) and writes True back, but with a
     connector the engine builds V1 (``_validate_or_fallback_kv_cache_manager_v2``) and records no
     honoured count. The connector reads none of that flag: it registers the one pool tensor, and
     every offer is honoured whole and loaded bit-exact."""
