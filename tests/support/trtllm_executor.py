@@ -463,7 +463,7 @@ class RankState:
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
 
             self.worker.register_kv_cache_layout(
-                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers))),))
+                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers)), geometry["window"] or None),))
             )
         else:
             self.worker.register_kv_caches(self.pool)
@@ -694,10 +694,13 @@ class StandinExecutor:
         attention_dp_rank: int = 0,
         follower_commit_lag_s: float = 0.0,
         mla: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``_lag_commits``);
         ``mla``: DeepSeek's multi-head latent attention, one latent head per layer and no value half
-        (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key" buffer)."""
+        (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key" buffer);
+        ``sliding_window``: every layer attends to this many tokens (0: all), one V2 layer group with that
+        ``window_size`` (the -1 pages of passed blocks are not modelled: the connector refuses the layout)."""
         _ensure_paths()
         self.llm_args = llm_args
         self.kv_manager_v2 = resolve_kv_cache_manager(llm_args, version)
@@ -725,6 +728,7 @@ class StandinExecutor:
             "num_kv_heads": 1 if mla else num_kv_heads,
             "head_dim": head_dim,
             "kv_factor": 1 if mla else 2,
+            "window": sliding_window,
         }
         os.environ[WORLD_ENV] = str(self.tp)
         self.blocks = BlockManager(num_blocks)

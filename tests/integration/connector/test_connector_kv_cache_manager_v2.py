@@ -117,3 +117,15 @@ def test_a_multi_head_latent_attention_pool_is_refused_at_engine_start_naming_th
     args = connector_llm_args(f"{DEEPSEEK}-mla-{manager_v2}", lmcache_server.url, kv_cache_manager_v2=manager_v2)
     with pytest.raises(RuntimeError, match=r"DeepSeek-V3-mla-.*multi-head latent attention"):
         StandinExecutor(args, mla=True, head_dim=64)
+
+
+@on_every_v2_version
+def test_one_sliding_window_layer_group_is_refused_at_engine_start_naming_the_window(
+    lmcache_server: LMCacheServer, version: str
+) -> None:
+    """All layers share one 64-token window: V2 registers one group with that ``window_size`` and would
+    report the blocks the window passed as -1 (BAD_PAGE_INDEX, the pool's last page to a flat
+    connector) while handing their pages to other requests. The worker refuses the layout at start."""
+    args = connector_llm_args(f"swa-{version}-model", lmcache_server.url, kv_cache_manager_v2=True)
+    with pytest.raises(RuntimeError, match=r"sliding attention window of 64 tokens"):
+        StandinExecutor(args, version=version, sliding_window=64)
