@@ -112,6 +112,8 @@ def test_cancelled_requests_never_leak_kv_into_later_requests(
     again = [PromptRequest(9000 + i, [*make_prompt(500 + i, 4 * CHUNK), 7, 8, 9], 2) for i in range(PREFIXES)]
     results = [r for half in (again[:3], again[3:]) for r in ex.run(half)]
     assert not any(r.failed for r in results)
+    print(f"{version} v2={manager_v2}: {sum(map(len, stream))} requests, {cancelled} cancelled, "
+          f"{ex.kv_mismatches} KV mismatches, {len(ex.scheduler._requests)} requests' state left")  # fmt: skip
     assert sum(r.connector_matched_tokens for r in results) > 0
     assert ex.kv_mismatches == 0
     assert cancelled >= 200, cancelled

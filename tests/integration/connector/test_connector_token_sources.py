@@ -106,6 +106,7 @@ def test_cancelled_requests_count_only_what_was_scheduled(
         results += ex.run(batch)
         ex.evict_device_cache()
     assert sum(r.cancelled for r in results) >= 10
+    print(f"v2={manager_v2}: connector {dict(by_source(token_sources(ex)))}, engine {dict(engine_scheduled(results))}")
     assert by_source(token_sources(ex)) == engine_scheduled(results)
 
 
@@ -126,6 +127,7 @@ def test_server_kills_count_failed_lookups_as_computed_with_their_reason(
         ex.evict_device_cache()
         doomed_server.start()
     found = token_sources(ex)
+    print(f"v2={manager_v2}: connector {dict(by_source(found))}, engine {dict(engine_scheduled(results))}")
     assert by_source(found) == engine_scheduled(results)
     lost = found["computed", "cache_unavailable"] + found["computed", "lookup_timeout"]
     assert lost >= 4 * (4 * CHUNK - CHUNK), found
