@@ -43,7 +43,7 @@ import traceback
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -334,7 +334,7 @@ class ExecutorBehaviour:
     prefers_kv_cache_manager_v2: tuple[str, ...] = ()
     """Model families that ``use_kv_cache_manager_v2: "auto"`` resolves to V2 (written back into
     ``llm_args``, ``llm_utils._resolve_kv_cache_manager_v2_auto``); empty: no "auto", V1 unless set."""
-    kv_cache_manager_v2_with_connector: str = "refused"
+    kv_cache_manager_v2_with_connector: Literal["served", "demoted", "refused"] = "refused"
     """What a resolved V2 manager does with a connector: ``"served"`` (the V2 connector path, #18700/#18762),
     ``"demoted"`` (``KvCacheCreator._validate_or_fallback_kv_cache_manager_v2`` builds V1 and the flag
     stays True) or ``"refused"``."""
