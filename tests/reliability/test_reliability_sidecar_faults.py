@@ -215,11 +215,15 @@ def _check(stream: Stream, kills: int = 0) -> None:
     assert stream.errors == [], f"{len(stream.errors)} failed requests over {kills} kills: {stream.errors[:3]}"
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 def test_lmcache_server_killed_repeatedly_during_a_request_stream(
-    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str]
+    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str], manager_v2: bool
 ) -> None:
     sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
-    executor = StandinExecutor(connector_llm_args("server-kill-model", contract.server_url(sidecar.request_port)))
+    url = contract.server_url(sidecar.request_port)
+    executor = StandinExecutor(
+        connector_llm_args(f"server-kill-{manager_v2}-model", url, kv_cache_manager_v2=manager_v2)
+    )
     try:
         stream = Stream(executor, make_prompt(31, PROMPT_LEN), sidecar=sidecar)
         recoveries = _run_stream_through_kills(stream, SERVER_KILLS, sidecar.server_pid, lambda: None)
@@ -312,12 +316,16 @@ def test_a_store_whose_commit_outlived_a_connection_reset_is_committed_to_the_sa
         executor.close()
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 def test_whole_sidecar_killed_and_restarted_like_kubelet_during_a_request_stream(
-    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str]
+    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str], manager_v2: bool
 ) -> None:
     current = [start_sidecar(tmp_path / "sidecar", sidecars)]
     env = dict(current[0].env)  # same ports, same instance id: the container restarts in the same pod
-    executor = StandinExecutor(connector_llm_args("sidecar-kill-model", contract.server_url(current[0].request_port)))
+    url = contract.server_url(current[0].request_port)
+    executor = StandinExecutor(
+        connector_llm_args(f"sidecar-kill-{manager_v2}-model", url, kv_cache_manager_v2=manager_v2)
+    )
 
     def kill_group() -> int:
         assert current[0].proc is not None
