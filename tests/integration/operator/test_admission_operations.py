@@ -15,7 +15,6 @@ import pytest
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, list_objects, wait_for
 from kvoffload import contract as c
-from kvoffload.operator.workload_writes import LOCKED_APPLY_TRIES
 from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
 from tests.support.operator_fixtures import admission_operator_instead
@@ -59,51 +58,60 @@ def record_manager(dep: dict[str, Any]) -> set[str]:
             if f"f:{c.ANN_INJECTION_RECORD}" in m.get("fieldsV1", {}).get("f:metadata", {}).get("f:annotations", {})}  # fmt: skip
 
 
+def creates(audit: AuditWindow, namespace: str, resource: str) -> int:
+    """Objects of ``resource`` created in ``namespace`` (by anyone: the controllers' pods and ReplicaSets)."""
+    return len(
+        [w for w in audit.writes(None, namespace) if w.verb == "create" and w.resource == resource and w.code < 400]
+    )
+
+
 def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evictions(
     cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
 ) -> None:
+    """``kubectl rollout undo`` puts an older template back, with the older record and label, as
+    another field manager. The write keeps kvoffload's record and label as the current policy gives
+    them (kubectl shows a warning saying so): an undo whose only difference was the policy rolls
+    nothing; an undo to an older image rolls once, every pod of it injected from the current
+    policy; the operator writes nothing and evicts nothing."""
     name = "undo"
     apply(cluster, policy("tuned", namespace, "4Gi"))
     body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
     body["metadata"]["annotations"][c.ANN_POLICY] = "tuned"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))  # revision 1: 1.2.0, 4Gi
     assert {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.0")} == {"4Gi"}
-    apply(cluster, policy("tuned", namespace, "5Gi"))  # the policy change: one rollout
-    wait_for(lambda: {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.0")} == {"5Gi"},
+    body["spec"]["template"]["spec"]["containers"][0]["image"] = "trtllm:1.2.1"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))  # revision 2: 1.2.1, 4Gi
+    settled(cluster, name, namespace, True, "trtllm:1.2.1")
+    apply(cluster, policy("tuned", namespace, "5Gi"))  # revision 3: 1.2.1, 5Gi
+    wait_for(lambda: {sidecar_l1(p) for p in settled(cluster, name, namespace, True, "trtllm:1.2.1")} == {"5Gi"},
              120, what="pods on the changed policy")  # fmt: skip
     time.sleep(4)
-    audit = AuditWindow(cluster.audit_log).mark()
-    before = revision(cluster, name, namespace)
-    cluster.kubectl("rollout", "undo", f"deployment/{name}", "-n", namespace)
-    undone = live(cluster, name, namespace)
-    print(f"after the undo: record held by {record_manager(undone)}, template labels "
-          f"{undone['spec']['template']['metadata']['labels']}")  # fmt: skip
 
-    def converged() -> bool:
+    def converged(image: str) -> bool:
         dep = live(cluster, name, namespace)
-        found = settled(cluster, name, namespace, True, "trtllm:1.2.0")
+        found = settled(cluster, name, namespace, True, image)
         label = dep["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
         return (record_manager(dep) == {c.FIELD_MANAGER} and {sidecar_l1(p) for p in found} == {"5Gi"}
                 and all(p["metadata"]["annotations"].get(c.ANN_INJECTED_FROM) == label for p in found))  # fmt: skip
 
-    def operator_patches() -> list[Any]:
-        return [w for w in audit.writes(OPERATOR_USER, namespace) if w.verb == "patch" and w.resource == "deployments"]
-
-    wait_for(converged, 120, what="the operator's record back in force and every pod injected from it")
-    at_convergence = operator_patches()
-    time.sleep(6)
-    rollouts = revision(cluster, name, namespace) - before
-    evicted = evictions(audit, namespace)
-    patches = operator_patches()
-    print(f"rollout undo: rollouts {rollouts} (the undo's own and the operator's re-apply), evictions {evicted}, "
-          f"operator PATCHes {[(w.name, w.code) for w in patches]}")  # fmt: skip
-    assert evicted == [], "nothing to evict: the rollout replaces every pod"
-    assert rollouts <= 2, rollouts
-    # How many applies conflict depends on how often the undo's rollout moves the resourceVersion
-    # (3 to 11 here, by load); what may not vary: the record is taken back by a pass's few applies, and
-    # once converged the operator writes nothing more.
-    assert len([w for w in patches if w.code < 400]) <= 1 + LOCKED_APPLY_TRIES, patches
-    assert patches == at_convergence, "the operator kept writing after the workload converged"
+    for undo, image, rollouts in ((["rollout", "undo"], "trtllm:1.2.1", 0),
+                                  (["rollout", "undo", "--to-revision=1"], "trtllm:1.2.0", 1)):  # fmt: skip
+        audit = AuditWindow(cluster.audit_log).mark()
+        before = revision(cluster, name, namespace)
+        said = cluster.kubectl(*undo, f"deployment/{name}", "-n", namespace)
+        wait_for(lambda image=image: converged(image), 120,  # type: ignore[misc]
+                 what="every pod injected from the current policy's record, held by kvoffload")  # fmt: skip
+        time.sleep(6)
+        counted = {"rollouts": revision(cluster, name, namespace) - before,
+                   "ReplicaSets created": creates(audit, namespace, "replicasets"),
+                   "pods created": creates(audit, namespace, "pods"), "evictions": evictions(audit, namespace),
+                   "operator writes": dict(audit.counts(OPERATOR_USER, namespace))}  # fmt: skip
+        print(f"kubectl {' '.join(undo)}: {counted}; kubectl said: {said.stderr.strip()}")
+        assert counted["rollouts"] == rollouts, counted
+        assert counted["pods created"] == 2 * rollouts, "a pod was created plain and replaced, or rolled twice"
+        assert counted["ReplicaSets created"] <= rollouts and counted["evictions"] == [], counted
+        assert counted["operator writes"] == {}, "the undo's own write carries kvoffload's fields"
+        assert "kept kvoffload's" in said.stderr, said.stderr
 
 
 def test_pods_the_webhook_would_not_inject_are_never_evicted(
