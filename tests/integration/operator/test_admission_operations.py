@@ -114,6 +114,41 @@ def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evi
         assert "kept kvoffload's" in said.stderr, said.stderr
 
 
+def test_an_args_change_that_starts_naming_the_options_configmap_rolls_once(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """The user's next manifest mounts their options ConfigMap and names the file in the engine's
+    args: the record changes with it (the options file is merged into it), in the same write, so
+    one rollout, its pods injected with the merged file from the start; the operator writes nothing."""
+    name = "opts"
+    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-options", "namespace": namespace},
+                    "data": {"extra.yaml": "max_batch_size: 8\n"}})  # fmt: skip
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    settled(cluster, name, namespace, True, "trtllm:1.2.0")
+    time.sleep(4)
+    audit = AuditWindow(cluster.audit_log).mark()
+    before = revision(cluster, name, namespace)
+    engine = body["spec"]["template"]["spec"]["containers"][0]
+    engine["args"] += ["--extra_llm_api_options", "/config/extra.yaml"]
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    body["spec"]["template"]["spec"]["volumes"] = [{"name": "cfg", "configMap": {"name": f"{name}-options"}}]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def merged() -> bool:
+        found = settled(cluster, name, namespace, True, "trtllm:1.2.0")
+        files = [p["metadata"]["annotations"].get(c.FILE_ANNOTATIONS[c.TRTLLM_OPTIONS_FILE], "") for p in found]
+        return all("max_batch_size: 8" in f for f in files)
+
+    wait_for(merged, 120, what="both pods injected with the user's options merged")
+    time.sleep(6)
+    counted = {"rollouts": revision(cluster, name, namespace) - before, "pods created": creates(audit, namespace, "pods"),
+               "evictions": evictions(audit, namespace), "operator writes": dict(audit.counts(OPERATOR_USER, namespace))}  # fmt: skip
+    print(f"args change naming the options ConfigMap: {counted}")
+    assert counted["rollouts"] == 1 and counted["pods created"] == 2, counted
+    assert counted["evictions"] == [] and not [k for k in counted["operator writes"] if k[0] == "patch"], counted
+
+
 def test_pods_the_webhook_would_not_inject_are_never_evicted(
     cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
 ) -> None:
