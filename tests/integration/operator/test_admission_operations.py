@@ -291,31 +291,38 @@ def test_a_workload_with_every_pod_uninjected_is_caught_up_one_eviction_at_a_tim
     assert fewest_ready >= 1, "both pods were down at once"
 
 
-@pytest.mark.parametrize("method", ["client-side", "server-side"])
+@pytest.mark.parametrize(("kind", "method"), [("Deployment", "client-side"), ("Deployment", "server-side"),
+                                             ("StatefulSet", "client-side")])  # fmt: skip
 def test_a_new_app_that_arrives_opted_in_rolls_once(
-    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, method: str
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, kind: str, method: str
 ) -> None:
-    """A GitOps tool creates the Deployment with the opt-in already in it: one ReplicaSet, its pods
-    injected from the start, the operator's one write changes no template; a re-apply stays quiet."""
+    """A GitOps tool creates the workload with the opt-in already in it: one revision (one
+    ReplicaSet, or one ControllerRevision of a StatefulSet), its pods injected from the start, the
+    operator's one write changes no template; a re-apply stays quiet."""
     from tests.integration.operator.test_operator_admission import gitops_apply, gitops_diff
 
-    name = f"born-{method}"
+    name = f"born-{kind.lower()}-{method}"
     body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    if kind == "StatefulSet":
+        body["kind"], body["spec"]["serviceName"] = kind, name
+        body["spec"].pop("strategy")
     audit = AuditWindow(cluster.audit_log).mark()
     gitops_apply(cluster, method, body)
     found = settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
     time.sleep(4)
-    dep = live(cluster, name, namespace)
-    label = dep["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
-    assert record_manager(dep) == {c.FIELD_MANAGER}
+    workload = json.loads(cluster.kubectl("get", kind.lower(), name, "-n", namespace, "-o", "json",
+                                          "--show-managed-fields").stdout)  # fmt: skip
+    label = workload["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
+    assert record_manager(workload) == {c.FIELD_MANAGER}
     assert all(p["metadata"]["annotations"][c.ANN_INJECTED_FROM] == label for p in found)
     gitops_apply(cluster, method, body)
     time.sleep(4)
-    rollouts = revision(cluster, name, namespace)
-    replica_sets = list_objects(cluster, "replicasets", namespace, f"app={name}")
-    writes = audit.counts(OPERATOR_USER, namespace)
-    print(f"new app opted in [{method}]: revision {rollouts}, ReplicaSets {len(replica_sets)}, "
-          f"evictions {evictions(audit, namespace)}, operator writes {dict(writes)}")  # fmt: skip
-    assert rollouts == 1 and len(replica_sets) == 1, (rollouts, [r["metadata"]["name"] for r in replica_sets])
-    assert evictions(audit, namespace) == []
+    revisions = "replicasets" if kind == "Deployment" else "controllerrevisions"
+    counted = {f"{revisions} created": creates(audit, namespace, revisions), "pods created": creates(audit, namespace, "pods"),
+               "evictions": evictions(audit, namespace), "operator writes": dict(audit.counts(OPERATOR_USER, namespace))}  # fmt: skip
+    print(f"new app opted in [{kind}, {method}]: {counted}")
+    assert counted[f"{revisions} created"] == 1 and counted["pods created"] == 2, counted
+    assert counted["evictions"] == []
+    if kind == "Deployment":
+        assert revision(cluster, name, namespace) == 1
     assert gitops_diff(cluster, method, body) == ""
