@@ -75,6 +75,7 @@ def review_update(old: Mapping[str, Any], new: Mapping[str, Any], field_manager:
     if ours_intact and not _plan_inputs_changed(old, new):
         return Admission([], (), "ignored")
     planned = plan(new)
+    label: str | None
     if isinstance(planned, InjectionPlan):
         rendered = render_admission(planned)
         record = str(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])

@@ -291,6 +291,39 @@ def test_a_workload_with_every_pod_uninjected_is_caught_up_one_eviction_at_a_tim
     assert fewest_ready >= 1, "both pods were down at once"
 
 
+def test_a_one_replica_workload_is_caught_up_by_one_eviction(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """What docs/operator.md says of a one-replica workload, kept by decision: the Eviction API
+    cannot surge, so its catch-up is exactly one eviction and the workload serves nothing until the
+    replacement is ready (a budget with ``minAvailable: 1`` keeps the uninjected pod serving
+    instead, as the budget test shows)."""
+    name = "single"
+    body = manifest(name, namespace, "trtllm:1.2.0", opted_in=True)
+    body["spec"]["replicas"] = 1
+
+    def one(injected: bool) -> list[dict[str, Any]] | None:
+        found = pods(cluster, name, namespace)
+        good = [p for p in found if p.get("status", {}).get("phase") == "Running"
+                and (p["metadata"].get("labels", {}).get(c.LABEL_INJECTED) == "true") == injected]  # fmt: skip
+        return good if len(found) == 1 and len(good) == 1 else None
+
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    wait_for(lambda: one(True), 120, what="one injected pod")
+    admission_operator.stop()
+    try:
+        cluster.kubectl("delete", "pods", "-n", namespace, "-l", f"app={name}")
+        (plain,) = wait_for(lambda: one(False), 120, what="the pod re-created uninjected")
+    finally:
+        audit = AuditWindow(cluster.audit_log).mark()
+        admission_operator.start()
+    wait_for(lambda: one(True), 120, what="the pod injected again")
+    time.sleep(4)
+    tries = evictions(audit, namespace)
+    print(f"one-replica catch-up: eviction calls {tries}")
+    assert tries == [(plain["metadata"]["name"], 201)], tries
+
+
 @pytest.mark.parametrize(("kind", "method"), [("Deployment", "client-side"), ("Deployment", "server-side"),
                                              ("StatefulSet", "client-side")])  # fmt: skip
 def test_a_new_app_that_arrives_opted_in_rolls_once(
