@@ -1,7 +1,9 @@
 """Admission mode under a platform team's ordinary operations, every write counted by the
-apiserver's audit log: ``kubectl rollout undo`` after a policy change, settings the webhook
-refuses, a label without the opt-in, a PodDisruptionBudget that allows no disruption, owners that
-only look like a workload's, and template changes that need nothing from the operator."""
+apiserver's audit log: ``kubectl rollout undo`` after a policy change, args that start naming the
+options ConfigMap, settings the webhook refuses, a label without the opt-in, a PodDisruptionBudget
+that allows no disruption, owners that only look like a workload's, template changes that need
+nothing from the operator, the catch-up of a two- and a one-replica workload, and a new app
+(Deployment or StatefulSet) that arrives opted in."""
 
 from __future__ import annotations
 
