@@ -1,7 +1,8 @@
 """The seam to the internals of LMCache's cache server wherever kvoffload runs one (the sidecar's
 ``kvoffload.sidecar.lmcache_server``, the connector's in-process backend): the LMCache version it
-was written for, and the restricted unpickler it puts in place of LMCache's. (The connector's
-client-side imports of LMCache are not behind it.)
+was written for, the restricted unpickler it puts in place of LMCache's, and the cache-key events
+of its event bus that KV events for routers follow (:func:`subscribe_cache_key_events`). (The
+connector's client-side imports of LMCache are not behind it.)
 
 Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STORE that
 carries bytes (``v1/multiprocess/modules/server_transfer.py``, ``pickle.loads``), from any
@@ -24,6 +25,7 @@ import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
@@ -110,3 +112,48 @@ def unpickler_is_restricted() -> bool:
     """Whether this process's LMCache server unpickles through ``restricted_loads``."""
     module = sys.modules.get(UNPICKLING_MODULE)
     return module is not None and _is_guard(getattr(module, "pickle", None))
+
+
+KeyTriple = tuple[str, bytes, str]
+"""An LMCache object key as KV events need it: (model name, chunk hash, cache salt)."""
+
+
+@dataclass(frozen=True)
+class CacheKeysChanged:
+    """One of LMCache's cache-key events, in plain values: a tier took or dropped these keys."""
+
+    tier: str
+    """``l1`` (host memory) or ``l2`` (an L2 adapter)."""
+    stored: bool
+    """True: the tier took the keys; False: it dropped them (evicted or deleted)."""
+    keys: tuple[KeyTriple, ...]
+    backend: str = ""
+    """The L2 adapter's type as LMCache names it (``fs_native``, ``resp``); empty for L1."""
+    shared: bool = False
+    """The L2 adapter was configured as shared by several servers."""
+
+
+def _key_triples(metadata: dict[str, Any]) -> tuple[KeyTriple, ...]:
+    return tuple((k.model_name, k.chunk_hash, k.cache_salt) for k in metadata.get("keys", ()))
+
+
+def subscribe_cache_key_events(event_bus: Any, on_change: Callable[[CacheKeysChanged], None]) -> None:
+    """Call ``on_change`` (on the bus's thread) when L1 evicts keys and when an L2 adapter stores or
+    deletes keys (LMCache 0.5.6's ``L1_KEYS_EVICTED``, ``L2_KEYS_STORED``, ``L2_KEYS_DELETED``, whose
+    metadata carry ``keys`` and, for L2, ``backend`` and ``shared``; an L2 eviction is a delete)."""
+    from lmcache.v1.mp_observability.event import EventType
+
+    def l1_evicted(event: Any) -> None:
+        on_change(CacheKeysChanged("l1", False, _key_triples(event.metadata)))
+
+    def l2(stored: bool) -> Callable[[Any], None]:
+        def handle(event: Any) -> None:
+            meta = event.metadata
+            on_change(CacheKeysChanged("l2", stored, _key_triples(meta), str(meta.get("backend", "")),
+                                       bool(meta.get("shared", False))))  # fmt: skip
+
+        return handle
+
+    event_bus.subscribe(EventType.L1_KEYS_EVICTED, l1_evicted)
+    event_bus.subscribe(EventType.L2_KEYS_STORED, l2(True))
+    event_bus.subscribe(EventType.L2_KEYS_DELETED, l2(False))

@@ -8,7 +8,9 @@ The one seam to LMCache's server internals for events (``--server-module``, see
 - answers ``chunk_report.METHOD`` (the connector's report after a store's COMMIT was answered) by
   resolving the chunks' hashes with the server's own hasher (so LMCache's evictions name the same
   chunks) and announcing the unsalted ones (``kv_events.ChunkTracker``);
-- announces L1 evictions from LMCache's event bus (``L1_KEYS_EVICTED``) as removals;
+- follows LMCache's event bus (``lmcache_guard.subscribe_cache_key_events``): an L1 eviction is a
+  removal from the host tier, an L2 adapter's store or delete an announcement or removal in its
+  tier (``kv_events.l2_medium``);
 - sends every subscriber, when it subscribes, ``AllBlocksCleared`` and then the chunks it tracks:
   a restarted (empty) server clears what a router believed, and a router that connects late
   catches up. XPUB reports each subscription (``XPUB_VERBOSE``), which solves ZMQ's slow joiner.
@@ -34,13 +36,13 @@ from typing import Any
 import lmcache
 import msgspec
 import zmq
-from lmcache.v1.mp_observability.event import EventType
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 
 from kvoffload import chunk_report
+from kvoffload.lmcache_guard import CacheKeysChanged, subscribe_cache_key_events
 
-from .kv_events import DEFAULT_CAPACITY_CHUNKS, ChunkTracker, Event, StoredChunk, batches
+from .kv_events import DEFAULT_CAPACITY_CHUNKS, MEDIUM_HOST, ChunkTracker, Event, StoredChunk, batches, l2_medium
 
 logger = logging.getLogger("kvoffload.sidecar.kv_events")
 
@@ -259,10 +261,13 @@ class KvEventsModule:
         self.counts["reports"] += 1
         return b"ok"
 
-    def on_keys_evicted(self, event: Any) -> None:
-        """Event bus: LMCache dropped these objects from L1."""
-        keys = [(k.model_name, k.chunk_hash, k.cache_salt) for k in event.metadata.get("keys", ())]
-        self._publisher.submit(lambda tracker: tracker.evicted(keys))
+    def on_keys_changed(self, change: CacheKeysChanged) -> None:
+        """Event bus: a tier of the cache took or dropped these objects."""
+        keys, medium = change.keys, MEDIUM_HOST if change.tier == "l1" else l2_medium(change.backend, change.shared)
+        if change.stored and change.tier == "l2":
+            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, medium))
+        elif not change.stored:
+            self._publisher.submit(lambda tracker: tracker.evicted(keys, medium))
 
     def on_events_lost(self) -> None:
         """Event bus overflow: an eviction may be lost, so routers forget everything from here."""
@@ -292,6 +297,6 @@ def build_server_modules(build: Any) -> Any:
     )
     module = KvEventsModule(ctx, publisher)
     publisher.start()
-    ctx.event_bus.subscribe(EventType.L1_KEYS_EVICTED, module.on_keys_evicted)
+    subscribe_cache_key_events(ctx.event_bus, module.on_keys_changed)
     ctx.event_bus.subscribe_drops(module.on_events_lost)
     return module

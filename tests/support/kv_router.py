@@ -67,13 +67,18 @@ class DynamoIndexer:
 
     def host_tier_matches(self, tokens: Sequence[int]) -> dict[int, int]:
         """Worker id -> tokens of ``tokens``' prefix it holds in its host (CPU) tier; absent workers hold none."""
+        return self.tier_matches(tokens, "cpu")
+
+    def tier_matches(self, tokens: Sequence[int], tier: str) -> dict[int, int]:
+        """Worker id -> tokens of ``tokens``' prefix it holds in ``tier`` (``cpu``; ``disk``, where the
+        indexer also counts media ``EXTERNAL``/``SHARED``); absent workers hold none."""
         body = json.dumps({"token_ids": list(tokens), "model_name": ROUTER_MODEL}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/query", data=body, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=5) as answer:
             instances = json.loads(answer.read())["instances"]
-        return {int(wid): int(scores.get("cpu", 0)) for wid, scores in instances.items() if scores.get("cpu", 0)}
+        return {int(wid): int(scores.get(tier, 0)) for wid, scores in instances.items() if scores.get(tier, 0)}
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

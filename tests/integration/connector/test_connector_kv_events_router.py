@@ -31,7 +31,7 @@ PROMPT = 4 * CHUNK + 10
 CACHED = 4 * CHUNK
 
 
-def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
+def sidecar_server(tmp_path: Path, name: str, extra_env: dict[str, str] | None = None) -> tuple[LMCacheServer, str]:
     """An LMCache server on the sidecar's command line with KV events on; and its event endpoint."""
     events_port = free_port()
     server = sidecar_events_server(
@@ -40,7 +40,7 @@ def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
         contract.MIN_L1_SIZE,
         events_port,
         f"events-{name}-{free_port()}",
-        {contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}")},
+        {contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}"), **(extra_env or {})},
     )
     return server, f"tcp://127.0.0.1:{events_port}"
 
@@ -118,3 +118,37 @@ def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictio
     server_a.start()
     eventually(lambda: 1 not in indexer.host_tier_matches(marker), "A's restarted, empty server cleared A")
     assert indexer.host_tier_matches(other) == {2: CACHED}
+
+
+def test_router_sees_a_prefix_in_the_disk_tier_after_l1_evicts_it_while_the_filesystem_l2_keeps_it(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a filesystem L2, a stored prompt is announced in both tiers (medium CPU and DISK); when
+    A's 64 MiB L1 evicts it, the indexer's host-tier score drops and its disk-tier score stays."""
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    server, events = sidecar_server(tmp_path, "l2", {contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"})
+    indexer = DynamoIndexer({1: events}, BLOCK, tmp_path / "indexer.log")
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    server.start()
+    try:
+        indexer.start()
+        engine = executor_factory("events-model", server.url, num_blocks=40, **GEOMETRY)
+
+        def run(seed: int) -> list[int]:
+            prompt = make_prompt(seed, PROMPT)
+            (result,) = engine.run([PromptRequest(seed, prompt, 2)])
+            assert not result.failed, result.error
+            assert settle_commits()
+            engine.evict_device_cache()
+            return prompt
+
+        first = run(1)
+        eventually(lambda: indexer.tier_matches(first, "cpu") == {1: CACHED}, "A holds the prompt in L1")
+        eventually(lambda: indexer.tier_matches(first, "disk") == {1: CACHED}, "A holds the prompt in L2")
+        run(3)  # fills the 64 MiB L1: the first prompt's chunks are evicted from L1, not from L2
+        eventually(lambda: indexer.tier_matches(first, "cpu").get(1, 0) < CACHED, "A's host-tier score drops")
+        assert indexer.tier_matches(first, "disk") == {1: CACHED}
+    finally:
+        indexer.stop()
+        server.stop()
