@@ -12,8 +12,9 @@ Only unsalted chunks are announced: a salted chunk (a tenant's, a LoRA's, a mult
 
 Each chunk is announced once per tier that holds it, the tier named by the event's ``medium``:
 ``CPU`` for LMCache's L1 (host memory), ``DISK`` for a filesystem L2, ``EXTERNAL`` for a Redis L2
-(Dynamo's router reads ``CPU`` as its host tier and both others as its disk tier; a removal names
-its tier and leaves the others). A chunk L1 evicts while L2 keeps it stays announced in L2.
+(Dynamo's indexer 1.6.1 scores ``CPU`` as its host tier and both others as its disk tier, below it;
+a removal names its tier and leaves the others). A chunk L1 evicts while L2 keeps it stays
+announced in L2.
 
 Memory is bounded: at most ``capacity`` chunks are tracked (their tokens kept as 32-bit arrays, for
 the snapshot a new subscriber gets); the least recently stored one past that is announced removed
@@ -34,7 +35,7 @@ MEDIUM_HOST: str = "CPU"
 MEDIUM_DISK: str = "DISK"
 """A filesystem L2 of this cache server: Dynamo's disk tier."""
 MEDIUM_EXTERNAL: str = "EXTERNAL"
-"""An L2 that other cache servers may share (Redis): Dynamo reports it with its disk tier."""
+"""An L2 that other cache servers may share (Redis): Dynamo scores it with its disk tier."""
 SHARED_L2_BACKENDS = ("resp",)
 """LMCache's L2 adapter types that reach a store other servers can share (``resp``: Redis)."""
 DEFAULT_CAPACITY_CHUNKS = 16384

@@ -70,8 +70,9 @@ class DynamoIndexer:
         return self.tier_matches(tokens, "cpu")
 
     def tier_matches(self, tokens: Sequence[int], tier: str) -> dict[int, int]:
-        """Worker id -> tokens of ``tokens``' prefix it holds in ``tier`` (``cpu``; ``disk``, where the
-        indexer also counts media ``EXTERNAL``/``SHARED``); absent workers hold none."""
+        """Worker id -> tokens of ``tokens``' prefix it holds down to ``tier``: the indexer's columns are
+        cumulative (``cpu``: device or host memory; ``disk``: also media ``DISK``, ``EXTERNAL``,
+        ``SHARED``, as indexer 1.6.1 answers); absent workers hold none."""
         body = json.dumps({"token_ids": list(tokens), "model_name": ROUTER_MODEL}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/query", data=body, headers={"Content-Type": "application/json"}
