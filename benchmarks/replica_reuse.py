@@ -11,7 +11,9 @@ Setups, same workload, same run:
 * ``round_robin_redis_l2``: round-robin, the four servers share one Redis L2 (``redis-server``);
 * ``node_mode``: round-robin, the four replicas share one cache server (a node's cache pod);
 * ``routed_by_indexer``: each request goes to the replica Dynamo's indexer (subscribed to the four
-  servers' KV events) ranks first for its tokens; ties go round-robin. Own caches, L1 only.
+  servers' KV events) ranks first for its tokens (host tier); ties and misses go round-robin. Own
+  caches, L1 only. Overlap alone: requests run one at a time, so there is no load to weigh (a real
+  router trades overlap against load; ``requests_per_replica`` shows the spread).
 
 Counts prompt tokens by source from the connector's ``kvoffload_connector_prompt_tokens_total``
 (``device``, ``cache``, ``computed``), summed over the replicas, and checks them against what the
@@ -26,6 +28,7 @@ import argparse
 import itertools
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -48,14 +51,17 @@ REPLY_TOKENS = 8
 
 
 def workload(conversations: int, system_prompts: int, turns: int) -> Iterator[tuple[int, list[int]]]:
-    """(conversation, prompt) in arrival order: turn by turn, the conversations interleaved; a
-    turn's prompt is the previous one plus its reply (made up here, not the engine's) and a question."""
+    """(conversation, prompt) in arrival order: turn by turn, the conversations in a shuffled order
+    each turn (seeded: the same in every setup; a fixed order would make round-robin send each
+    conversation to the same replica every turn); a turn's prompt is the previous one plus its
+    reply (made up here, not the engine's) and a question."""
     from tests.support.trtllm_executor import make_prompt
 
+    arrivals = random.Random(35)
     systems = [make_prompt(10 + s, SYSTEM_TOKENS) for s in range(system_prompts)]
     prompts = [systems[c % system_prompts] + make_prompt(1000 + c, QUESTION_TOKENS) for c in range(conversations)]
     for turn in range(turns):
-        for c in range(conversations):
+        for c in arrivals.sample(range(conversations), conversations):
             yield c, prompts[c]
             reply, question = make_prompt(50_000 + 100 * c + turn, REPLY_TOKENS), make_prompt(90_000 + 100 * c + turn,
                                                                                                QUESTION_TOKENS)  # fmt: skip
@@ -163,7 +169,7 @@ def run_setup(setup: str, conversations: int, system_prompts: int, turns: int, l
             stack.callback(ex.close)
             replicas.append(ex)
         time.sleep(1.0)  # the indexer's subscriptions (and their snapshots) settle before the first request
-        round_robin = itertools.cycle(range(REPLICAS))
+        round_robin, ties = itertools.cycle(range(REPLICAS)), itertools.count()
         choose: Callable[[list[int]], int]
         if indexer is None:
             choose = lambda _tokens: next(round_robin)  # noqa: E731
@@ -175,7 +181,8 @@ def run_setup(setup: str, conversations: int, system_prompts: int, turns: int, l
                 best = max(matches.values(), default=0)
                 if best == 0:
                     return next(round_robin)
-                return min(wid for wid, held in matches.items() if held == best) - 1
+                tied = sorted(wid - 1 for wid, held in matches.items() if held == best)
+                return tied[next(ties) % len(tied)]
 
         engine = Counter[str]()
         per_replica = Counter[int]()
