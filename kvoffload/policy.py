@@ -453,6 +453,10 @@ def spec_rule_problem(spec: Mapping[str, Any], where: str) -> PolicyError | None
     if spec.get("mode") == "node" and backend[0] and backend[1] != c.BACKEND_SIDECAR:
         return PolicyError(f"{where}.connector.backend", backend[1],
                            "mode node needs backend sidecar (the cache server runs in the node's cache pod)")  # fmt: skip
+    events = _lookup(spec, ("kvEvents", "enabled"))
+    if events[1] is True and backend[0] and backend[1] != c.BACKEND_SIDECAR:
+        return PolicyError(f"{where}.connector.backend", backend[1],
+                           "kvEvents.enabled needs backend sidecar (backend inprocess runs no cache server to publish them)")  # fmt: skip
     lookup = _lookup(spec, ("connector", "lookupTimeoutMs"))
     retrieve = _lookup(spec, ("connector", "retrieveTimeoutMs"))
     if lookup[0] and retrieve[0] and lookup[1] > retrieve[1]:  # type: ignore[operator]

@@ -20,7 +20,7 @@ from kvoffload.operator.fragment import (
 )
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.trtllm_options import OPTIONS_PATH
-from kvoffload.policy import PolicyError
+from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 
@@ -588,8 +588,14 @@ def test_kv_events_off_by_default_render_exactly_what_they_rendered_before() -> 
 
 
 def test_kv_events_with_the_inprocess_backend_are_refused_naming_the_field() -> None:
+    """In one spec, as the CRD's rule does; with the backend from the operator's defaults, per workload."""
     s = _with_policy({"kvEvents": {"enabled": True}, "connector": {"backend": "inprocess"}})
-    assert isinstance(s, PolicyError) and s.field.endswith("kvEvents.enabled"), s
+    assert isinstance(s, PolicyError) and s.field.endswith("connector.backend") and "kvEvents" in s.allowed, s
+    policy = {"metadata": {"name": "p"}, "spec": {"kvEvents": {"enabled": True}}}
+    defaults = OperatorDefaults(spec={"connector": {"backend": "inprocess"}})
+    merged = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, defaults, "ns")
+    assert isinstance(merged, PolicyError) and merged.field.endswith("kvEvents.enabled"), merged
+    assert merged.reason == WORKLOAD_DEPENDENT
 
 
 @pytest.mark.parametrize("topic", ["kv@ pod@m", "x" * 257, "a\x00b"])
