@@ -602,3 +602,13 @@ def test_kv_events_with_the_inprocess_backend_are_refused_naming_the_field() -> 
 def test_a_kv_events_topic_with_spaces_control_characters_or_too_long_is_refused(topic: str) -> None:
     s = _with_policy({"kvEvents": {"enabled": True, "topic": topic}})
     assert isinstance(s, PolicyError) and s.field.endswith("kvEvents.topic"), s
+
+
+def test_an_injection_record_without_kv_events_is_the_one_written_before_they_existed() -> None:
+    """Admission mode hashes the record into the pod template's label: a new field at its default
+    must not change it, or an operator upgrade would roll every workload."""
+    assert not {"kv_events", "kv_events_topic"} & settings_for().as_record().keys()
+    on = _with_policy({"kvEvents": {"enabled": True, "topic": "t"}})
+    assert isinstance(on, InjectionSettings)
+    assert InjectionSettings.from_record(on.as_record()) == on
+    assert InjectionSettings.from_record(settings_for().as_record()) == settings_for()
