@@ -1,7 +1,8 @@
 """The seam to the internals of LMCache's cache server wherever kvoffload runs one (the sidecar's
 ``kvoffload.sidecar.lmcache_server``, the connector's in-process backend): the LMCache version it
-was written for, the restricted unpickler it puts in place of LMCache's, and the cache-key events
-of its event bus that KV events for routers follow (:func:`subscribe_cache_key_events`). (The
+was written for, the restricted unpickler it puts in place of LMCache's, and what KV events for
+routers need of its internals: the cache-key events of its event bus
+(:func:`subscribe_cache_key_events`) and its own chunk hashes (:func:`resolve_chunk_hashes`). (The
 connector's client-side imports of LMCache are not behind it.)
 
 Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STORE that
@@ -22,9 +23,10 @@ import importlib.metadata
 import io
 import pickle
 import sys
+import threading
 import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,3 +159,35 @@ def subscribe_cache_key_events(event_bus: Any, on_change: Callable[[CacheKeysCha
     event_bus.subscribe(EventType.L1_KEYS_EVICTED, l1_evicted)
     event_bus.subscribe(EventType.L2_KEYS_STORED, l2(True))
     event_bus.subscribe(EventType.L2_KEYS_DELETED, l2(False))
+
+
+def resolve_chunk_hashes(
+    server_context: Any, cache_model: str, world_size: int, token_ids: Sequence[int], end: int
+) -> list[bytes]:
+    """The hashes of a prompt's chunks up to token ``end``, as the server keys them (its own hasher,
+    LMCache 0.5.6's ``MPCacheServerContext.resolve_obj_keys``), on a throwaway session so that no
+    request's own session is touched; unsalted (salted chunks are never announced)."""
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+
+    session = f"kvoffload-kv-events-{threading.get_ident()}"
+    key = IPCCacheServerKey(
+        model_name=cache_model,
+        world_size=world_size,
+        worker_id=0,
+        token_ids=token_ids,
+        start=0,
+        end=end,
+        request_id=session,
+        cache_salt="",
+        num_kv_readers=1,
+    )
+    try:
+        keys = server_context.resolve_obj_keys(key, [0])[0]
+    finally:
+        server_context.session_manager.remove(session)
+    # Keys come per chunk and KV rank; the chunk's hash is the same on every rank.
+    hashes: list[bytes] = []
+    for object_key in keys:
+        if not hashes or hashes[-1] != object_key.chunk_hash:
+            hashes.append(object_key.chunk_hash)
+    return hashes
