@@ -1,9 +1,9 @@
-"""KV events from the cache tier, read by a real KV-aware router (Dynamo's indexer).
+"""KV events from the cache tier, read by real KV-aware routers (Dynamo's indexer, llm-d's index).
 
-Two LMCache servers started from the sidecar's own command line (``KVOFFLOAD_KV_EVENTS_PORT`` set,
-so with kvoffload's KV-event module), two stand-in engines with ``KVOFFLOAD_KV_EVENTS`` on, and
-``dynamo.indexer`` subscribed to both servers' event ports. Nothing is skipped: without the
-indexer (``hack/setup.sh python`` installs it) the test fails.
+LMCache servers started from the sidecar's own command line (``KVOFFLOAD_KV_EVENTS_PORT`` set, so
+with kvoffload's KV-event module), stand-in engines with ``KVOFFLOAD_KV_EVENTS`` on, and
+``dynamo.indexer`` or llm-d's index (``hack/llmd-index``) subscribed to the servers' event ports.
+Nothing is skipped: without the routers (``hack/setup.sh python`` installs both) the tests fail.
 """
 
 from __future__ import annotations
