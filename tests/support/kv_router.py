@@ -68,6 +68,7 @@ class DynamoIndexer:
                 return
             except OSError:
                 time.sleep(0.25)
+        self.stop()  # the caller never learns of a process whose start failed
         raise TimeoutError(f"dynamo.indexer did not answer within {timeout_s}s")
 
     def host_tier_matches(self, tokens: Sequence[int]) -> dict[int, int]:
@@ -137,6 +138,7 @@ class LlmdIndex:
                 return
             except OSError:
                 time.sleep(0.25)
+        self.stop()  # the caller never learns of a process whose start failed
         raise TimeoutError(f"llmd-index did not answer within {timeout_s}s: {self.log_path.read_text()[-2000:]}")
 
     def tier_matches(self, tokens: Sequence[int], tier: str, model: str) -> dict[str, int]:
