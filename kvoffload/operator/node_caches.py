@@ -98,7 +98,9 @@ class NodeCaches:
                 if desired:
                     name = cache_service_name(policy_name)
                     self._apply_if_drifted(services_path(namespace, name), render_cache_service(policy))
-                    self._apply_if_drifted(network_policies_path(namespace, name), render_cache_network_policy(policy))
+                    self._apply_if_drifted(
+                        network_policies_path(namespace, name), render_cache_network_policy(policy, settings.kv_events)
+                    )
             plan = plan_cache_pods(desired, existing)
             for name in plan.delete:
                 log.info("node cache: deleting pod %s/%s", namespace, name)

@@ -346,11 +346,15 @@ def render_cache_service(policy: Mapping[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def render_cache_network_policy(policy: Mapping[str, Any]) -> dict[str, Any]:
+def render_cache_network_policy(policy: Mapping[str, Any], kv_events: bool = False) -> dict[str, Any]:
     """Who may reach a policy's cache pods: its own engines on the request port; anyone on the
-    metrics/health port (Prometheus). Without it any pod on the node could dial the cache.
+    metrics/health port (Prometheus) and, with ``kv_events``, on the KV-event port (routers run
+    elsewhere). Without it any pod on the node could dial the cache.
     Enforced only where the cluster's network plugin implements NetworkPolicy."""
     _, name = _policy_meta(policy)
+    anyone = [{"port": c.SIDECAR_HTTP_PORT, "protocol": "TCP"}]
+    if kv_events:
+        anyone.append({"port": c.KV_EVENTS_PORT, "protocol": "TCP"})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -361,7 +365,7 @@ def render_cache_network_policy(policy: Mapping[str, Any]) -> dict[str, Any]:
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {c.LABEL_NODE_CACHE_POLICY: name}}}],
                  "ports": [{"port": c.REQUEST_PORT, "protocol": "TCP"}]},
-                {"ports": [{"port": c.SIDECAR_HTTP_PORT, "protocol": "TCP"}]},
+                {"ports": anyone},
             ],
         },
     }  # fmt: skip

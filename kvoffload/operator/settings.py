@@ -52,6 +52,13 @@ class OperatorDefaults:
         return {"shmSize": format_bytes(self.shm_bytes), "cache": cache, "sidecar": sidecar, "connector": connector}
 
 
+FIELDS_LEFT_OUT_AT_DEFAULT = ("kv_events", "kv_events_topic")
+"""Fields added after injection records were first written: a record leaves them out at their
+defaults (``from_record`` fills them in), so the record of a workload that does not use them, and
+the pod-template label hashing it in admission mode, stay what an earlier operator wrote: an
+upgrade rolls no pod for them."""
+
+
 @dataclass(frozen=True)
 class InjectionSettings(Policy):
     """Everything the renderer needs for one workload, validated: the effective policy and the workload's own."""
@@ -67,7 +74,11 @@ class InjectionSettings(Policy):
 
     def as_record(self) -> dict[str, Any]:
         """Every field as JSON-ready data (the injection record the webhook renders pods from)."""
-        return asdict(self)
+        record = asdict(self)
+        for name in FIELDS_LEFT_OUT_AT_DEFAULT:
+            if record[name] == getattr(Policy, name):
+                del record[name]
+        return record
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> InjectionSettings:

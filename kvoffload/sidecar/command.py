@@ -121,13 +121,13 @@ def l2_adapter_specs(settings: SidecarSettings, fs_capacity_bytes: int | None = 
     return specs
 
 
-def kv_events_module_spec(port: int) -> dict[str, object]:
+def kv_events_module_spec(port: int, topic: str = "") -> dict[str, object]:
     """The ``--server-module`` object loading kvoffload's KV-event publisher, bound on all addresses
     (routers reach it on the pod IP; it only sends)."""
     return {
         "module_path": KV_EVENTS_MODULE,
         "factory_name": "build_server_modules",
-        "config": {"host": "0.0.0.0", "port": port},
+        "config": {"host": "0.0.0.0", "port": port, "topic": topic},
     }
 
 
@@ -177,7 +177,10 @@ def build_server_command(
     for spec in l2_adapter_specs(settings, fs_capacity_bytes):
         argv += ["--l2-adapter", json.dumps(spec, sort_keys=True)]
     if settings.kv_events_port is not None:
-        argv += ["--server-module", json.dumps(kv_events_module_spec(settings.kv_events_port), sort_keys=True)]
+        argv += [
+            "--server-module",
+            json.dumps(kv_events_module_spec(settings.kv_events_port, settings.kv_events_topic), sort_keys=True),
+        ]
 
     env = {k: v for k, v in base_env.items() if k not in _NOT_INHERITED}
     env[contract.ENV_LMCACHE_TRACK_USAGE] = "true" if settings.track_usage else "false"

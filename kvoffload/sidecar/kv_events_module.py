@@ -1,14 +1,17 @@
 """KV events from the cache server: a server module that LMCache 0.5.6's MP server loads.
 
-The one seam to LMCache's server internals for events (``--server-module``, see
-``command.KV_EVENTS_MODULE``). It runs inside the LMCache server process and:
+LMCache's server-module extension point (``--server-module``, see ``command.KV_EVENTS_MODULE``);
+the server internals it needs (key resolution, the event bus's names) sit behind
+``kvoffload.lmcache_guard``. It runs inside the LMCache server process and:
 
 - publishes vLLM's KV-event batches on a ZMQ XPUB socket it binds: three frames
   ``[topic, sequence as 8-byte big-endian, msgpack [timestamp, events, dp_rank]]``;
 - answers ``chunk_report.METHOD`` (the connector's report after a store's COMMIT was answered) by
   resolving the chunks' hashes with the server's own hasher (so LMCache's evictions name the same
   chunks) and announcing the unsalted ones (``kv_events.ChunkTracker``);
-- announces L1 evictions from LMCache's event bus (``L1_KEYS_EVICTED``) as removals;
+- follows LMCache's event bus (``lmcache_guard.subscribe_cache_key_events``): an L1 eviction is a
+  removal from the host tier, an L2 adapter's store or delete an announcement or removal in its
+  tier (``kv_events.l2_medium``);
 - sends every subscriber, when it subscribes, ``AllBlocksCleared`` and then the chunks it tracks:
   a restarted (empty) server clears what a router believed, and a router that connects late
   catches up. XPUB reports each subscription (``XPUB_VERBOSE``), which solves ZMQ's slow joiner.
@@ -34,13 +37,12 @@ from typing import Any
 import lmcache
 import msgspec
 import zmq
-from lmcache.v1.mp_observability.event import EventType
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 
 from kvoffload import chunk_report
+from kvoffload.lmcache_guard import CacheKeysChanged, resolve_chunk_hashes, subscribe_cache_key_events
 
-from .kv_events import DEFAULT_CAPACITY_CHUNKS, ChunkTracker, Event, StoredChunk, batches
+from .kv_events import DEFAULT_CAPACITY_CHUNKS, MEDIUM_HOST, ChunkTracker, Event, StoredChunk, batches, l2_medium
 
 logger = logging.getLogger("kvoffload.sidecar.kv_events")
 
@@ -191,33 +193,6 @@ class EventPublisher:
             self.counts["events_sent"] += len(batch)
 
 
-def resolve_chunk_hashes(server_context: Any, report: chunk_report.ChunksStored, chunks: int) -> list[bytes]:
-    """The hashes of the prompt's first ``chunks`` chunks, as the server keys them (its own hasher,
-    ``MPCacheServerContext.resolve_obj_keys``), on a throwaway session so the store's own is untouched."""
-    session = f"kvoffload-kv-events-{threading.get_ident()}"
-    key = IPCCacheServerKey(
-        model_name=report.cache_model,
-        world_size=report.world_size,
-        worker_id=0,
-        token_ids=report.token_ids,
-        start=0,
-        end=chunks * server_context.chunk_size,
-        request_id=session,
-        cache_salt="",
-        num_kv_readers=1,
-    )
-    try:
-        keys = server_context.resolve_obj_keys(key, [0])[0]
-    finally:
-        server_context.session_manager.remove(session)
-    # Keys come per chunk and KV rank; the chunk's hash is the same on every rank.
-    hashes: list[bytes] = []
-    for object_key in keys:
-        if not hashes or hashes[-1] != object_key.chunk_hash:
-            hashes.append(object_key.chunk_hash)
-    return hashes
-
-
 class KvEventsModule:
     """The LMCache server module: the report handler, the eviction subscriber and the publisher."""
 
@@ -248,7 +223,8 @@ class KvEventsModule:
         if first >= last or chunk_size % report.tokens_per_block:
             self.counts["reports_empty"] += 1
             return b"empty"
-        hashes = resolve_chunk_hashes(self._ctx, report, last)
+        hashes = resolve_chunk_hashes(self._ctx, report.cache_model, report.world_size, report.token_ids,
+                                      last * chunk_size)  # fmt: skip
         chunks = [
             StoredChunk(hashes[i], report.token_ids[i * chunk_size : (i + 1) * chunk_size], i)
             for i in range(first, last)
@@ -259,10 +235,13 @@ class KvEventsModule:
         self.counts["reports"] += 1
         return b"ok"
 
-    def on_keys_evicted(self, event: Any) -> None:
-        """Event bus: LMCache dropped these objects from L1."""
-        keys = [(k.model_name, k.chunk_hash, k.cache_salt) for k in event.metadata.get("keys", ())]
-        self._publisher.submit(lambda tracker: tracker.evicted(keys))
+    def on_keys_changed(self, change: CacheKeysChanged) -> None:
+        """Event bus: a tier of the cache took or dropped these objects."""
+        keys, medium = change.keys, MEDIUM_HOST if change.tier == "l1" else l2_medium(change.backend, change.shared)
+        if change.stored and change.tier == "l2":
+            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, medium))
+        elif not change.stored:
+            self._publisher.submit(lambda tracker: tracker.evicted(keys, medium))
 
     def on_events_lost(self) -> None:
         """Event bus overflow: an eviction may be lost, so routers forget everything from here."""
@@ -292,6 +271,6 @@ def build_server_modules(build: Any) -> Any:
     )
     module = KvEventsModule(ctx, publisher)
     publisher.start()
-    ctx.event_bus.subscribe(EventType.L1_KEYS_EVICTED, module.on_keys_evicted)
+    subscribe_cache_key_events(ctx.event_bus, module.on_keys_changed)
     ctx.event_bus.subscribe_drops(module.on_events_lost)
     return module

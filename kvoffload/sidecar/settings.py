@@ -84,6 +84,8 @@ class SidecarSettings:
     a new server at once when the running one crashes (``KVOFFLOAD_WARM_STANDBY``)."""
     kv_events_port: int | None = None
     """Publish KV events for routers on this port (``KVOFFLOAD_KV_EVENTS_PORT``); None: no events."""
+    kv_events_topic: str = ""
+    """The topic of every event batch (``KVOFFLOAD_KV_EVENTS_TOPIC``; llm-d's index reads ``kv@<pod>@<model>``)."""
     request_host: str = "127.0.0.1"
     """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
     node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""
@@ -101,6 +103,7 @@ class SidecarSettings:
             "l2_fs_size_bytes": str(self.l2_fs.size_bytes or "") if self.l2_fs else "",
             "l2_redis": f"{self.l2_redis.host}:{self.l2_redis.port}" if self.l2_redis else "",
             "kv_events_port": str(self.kv_events_port or ""),
+            "kv_events_topic": self.kv_events_topic,
         }
 
 
@@ -282,7 +285,15 @@ def load_settings(
         request_host=_request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1"),
         warm_standby=_bool(contract.ENV_WARM_STANDBY, env.get(contract.ENV_WARM_STANDBY, "true")),
         kv_events_port=kv_events_port,
+        kv_events_topic=_kv_events_topic(env.get(contract.ENV_KV_EVENTS_TOPIC, "")),
     )
+
+
+def _kv_events_topic(raw: str) -> str:
+    topic = pol.read_kv_events_topic(raw, contract.ENV_KV_EVENTS_TOPIC)
+    if isinstance(topic, PolicyError):
+        raise _fail(contract.ENV_KV_EVENTS_TOPIC, raw, topic.allowed)
+    return topic
 
 
 def _distinct_ports(ports: Mapping[str, int]) -> None:

@@ -1,8 +1,10 @@
-"""Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a real router for tests.
+"""Real KV-aware routers for tests: Dynamo's standalone KV indexer (``python -m dynamo.indexer``)
+and llm-d's kv-cache index (``hack/llmd-index``).
 
-Installed by ``hack/setup.sh python`` into ``$KVOFFLOAD_CACHE/kv-router`` (pinned in
-``hack/kv-router/requirements.txt``). It subscribes to each worker's KV-event endpoint and answers
-``POST /query`` with every worker's longest prefix match per tier.
+Both are installed by ``hack/setup.sh python``: Dynamo's into ``$KVOFFLOAD_CACHE/kv-router``
+(pinned in ``hack/kv-router/requirements.txt``), llm-d's built to ``$KVOFFLOAD_CACHE/bin/llmd-index``
+(its module pinned in ``hack/llmd-index/go.mod``). Each subscribes to every worker's KV-event
+endpoint and answers ``POST /query`` with every worker's longest prefix match per tier.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from hack.ports import free_port
 ROUTER_MODEL = "m"
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("KVOFFLOAD_CACHE") or str(Path.home() / ".cache" / "kvoffload"))
+
+
 def router_python() -> Path:
     """The indexer's interpreter; raises (never skips) when the setup did not install it."""
-    cache = os.environ.get("KVOFFLOAD_CACHE") or str(Path.home() / ".cache" / "kvoffload")
-    python = Path(cache) / "kv-router" / "bin" / "python"
+    python = _cache() / "kv-router" / "bin" / "python"
     check = subprocess.run([str(python), "-c", "import dynamo.indexer"], capture_output=True, text=True) if (
         python.exists()
     ) else None  # fmt: skip
@@ -63,24 +68,88 @@ class DynamoIndexer:
                 return
             except OSError:
                 time.sleep(0.25)
+        self.stop()  # the caller never learns of a process whose start failed
         raise TimeoutError(f"dynamo.indexer did not answer within {timeout_s}s")
 
     def host_tier_matches(self, tokens: Sequence[int]) -> dict[int, int]:
         """Worker id -> tokens of ``tokens``' prefix it holds in its host (CPU) tier; absent workers hold none."""
+        return self.tier_matches(tokens, "cpu")
+
+    def tier_matches(self, tokens: Sequence[int], tier: str) -> dict[int, int]:
+        """Worker id -> tokens of ``tokens``' prefix it holds down to ``tier``: the indexer's columns are
+        cumulative (``cpu``: device or host memory; ``disk``: also media ``DISK``, ``EXTERNAL``,
+        ``SHARED``, as indexer 1.6.1 answers); absent workers hold none."""
         body = json.dumps({"token_ids": list(tokens), "model_name": ROUTER_MODEL}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/query", data=body, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=5) as answer:
             instances = json.loads(answer.read())["instances"]
-        return {int(wid): int(scores.get("cpu", 0)) for wid, scores in instances.items() if scores.get("cpu", 0)}
+        return {int(wid): int(scores.get(tier, 0)) for wid, scores in instances.items() if scores.get(tier, 0)}
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
+        _stop_group(self._proc)
+        self._proc = None
+
+
+def _stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@dataclass
+class LlmdIndex:
+    """llm-d's kv-cache index (``hack/llmd-index``) subscribed to ``pods`` (pod id -> ZMQ endpoint);
+    each pod's publisher must send the topic ``kv@<pod id>@<model>``, as llm-d's pods do."""
+
+    pods: Mapping[str, str]
+    block_size: int
+    log_path: Path
+    port: int = 0
+    _proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def binary() -> Path:
+        """The built index; raises (never skips) when the setup did not build it."""
+        path = _cache() / "bin" / "llmd-index"
+        if not path.exists():
+            raise RuntimeError(f"llm-d's index is not built (run hack/setup.sh python): {path} does not exist")
+        return path
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.port = self.port or free_port()
+        pods = ",".join(f"{pod}={endpoint}" for pod, endpoint in self.pods.items())
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [str(self.binary()), "--port", str(self.port), "--block-size", str(self.block_size), "--pods", pods],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"llmd-index exited: {self.log_path.read_text(errors='replace')[-3000:]}")
             try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait(timeout=10)
+                self.tier_matches([1] * self.block_size, "cpu", "m")
+                return
+            except OSError:
+                time.sleep(0.25)
+        self.stop()  # the caller never learns of a process whose start failed
+        raise TimeoutError(f"llmd-index did not answer within {timeout_s}s: {self.log_path.read_text()[-2000:]}")
+
+    def tier_matches(self, tokens: Sequence[int], tier: str, model: str) -> dict[str, int]:
+        """Pod id -> tokens of ``tokens``' prefix it holds in ``tier`` (llm-d's device tier: the
+        event's medium lowercased, ``cpu``, ``disk``, ``external``); absent pods hold none."""
+        body = json.dumps({"token_ids": list(tokens), "model": model}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/query", data=body)
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            pods = json.loads(answer.read())
+        return {pod: int(tiers[tier]) for pod, tiers in pods.items() if tiers.get(tier, 0)}
+
+    def stop(self) -> None:
+        _stop_group(self._proc)
         self._proc = None

@@ -239,3 +239,18 @@ def test_groups_not_run_come_from_the_newest_results_file_by_its_start_time_not_
     older.write_text(json.dumps({"groups": {"connector": {"which": "older"}}}))
     os.utime(older, (newer.stat().st_mtime + 60, newer.stat().st_mtime + 60))  # as a fresh clone may leave them
     assert run.previous_groups(tmp_path, ["connector"]) == {"connector": (newer.name, {"which": "newer"})}
+
+
+def test_the_replica_workload_grows_each_conversation_by_its_own_prefix_in_a_new_order_each_turn() -> None:
+    from benchmarks.replica_reuse import SYSTEM_TOKENS, workload
+
+    arrivals = list(workload(conversations=6, system_prompts=2, turns=3))
+    assert len(arrivals) == 18
+    orders = [[c for c, _ in arrivals[t * 6 : (t + 1) * 6]] for t in range(3)]
+    assert all(sorted(o) == list(range(6)) for o in orders) and orders[0] != orders[1]
+    by_conversation: dict[int, list[list[int]]] = {}
+    for c, prompt in arrivals:
+        by_conversation.setdefault(c, []).append(prompt)
+    for c, prompts in by_conversation.items():
+        assert all(later[: len(earlier)] == earlier for earlier, later in itertools.pairwise(prompts))
+        assert prompts[0][:SYSTEM_TOKENS] == by_conversation[c % 2][0][:SYSTEM_TOKENS]  # the shared system prompt

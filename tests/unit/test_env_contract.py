@@ -33,6 +33,7 @@ READ_ELSEWHERE = {
     c.ENV_NVIDIA_DRIVER_CAPABILITIES: "the NVIDIA container runtime",
     c.ENV_TMPDIR: "Python's tempfile in the sidecar and LMCache (the root filesystem is read-only)",
     c.ENV_NUMBA_CACHE_DIR: "numba, for LMCache's CPU kernels (the root filesystem is read-only)",
+    c.ENV_POD_IP: "Kubernetes, which expands $(KVOFFLOAD_POD_IP) in the KV-events topic",
 }
 """Env vars the operator sets for a program other than our components; the name says which."""
 
@@ -43,7 +44,6 @@ USER_SET = {
         c.ENV_HEARTBEAT_INTERVAL_MS,
         c.ENV_MODEL_NAME,
         c.ENV_TOKENS_PER_BLOCK,
-        c.ENV_KV_EVENTS,
     },
     "sidecar": {
         c.ENV_GRACE_SECONDS,
@@ -52,7 +52,6 @@ USER_SET = {
         c.ENV_L2_FS_SIZE,
         c.ENV_L2_REDIS_URL,
         c.ENV_WARM_STANDBY,
-        c.ENV_KV_EVENTS_PORT,
     },
 }
 """Env vars a component reads that the operator leaves to the user (each documented in docs/)."""
@@ -63,6 +62,7 @@ POLICIES: list[dict[str, Any]] = [
             "redis": {"url": "redis://r:6379", "passwordSecretRef": {"name": "s", "key": "k"}}}},
     {"connector": {"backend": "inprocess"}, "cache": {"l1Size": "1Gi"}},
     {"connector": {"saveDecodeTokens": True}, "sidecar": {"gpuAccess": "nvidia-runtime"}},
+    {"kvEvents": {"enabled": True, "topic": "kv@$(KVOFFLOAD_POD_IP):8000@m"}},
 ]  # fmt: skip
 
 

@@ -78,6 +78,8 @@ def test_helm_lint_is_clean_in_strict_mode() -> None:
         ("operator.healthPort=8080", "must differ: [8080 8080 8443]"),
         ("injection.webhookPort=8081", "must differ: [8080 8081 8081]"),
         ("injection.networkPolicy.podCIDRs[0]=everything", "/injection/networkPolicy/podCIDRs/0"),
+        ("defaults.kvEvents.enabled=yes", "/defaults/kvEvents/enabled"),
+        ("defaults.kvEvents.topic=kv@ pod", "/defaults/kvEvents/topic"),
     ],
 )
 def test_values_schema_rejects_bad_values(setting: str, complaint: str) -> None:
@@ -219,6 +221,21 @@ def test_the_webhook_port_takes_only_the_allowed_peers_and_the_operators_other_p
 def test_the_operator_posts_warning_events_only_unless_all_are_asked_for() -> None:
     assert "--events=warnings" in operator_args(render())
     assert "--events=all" in operator_args(render("operator.events=all"))
+
+
+def test_kv_events_are_off_in_the_default_values_and_the_switch_reaches_the_operators_defaults() -> None:
+    from kvoffload.operator.settings import OperatorDefaults, resolve_settings
+
+    def default_spec(*set_args: str) -> dict[str, Any]:
+        cm = next(
+            d for d in render(*set_args) if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-defaults")
+        )
+        return json.loads(cm["data"]["defaults.json"])  # type: ignore[no-any-return]
+
+    for set_args, enabled in (((), False), (("defaults.kvEvents.enabled=true",), True)):
+        spec = default_spec(*set_args)
+        settings = resolve_settings({contract.ANN_ENABLED: "true"}, None, OperatorDefaults(spec=spec), "ns")
+        assert getattr(settings, "kv_events", None) is enabled, (set_args, settings)
 
 
 def test_node_mode_adds_exactly_its_rules_file_and_turns_the_operator_flag_on() -> None:

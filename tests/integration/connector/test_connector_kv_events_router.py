@@ -1,9 +1,9 @@
-"""KV events from the cache tier, read by a real KV-aware router (Dynamo's indexer).
+"""KV events from the cache tier, read by real KV-aware routers (Dynamo's indexer, llm-d's index).
 
-Two LMCache servers started from the sidecar's own command line (``KVOFFLOAD_KV_EVENTS_PORT`` set,
-so with kvoffload's KV-event module), two stand-in engines with ``KVOFFLOAD_KV_EVENTS`` on, and
-``dynamo.indexer`` subscribed to both servers' event ports. Nothing is skipped: without the
-indexer (``hack/setup.sh python`` installs it) the test fails.
+LMCache servers started from the sidecar's own command line (``KVOFFLOAD_KV_EVENTS_PORT`` set, so
+with kvoffload's KV-event module), stand-in engines with ``KVOFFLOAD_KV_EVENTS`` on, and
+``dynamo.indexer`` or llm-d's index (``hack/llmd-index``) subscribed to the servers' event ports.
+Nothing is skipped: without the routers (``hack/setup.sh python`` installs both) the tests fail.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from hack.ports import free_port
 from kvoffload import contract
-from tests.support.kv_router import DynamoIndexer
+from tests.support.kv_router import DynamoIndexer, LlmdIndex
 from tests.support.lmcache_server import LMCacheServer, sidecar_events_server
 from tests.support.trtllm_executor import BLOCK, CHUNK, PromptRequest, make_prompt, settle_commits
 
@@ -31,7 +31,7 @@ PROMPT = 4 * CHUNK + 10
 CACHED = 4 * CHUNK
 
 
-def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
+def sidecar_server(tmp_path: Path, name: str, extra_env: dict[str, str] | None = None) -> tuple[LMCacheServer, str]:
     """An LMCache server on the sidecar's command line with KV events on; and its event endpoint."""
     events_port = free_port()
     server = sidecar_events_server(
@@ -40,7 +40,7 @@ def sidecar_server(tmp_path: Path, name: str) -> tuple[LMCacheServer, str]:
         contract.MIN_L1_SIZE,
         events_port,
         f"events-{name}-{free_port()}",
-        {contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}")},
+        {contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path / f"metrics-{name}"), **(extra_env or {})},
     )
     return server, f"tcp://127.0.0.1:{events_port}"
 
@@ -118,3 +118,90 @@ def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictio
     server_a.start()
     eventually(lambda: 1 not in indexer.host_tier_matches(marker), "A's restarted, empty server cleared A")
     assert indexer.host_tier_matches(other) == {2: CACHED}
+
+
+def test_router_sees_a_prefix_in_the_disk_tier_after_l1_evicts_it_while_the_filesystem_l2_keeps_it(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a filesystem L2, a stored prompt is announced in both tiers (medium CPU and DISK); when
+    A's 64 MiB L1 evicts it, the indexer's host-tier score drops and its disk-tier score (host or
+    disk: the indexer's columns are cumulative) stays whole."""
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    server, events = sidecar_server(tmp_path, "l2", {contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"})
+    indexer = DynamoIndexer({1: events}, BLOCK, tmp_path / "indexer.log")
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    server.start()
+    try:
+        indexer.start()
+        engine = executor_factory("events-model", server.url, num_blocks=40, **GEOMETRY)
+
+        def run(seed: int) -> list[int]:
+            prompt = make_prompt(seed, PROMPT)
+            (result,) = engine.run([PromptRequest(seed, prompt, 2)])
+            assert not result.failed, result.error
+            assert settle_commits()
+            engine.evict_device_cache()
+            return prompt
+
+        first = run(1)
+        eventually(lambda: indexer.tier_matches(first, "cpu") == {1: CACHED}, "A holds the prompt in L1")
+        run(3)  # fills the 64 MiB L1: the first prompt's chunks are evicted from L1, not from L2
+        eventually(lambda: indexer.tier_matches(first, "cpu").get(1, 0) < CACHED, "A's host-tier score drops")
+        assert indexer.tier_matches(first, "disk") == {1: CACHED}
+    finally:
+        indexer.stop()
+        server.stop()
+
+
+def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_and_never_a_tenants(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm-d's kv-cache index (its event pool, vLLM adapter, per-pod subscribers, in-memory index)
+    on two servers publishing with llm-d's topic ``kv@<pod>@<model>``; A with a filesystem L2. A's
+    prompt ranks A in ``cpu`` and ``disk``, B's ranks B; A's L1 evicting its prompt drops A's
+    ``cpu`` match and keeps its ``disk`` match; a salted tenant's prompt matches no pod."""
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    topic = {name: {contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model"} for name in ("a", "b")}
+    server_a, events_a = sidecar_server(
+        tmp_path, "a", {**topic["a"], contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"}
+    )
+    server_b, events_b = sidecar_server(tmp_path, "b", topic["b"])
+    index = LlmdIndex({"pod-a": events_a, "pod-b": events_b}, BLOCK, tmp_path / "llmd-index.log")
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    started: list[Any] = []
+    try:
+        for part in (server_a, server_b, index):
+            part.start()
+            started.append(part)
+        engine_a = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
+        engine_b = executor_factory("events-model", server_b.url, num_blocks=40, **GEOMETRY)
+
+        def run(engine: Any, seed: int, salt: str | None = None) -> list[int]:
+            prompt = make_prompt(seed, PROMPT)
+            (result,) = engine.run([PromptRequest(seed, prompt, 2, cache_salt=salt)])
+            assert not result.failed, result.error
+            assert settle_commits()
+            engine.evict_device_cache()
+            return prompt
+
+        def held(tokens: list[int], tier: str) -> dict[str, int]:
+            return index.tier_matches(tokens, tier, "events-model")
+
+        # llm-d's subscriber retries its connection every 5 s: the first events may wait for it.
+        first = run(engine_a, 1)
+        eventually(lambda: held(first, "cpu") == {"pod-a": CACHED}, "llm-d ranks A for A's prompt", 60.0)
+        eventually(lambda: held(first, "disk") == {"pod-a": CACHED}, "llm-d sees A's prompt in A's L2")
+        other = run(engine_b, 2)
+        eventually(lambda: held(other, "cpu") == {"pod-b": CACHED}, "llm-d ranks B for B's prompt", 60.0)
+        run(engine_a, 3)  # fills A's 64 MiB L1: the first prompt leaves L1, not L2
+        eventually(lambda: held(first, "cpu").get("pod-a", 0) < CACHED, "A's cpu match drops")
+        assert held(first, "disk") == {"pod-a": CACHED}
+        tenant = run(engine_a, 5, salt="tenant-x")
+        marker = run(engine_b, 6)  # B reports after the tenant's store on A was reported
+        eventually(lambda: held(marker, "cpu") == {"pod-b": CACHED}, "llm-d ranks B for the marker")
+        assert held(tenant, "cpu") == {} and held(tenant, "disk") == {}
+    finally:
+        for part in reversed(started):
+            part.stop()

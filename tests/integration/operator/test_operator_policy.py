@@ -47,6 +47,10 @@ BAD_SPECS = [
     ({"connector": {"lookupTimeoutMs": 0}}, "should be greater than or equal to 1"),
     ({"connector": {"lookupTimeoutMs": 9000, "retrieveTimeoutMs": 5000}}, "must not exceed retrieveTimeoutMs"),
     ({"mode": "node", "connector": {"backend": "inprocess"}}, "mode node needs connector.backend sidecar"),
+    (
+        {"kvEvents": {"enabled": True}, "connector": {"backend": "inprocess"}},
+        "kvEvents.enabled needs connector.backend sidecar",
+    ),
     ({"sidecar": {"gpuAccess": "privileged"}}, "Unsupported value"),
 ]
 

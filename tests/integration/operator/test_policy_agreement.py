@@ -175,6 +175,10 @@ EDGES = [
     {"sidecar": {"image": "x\x01y"}},
     {"connector": {"lookupTimeoutMs": 6000, "retrieveTimeoutMs": 5000}},
     {"connector": {"lookupTimeoutMs": 6000}},
+    {"kvEvents": {"enabled": True, "topic": "kv@ pod@m"}},
+    {"kvEvents": {"enabled": True, "topic": "t" * 257}},
+    {"kvEvents": {"enabled": True, "topic": "kv@$(KVOFFLOAD_POD_IP):8000@m"}},
+    {"kvEvents": {"enabled": True}, "connector": {"backend": "inprocess"}},
 ]
 
 

@@ -409,3 +409,22 @@ def test_status_lists_each_nodes_cache_pod_and_readiness() -> None:
     status = desired_policy_status(policy(), DEFAULTS, [], rows)
     assert status["nodeCaches"] == rows and status["conditions"][0]["status"] == "True"
     assert "nodeCaches" not in desired_policy_status(policy(), DEFAULTS, [])
+
+
+def test_kv_events_in_node_mode_publish_from_the_nodes_cache_pod_to_routers_anywhere() -> None:
+    """Node mode: the node's one cache server publishes for every engine on the node; its events port
+    is on the cache pod, open to routers in the NetworkPolicy, and the engines report their stores."""
+    pol = policy(kvEvents={"enabled": True})
+    s = cache_settings(pol, DEFAULTS)
+    assert isinstance(s, InjectionSettings) and s.kv_events
+    (cache,) = render_cache_pod(pol, s, "gpu-node-0")["spec"]["containers"]
+    assert {"name": c.KV_EVENTS_PORT_NAME, "containerPort": c.KV_EVENTS_PORT, "protocol": "TCP"} in cache["ports"]
+    assert {e["name"]: e.get("value") for e in cache["env"]}[c.ENV_KV_EVENTS_PORT] == str(c.KV_EVENTS_PORT)
+    _, anyone = render_cache_network_policy(pol, s.kv_events)["spec"]["ingress"]
+    assert {"port": c.KV_EVENTS_PORT, "protocol": "TCP"} in anyone["ports"]
+    _, anyone_off = render_cache_network_policy(pol)["spec"]["ingress"]
+    assert {"port": c.KV_EVENTS_PORT, "protocol": "TCP"} not in anyone_off["ports"]
+    r = render_node_mode_fragment(deployment(), node_settings(pol), NATIVE)
+    assert isinstance(r, RenderedInjection)
+    (engine,) = pod_spec(r)["containers"]
+    assert {"name": c.ENV_KV_EVENTS, "value": "true"} in engine["env"]

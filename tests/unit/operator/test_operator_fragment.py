@@ -20,7 +20,7 @@ from kvoffload.operator.fragment import (
 )
 from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.trtllm_options import OPTIONS_PATH
-from kvoffload.policy import PolicyError
+from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 
@@ -568,3 +568,63 @@ def test_kvoffloads_containers_run_on_a_read_only_root_and_write_only_to_their_r
     assert run_mount["mountPath"] == c.RUN_MOUNT_PATH and not run_mount.get("readOnly")
     assert env[c.ENV_TMPDIR] == c.RUN_MOUNT_PATH
     assert env[c.ENV_NUMBA_CACHE_DIR].startswith(c.RUN_MOUNT_PATH + "/")
+
+
+def _with_policy(spec: dict[str, Any]) -> InjectionSettings | PolicyError:
+    policy = {"metadata": {"name": "p"}, "spec": spec}
+    return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
+
+
+def test_kv_events_on_put_the_events_port_on_the_cache_server_and_tell_both_sides() -> None:
+    topic = "kv@$(KVOFFLOAD_POD_IP):8000@llama"
+    s = _with_policy({"kvEvents": {"enabled": True, "topic": topic}})
+    assert isinstance(s, InjectionSettings)
+    r = render_injection_fragment(deployment(), s, NATIVE)
+    assert isinstance(r, RenderedInjection)
+    spec = pod(r.workload_apply)
+    sidecar = named(spec["initContainers"], c.SIDECAR_CONTAINER)
+    assert {"name": c.KV_EVENTS_PORT_NAME, "containerPort": c.KV_EVENTS_PORT, "protocol": "TCP"} in sidecar["ports"]
+    env = env_of(sidecar)
+    assert env[c.ENV_KV_EVENTS_PORT] == str(c.KV_EVENTS_PORT) and env[c.ENV_KV_EVENTS_TOPIC] == topic
+    names = [e["name"] for e in sidecar["env"]]  # Kubernetes expands $(VAR) only for a VAR defined before
+    assert names.index(c.ENV_POD_IP) < names.index(c.ENV_KV_EVENTS_TOPIC)
+    assert env[c.ENV_POD_IP] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    assert env_of(named(spec["containers"], "trtllm"))[c.ENV_KV_EVENTS] == "true"
+    assert json.loads(r.files[c.POLICY_FILE])["kvEvents"] == {"enabled": True, "topic": topic}
+
+
+def test_kv_events_off_by_default_render_exactly_what_they_rendered_before() -> None:
+    """Off (the default): no port, no env, and the policy file without a kvEvents key, so that an
+    operator upgrade rolls no pod of a workload that did not turn events on."""
+    r = render(deployment())
+    assert c.KV_EVENTS_PORT_NAME not in json.dumps(r.workload_apply)
+    assert "KV_EVENTS" not in json.dumps(r.workload_apply) and c.ENV_POD_IP not in json.dumps(r.workload_apply)
+    assert "kvEvents" not in r.files[c.POLICY_FILE]
+    assert c.KV_EVENTS_PORT != 5557  # TensorRT-LLM's (and vLLM's) own event port, which the engine may bind
+
+
+def test_kv_events_with_the_inprocess_backend_are_refused_naming_the_field() -> None:
+    """In one spec, as the CRD's rule does; with the backend from the operator's defaults, per workload."""
+    s = _with_policy({"kvEvents": {"enabled": True}, "connector": {"backend": "inprocess"}})
+    assert isinstance(s, PolicyError) and s.field.endswith("connector.backend") and "kvEvents" in s.allowed, s
+    policy = {"metadata": {"name": "p"}, "spec": {"kvEvents": {"enabled": True}}}
+    defaults = OperatorDefaults(spec={"connector": {"backend": "inprocess"}})
+    merged = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, defaults, "ns")
+    assert isinstance(merged, PolicyError) and merged.field.endswith("kvEvents.enabled"), merged
+    assert merged.reason == WORKLOAD_DEPENDENT
+
+
+@pytest.mark.parametrize("topic", ["kv@ pod@m", "x" * 257, "a\x00b"])
+def test_a_kv_events_topic_with_spaces_control_characters_or_too_long_is_refused(topic: str) -> None:
+    s = _with_policy({"kvEvents": {"enabled": True, "topic": topic}})
+    assert isinstance(s, PolicyError) and s.field.endswith("kvEvents.topic"), s
+
+
+def test_an_injection_record_without_kv_events_is_the_one_written_before_they_existed() -> None:
+    """Admission mode hashes the record into the pod template's label: a new field at its default
+    must not change it, or an operator upgrade would roll every workload."""
+    assert not {"kv_events", "kv_events_topic"} & settings_for().as_record().keys()
+    on = _with_policy({"kvEvents": {"enabled": True, "topic": "t"}})
+    assert isinstance(on, InjectionSettings)
+    assert InjectionSettings.from_record(on.as_record()) == on
+    assert InjectionSettings.from_record(settings_for().as_record()) == settings_for()

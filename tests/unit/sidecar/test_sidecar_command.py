@@ -8,7 +8,7 @@ import pytest
 
 from kvoffload import contract
 from kvoffload.sidecar.command import build_server_command, l2_adapter_specs
-from kvoffload.sidecar.settings import load_settings
+from kvoffload.sidecar.settings import SettingsError, load_settings
 
 pytestmark = pytest.mark.sidecar
 
@@ -116,8 +116,6 @@ def test_node_cache_pod_opens_only_the_request_port_to_other_pods() -> None:
 
 
 def test_request_host_must_be_an_ip_address() -> None:
-    from kvoffload.sidecar.settings import SettingsError
-
     with pytest.raises(SettingsError, match=contract.ENV_REQUEST_HOST):
         load_settings({contract.ENV_REQUEST_HOST: "every where"}, None)
 
@@ -130,12 +128,21 @@ def test_kv_events_load_kvoffloads_server_module_only_when_a_port_is_set() -> No
     assert spec == {
         "module_path": "kvoffload.sidecar.kv_events_module",
         "factory_name": "build_server_modules",
-        "config": {"host": "0.0.0.0", "port": 5570},
+        "config": {"host": "0.0.0.0", "port": 5570, "topic": ""},
     }
     import importlib
 
     module = importlib.import_module(spec["module_path"])
     assert callable(getattr(module, spec["factory_name"]))
+
+
+def test_the_kv_events_topic_reaches_the_publisher_and_a_topic_with_spaces_is_refused() -> None:
+    env = {contract.ENV_KV_EVENTS_PORT: "5570", contract.ENV_KV_EVENTS_TOPIC: "kv@10.0.0.7:8000@llama"}
+    spec = json.loads(_flag(build_server_command(load_settings(env, None), {}, shm_free_bytes=None).argv,
+                            "--server-module"))  # fmt: skip
+    assert spec["config"]["topic"] == "kv@10.0.0.7:8000@llama"
+    with pytest.raises(SettingsError, match=contract.ENV_KV_EVENTS_TOPIC):
+        load_settings({**env, contract.ENV_KV_EVENTS_TOPIC: "kv@ pod"}, None)
 
 
 @pytest.mark.parametrize("raw", ["0", "70000", "events", str(contract.REQUEST_PORT)])

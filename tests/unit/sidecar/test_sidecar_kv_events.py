@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import chunk_report
-from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids
+from kvoffload.lmcache_guard import CacheKeysChanged
+from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids, l2_medium
 
 pytestmark = pytest.mark.sidecar
 
@@ -43,6 +44,42 @@ def test_an_eviction_removes_exactly_the_blocks_announced_for_that_chunk() -> No
     assert tracker.evicted([(MODEL, b"b", ""), (MODEL, b"unknown", ""), ("other-model", b"a", "")]) == [
         ["BlockRemoved", list(block_ids(MODEL, b"b", 4)), "CPU"]
     ]
+
+
+def test_a_chunk_l1_evicts_while_l2_keeps_it_stays_announced_in_l2_only() -> None:
+    tracker = ChunkTracker()
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    ids = list(block_ids(MODEL, b"a", 4))
+    (disk,) = tracker.l2_stored([(MODEL, b"a", "")], "DISK")
+    assert disk[:2] == ["BlockStored", ids] and disk[3] == list(range(64)) and disk[6] == "DISK"
+    assert tracker.l2_stored([(MODEL, b"a", "")], "DISK") == []  # LMCache reports a key once per KV rank
+    assert tracker.evicted([(MODEL, b"a", "")]) == [["BlockRemoved", ids, "CPU"]]
+    assert [e[6] for e in tracker.snapshot()[1:]] == ["DISK"] and len(tracker) == 1
+    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "")[0][6] == "CPU"  # back in L1: announced there again
+    tracker.evicted([(MODEL, b"a", "")])
+    assert tracker.evicted([(MODEL, b"a", "")], "DISK") == [["BlockRemoved", ids, "DISK"]]
+    assert len(tracker) == 0
+
+
+def test_an_l2_store_before_the_report_is_announced_with_the_report_and_a_salted_one_never() -> None:
+    tracker = ChunkTracker()
+    assert tracker.l2_stored([(MODEL, b"a", ""), (MODEL, b"s", "stenant")], "EXTERNAL") == []
+    events = tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    assert sorted(e[6] for e in events) == ["CPU", "EXTERNAL"]
+    assert tracker.stored(MODEL, chunks(b"s"), None, TPB, "stenant") == []
+
+
+def test_past_capacity_a_chunk_is_announced_removed_from_every_tier_holding_it() -> None:
+    tracker = ChunkTracker(capacity=1)
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    tracker.l2_stored([(MODEL, b"a", "")], "DISK")
+    removed = [e for e in tracker.stored(MODEL, chunks(b"b"), None, TPB, "") if e[0] == "BlockRemoved"]
+    assert sorted(e[2] for e in removed) == ["CPU", "DISK"]
+
+
+def test_a_redis_or_shared_l2_is_external_and_a_filesystem_l2_is_disk() -> None:
+    assert (l2_medium("resp", False), l2_medium("fs_native", True), l2_medium("fs_native", False)) == (
+        "EXTERNAL", "EXTERNAL", "DISK")  # fmt: skip
 
 
 def test_a_chunk_already_announced_is_not_announced_again() -> None:
@@ -149,8 +186,6 @@ class CapturingPublisher:
 
 
 def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_before_and_never_a_salted_report() -> None:
-    from types import SimpleNamespace
-
     from kvoffload.sidecar.kv_events_module import KvEventsModule
 
     ctx, publisher = FakeServerContext(), CapturingPublisher()
@@ -167,6 +202,7 @@ def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_befo
     assert publisher.events[0][2] == block_ids(MODEL, b"h0", 4)[-1]
     assert publisher.events[0][3] == list(range(64, 128))
 
-    evicted = SimpleNamespace(metadata={"keys": [SimpleNamespace(model_name=MODEL, chunk_hash=b"h2", cache_salt="")]})
-    module.on_keys_evicted(evicted)
+    module.on_keys_changed(CacheKeysChanged("l1", False, ((MODEL, b"h2", ""),)))
     assert publisher.events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"h2", 4)), "CPU"]
+    module.on_keys_changed(CacheKeysChanged("l2", True, ((MODEL, b"h1", ""),), "resp"))
+    assert publisher.events[-1][0] == "BlockStored" and publisher.events[-1][6] == "EXTERNAL"
