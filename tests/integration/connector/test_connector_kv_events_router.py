@@ -9,13 +9,13 @@ Nothing is skipped: without the routers (``hack/setup.sh python`` installs both)
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hack.polling import WaitTimedOut, wait_until
 from hack.ports import free_port
 from kvoffload import contract
 from tests.support.kv_router import DynamoIndexer, LlmdIndex
@@ -62,12 +62,8 @@ def two_servers(tmp_path: Path) -> Iterator[tuple[LMCacheServer, LMCacheServer, 
 
 
 def eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting until {what}")
+    """Poll ``check`` until it holds (``hack.polling``), naming ``what`` on timeout."""
+    wait_until(check, timeout_s, f"until {what}", interval=0.2)
 
 
 def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictions_restarts_and_tenants(
@@ -108,7 +104,7 @@ def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictio
     marker = make_prompt(6, PROMPT)
     for attempt in range(4):
         run(engine_a, 6 + 100 * attempt, prompt=marker)
-        with contextlib.suppress(AssertionError):
+        with contextlib.suppress(WaitTimedOut):
             eventually(lambda: indexer.host_tier_matches(marker) == {1: CACHED}, "A announced the marker", 5.0)
             break
     assert indexer.host_tier_matches(marker) == {1: CACHED}
