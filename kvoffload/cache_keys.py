@@ -31,7 +31,7 @@ def z85_encode(raw: bytes) -> str:
     """ZeroMQ's Z85 text of ``raw`` (its length a multiple of 4)."""
     if len(raw) % 4:
         raise ValueError(f"Z85 encodes whole 4-byte words, got {len(raw)} bytes")
-    out = []
+    out: list[str] = []
     for i in range(0, len(raw), 4):
         value = int.from_bytes(raw[i : i + 4], "big")
         word = []

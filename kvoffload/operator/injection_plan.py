@@ -239,7 +239,9 @@ def plan_injection(
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
     uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
     env, env_error = merge_engine_env(
-        engine_env(settings, url, serve_metrics=not uses_sidecar, cache_keys=node_cache is not None), engine.view.container.get("env") or [], engine.name
+        engine_env(settings, url, serve_metrics=not uses_sidecar, cache_keys=node_cache is not None),
+        engine.view.container.get("env") or [],
+        engine.name,
     )
     if env_error:
         return env_error

@@ -25,6 +25,7 @@ from .node_mode import (
     cache_service_name,
     cache_settings,
     desired_cache_pods,
+    keys_in_use,
     node_cache_status,
     plan_cache_pods,
     render_cache_keys_secret,
@@ -80,8 +81,6 @@ class NodeCaches:
     defaults: OperatorDefaults
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _keys_issued: set[tuple[str, str, str]] = field(default_factory=set)
-    """(namespace, policy, policy uid) whose key Secret this process created or found (create's 409)."""
 
     def _policy_lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._lock:
@@ -99,24 +98,17 @@ class NodeCaches:
         if not object_carries(body, self.kube.get(path)):
             self.kube.apply(path, body, c.FIELD_MANAGER)
 
-    def _keys_issued_for(self, policy: dict[str, Any]) -> bool:
-        meta = policy.get("metadata") or {}
-        return (str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid"))) in self._keys_issued
-
-    def _ensure_keys(self, policy: dict[str, Any], force: bool) -> None:
-        """Create the policy's key Secret unless this process already knows it exists (``force``: ask
-        again, by a create whose 409 says it does). Never reads it: the operator has no right to."""
+    def _ensure_keys(self, policy: dict[str, Any]) -> None:
+        """Create the policy's key Secret; a 409 says it exists (kept: running pods use its keys).
+        Never reads it: the operator has no right to."""
         meta = policy.get("metadata") or {}
         namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        if not force:
-            return
         try:
             self.kube.create(secrets_path(namespace), render_cache_keys_secret(policy, new_cache_keys()))
             log.info("node cache: created key Secret %s/%s", namespace, cache_keys_secret_name(name))
         except KubeApiError as exc:
-            if exc.status != 409:  # AlreadyExists: issued before (its keys stay; pods already use them)
+            if exc.status != 409:
                 raise
-        self._keys_issued.add((namespace, name, str(meta.get("uid"))))
 
     def sync(self, namespace: str, policy_name: str) -> bool:
         """One pass for one policy; True when it created or deleted something."""
@@ -140,8 +132,8 @@ class NodeCaches:
                 )
                 desired = desired_cache_pods(policy, settings, engines)
                 if desired:
-                    # Asked again while no cache pod stands: one about to start must find its keys.
-                    self._ensure_keys(policy, force=not existing or not self._keys_issued_for(policy))
+                    if not keys_in_use(existing):  # a ready cache pod mounted them: they exist
+                        self._ensure_keys(policy)
                     name = cache_service_name(policy_name)
                     self._apply_if_drifted(services_path(namespace, name), render_cache_service(policy))
                     self._apply_if_drifted(network_policies_path(namespace, name), render_cache_network_policy(policy))

@@ -335,6 +335,12 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
 
 
+def keys_in_use(existing: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a ready cache pod of the policy stands: it mounted the policy's key Secret, so the
+    operator need not ask for it again (it may not read Secrets, only create them)."""
+    return any(_ready(p) and not (p.get("metadata") or {}).get("deletionTimestamp") for p in existing)
+
+
 def node_cache_status(existing: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The policy status' ``nodeCaches``: each node's cache pod and whether it is ready."""
     rows = [

@@ -67,6 +67,7 @@ ACCESS: list[tuple[str, str, str, str, str, bool, str]] = [
     ("create", "", "services", "", "team-a", False, "node mode's Service only with nodeMode.enabled"),
     ("delete", "", "services", "", "team-a", False, "the policy's ownerReference removes it"),
     ("create", "networking.k8s.io", "networkpolicies", "", "team-a", False, "node mode's only with nodeMode.enabled"),
+    ("create", "", "secrets", "", "team-a", False, "node mode's key Secrets only with nodeMode.enabled"),
     ("patch", "", "nodes", "", "", False, "no node writes"),
     ("update", "", "nodes", "status", "", False, "no node writes"),
     ("delete", "", "nodes", "", "", False, "no node writes"),

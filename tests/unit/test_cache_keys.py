@@ -28,7 +28,9 @@ def test_the_operators_keypairs_are_curve_keypairs(tmp_path: Path) -> None:
     assert zmq.curve_public(server.secret.encode()).decode() == server.public == client.server_public
     assert zmq.curve_public(client.secret.encode()).decode() == client.public
     assert server.allowed_clients == {client.public}
-    assert not (server_dir / c.CACHE_KEY_CLIENT_SECRET).exists() and not (engine_dir / c.CACHE_KEY_SERVER_SECRET).exists()
+    assert (
+        not (server_dir / c.CACHE_KEY_CLIENT_SECRET).exists() and not (engine_dir / c.CACHE_KEY_SERVER_SECRET).exists()
+    )
 
 
 def test_a_missing_or_malformed_key_file_is_named(tmp_path: Path) -> None:

@@ -106,7 +106,9 @@ def operator_sets() -> dict[str, set[str]]:
     engine = render_node_mode_fragment(trtllm_deployment("llm", "ns", annotations=node_annotations), engine_settings,
                                        ClusterInfo(native_sidecars=True))  # fmt: skip
     assert isinstance(engine, RenderedInjection)
-    sets["connector"] |= _env_of(engine.workload_apply["spec"]["template"]["spec"]["containers"], engine.engine_container)
+    sets["connector"] |= _env_of(
+        engine.workload_apply["spec"]["template"]["spec"]["containers"], engine.engine_container
+    )
     return sets
 
 

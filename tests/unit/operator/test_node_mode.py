@@ -172,8 +172,10 @@ def test_engines_mount_only_their_policys_client_keys_and_the_cache_pod_only_the
     rendered = render_node_mode_fragment(deployment(), other_settings, NATIVE)
     assert isinstance(rendered, RenderedInjection)
     other = pod_spec(rendered)
-    assert _keys_volume(other)["secret"]["secretName"] == cache_keys_secret_name("other") != cache_keys_secret_name(
-        "shared"
+    assert (
+        _keys_volume(other)["secret"]["secretName"]
+        == cache_keys_secret_name("other")
+        != cache_keys_secret_name("shared")
     )
     pol = policy()
     settings_ = cache_settings(pol, DEFAULTS)

@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contract
-from tests.support.cache_keys import policy_keys
 from kvoffload.sidecar.settings import (
     FsTier,
     RedisTier,
@@ -17,6 +16,7 @@ from kvoffload.sidecar.settings import (
     load_settings,
     parse_policy_text,
 )
+from tests.support.cache_keys import policy_keys
 
 pytestmark = pytest.mark.sidecar
 
