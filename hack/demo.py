@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from hack.journey import Journey, shared_prefix_prompts, strip_server_fields, wait_until
+from hack.journey import Journey, shared_prefix_prompts, strip_server_fields
 from hack.localcluster import LocalCluster, missing_binaries
+from hack.polling import wait_until
 from kvoffload import contract
 
 STEP = 0

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -30,7 +29,9 @@ import yaml
 from hack import trtllm_image
 from hack.localcluster import LocalCluster
 from hack.localpod import LocalPod, http_get
+from hack.polling import wait_until
 from hack.ports import free_port
+from hack.workloads import trtllm_container, trtllm_deployment
 from kvoffload import contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,18 +44,6 @@ APISERVER_MANAGED = ("creationTimestamp", "generation", "resourceVersion", "uid"
 
 class JourneyError(RuntimeError):
     """A step of the journey did not do what a user would expect; the message says which."""
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    """Poll until ``predicate`` returns something truthy, else raise naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise JourneyError(f"timed out after {timeout:.0f} s waiting for {what} (last: {str(last)[:300]})")
 
 
 def shared_prefix_prompts(num_requests: int = 6, prefix_tokens: int = 1024, suffix_tokens: int = 96) -> list[Any]:
@@ -158,8 +147,6 @@ class Journey:
 
     # --- 2. a TensorRT-LLM Deployment -------------------------------------------
     def create_workload(self, options_from_configmap: bool) -> None:
-        from hack.workloads import trtllm_container, trtllm_deployment
-
         self.kubectl("create", "namespace", self.namespace, check=False)
         self.kubectl("label", "namespace", self.namespace, "pod-security.kubernetes.io/enforce=baseline", "--overwrite")
         volumes: list[dict[str, Any]] = []

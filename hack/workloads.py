@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hack.journey import wait_until
 from hack.localcluster import GPU_RESOURCE, LocalCluster
+from hack.polling import wait_until
 
 TRTLLM_IMAGE = "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc26"
 

@@ -295,7 +295,8 @@ downward API volume (no generated ConfigMap)."""
 WEBHOOK_PORT: Final = 8443
 WEBHOOK_PATH: Final = "/mutate-pods"
 WEBHOOK_WORKLOADS_PATH: Final = "/mutate-workloads"
-"""Deployments and StatefulSets at CREATE: one that arrives opted in gets its template label there."""
+"""Deployments and StatefulSets at CREATE (one that arrives opted in gets its template label there)
+and at UPDATE (an injected one keeps kvoffload's record and label, as the plan gives them)."""
 WEBHOOK_CONFIGURATION_NAME: Final = "kvoffload-pod-injection"
 """The MutatingWebhookConfiguration the operator keeps (its caBundle, rules and client config)."""
 WEBHOOK_TLS_SECRET: Final = "kvoffload-webhook-tls"

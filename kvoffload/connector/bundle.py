@@ -28,13 +28,8 @@ from kvoffload import contract
 
 logger = logging.getLogger("kvoffload.connector")
 
-LMCACHE_IMPORTS = (
-    "lmcache.utils",
-    "lmcache.v1.multiprocess.custom_types",
-    "lmcache.v1.multiprocess.transfer_context",
-    "lmcache.v1.multiprocess.transport.factory",
-)
-"""The lmcache modules the connector's backend imports."""
+LMCACHE_SEAM = "kvoffload.connector.lmcache_seam"
+"""The connector's one module that imports lmcache (imported here once the bundle's path is set)."""
 
 LMCACHE_COMPILED = ("lmcache.lmcache_native",)
 """lmcache's compiled extensions on that path (linked against libtorch). ``lmcache.cuda_ops`` is not
@@ -139,11 +134,14 @@ def load_lmcache(bundle: Bundle | None) -> None:
                 f"torch {_torch_version()} (Python {sys.implementation.cache_tag}): {exc}; "
                 "see docs/connector.md, 'Images', for the images it is known to load in"
             ) from exc
-    for name in LMCACHE_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise BundleError(f"kvoffload: cannot import {name} from {where}: {exc}") from exc
+    try:
+        seam = importlib.import_module(LMCACHE_SEAM)
+    except ImportError as exc:
+        raise BundleError(f"kvoffload: cannot import lmcache's client from {where}: {exc}") from exc
+    try:
+        seam.check_lmcache_version()
+    except seam.LMCacheVersionError as exc:
+        raise BundleError(f"{exc} (from {where})") from exc
 
 
 def prepare(path: list[str] | None = None) -> Bundle | None:

@@ -7,7 +7,7 @@ the TensorRT-LLM build has that field) overrides ``KVOFFLOAD_SERVER_URL``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,5 +219,47 @@ def engine_config_problem(llm_args: Any) -> str | None:
         return (
             "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none of the tokens a KV "
             "connector loads; set it to true (the kvoffload operator does unless the options file says false)"
+        )
+    return None
+
+
+def pool_layout_problem(kv_factor: int, model_name: str) -> str | None:
+    """Why the connector cannot move a KV pool of ``kv_factor`` halves per layer, or None.
+
+    A pool with no value half (``kv_factor`` 1) is multi-head latent attention's (DeepSeek V2/V3/R1,
+    Kimi K2: one latent head per layer; V1 builds it for ``SELFKONLY``, KVCacheManagerV2 registers one
+    "key" buffer). LMCache 0.5.6's transfer of a TensorRT-LLM pool reads a key and a value half, so
+    every store would fail and mark the cache server down: refused at start instead.
+    """
+    if kv_factor == 2:
+        return None
+    return (
+        f"model {model_name!r} has a KV pool of {kv_factor} half per layer (multi-head latent attention, as "
+        "DeepSeek V2/V3/R1 and Kimi K2 use): kvoffload moves key and value halves and cannot serve it; "
+        "run this model without the kvoffload connector"
+    )
+
+
+def layer_groups_problem(window_sizes: Sequence[int | None]) -> str | None:
+    """Why the connector cannot move a KVCacheManagerV2 layout of layer groups with these attention
+    windows (None: full attention), or None.
+
+    Several groups are variable sliding-window or hybrid models. One sliding-window group leaves the
+    blocks the window passed without a page: V2 reports them ``BAD_PAGE_INDEX`` (-1, which would address
+    the pool's last page) and reclaims pages it reported before without restating them, so a chunk
+    saved once complete could read a page another request holds by then.
+    """
+    if len(window_sizes) > 1:
+        windows = sorted({str(w or "full") for w in window_sizes})
+        return (
+            f"this model's KV cache has {len(window_sizes)} layer groups (attention windows: {', '.join(windows)}), "
+            "as variable sliding-window or hybrid attention models do; the connector moves one pool of uniform "
+            "blocks: use it with models of one full attention window"
+        )
+    if window_sizes and window_sizes[0]:
+        return (
+            f"this model's KV cache keeps a sliding attention window of {window_sizes[0]} tokens; blocks the "
+            "window passed have no page (BAD_PAGE_INDEX) and their pages go to other requests, which the "
+            "connector's chunk saves cannot follow: use it with models of one full attention window"
         )
     return None

@@ -23,7 +23,7 @@ from kvoffload.connector.runtime import (
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import parse_settings
+from kvoffload.connector.settings import layer_groups_problem, parse_settings, pool_layout_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -67,7 +67,11 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
             self._save_thread.start()
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``."""
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``;
+        a pool it cannot move (multi-head latent attention) is refused here, before any request."""
+        problem = pool_layout_problem(int(kv_cache_tensor.shape[2]), self._settings.model_name)
+        if problem is not None:
+            raise RuntimeError(f"kvoffload: {problem}")
         geometry = kv_geometry(
             int(kv_cache_tensor.shape[-1]),
             self._block,
@@ -78,16 +82,13 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._backend.register(kv_cache_tensor, geometry)
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one layer group is one pool and goes to
-        ``register_kv_caches`` (TensorRT-LLM's default); several are refused here, at start, by name."""
+        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one full-attention layer group is one pool
+        and goes to ``register_kv_caches`` (TensorRT-LLM's default); several groups, or a sliding window,
+        are refused here, at start, by name (``settings.layer_groups_problem``)."""
         groups = tuple(getattr(layout, "groups", ()))
-        if len(groups) > 1:
-            windows = sorted({str(getattr(g, "window_size", None) or "full") for g in groups})
-            raise RuntimeError(
-                f"kvoffload: this model's KV cache has {len(groups)} layer groups (attention windows: "
-                f"{', '.join(windows)}), as variable sliding-window or hybrid attention models do; the "
-                "connector moves one pool of uniform blocks: use it with models of one attention window"
-            )
+        problem = layer_groups_problem([getattr(g, "window_size", None) for g in groups])
+        if problem is not None:
+            raise RuntimeError(f"kvoffload: {problem}")
         default = getattr(super(), "register_kv_cache_layout", None)
         if default is None:
             raise RuntimeError("kvoffload: register_kv_cache_layout called by a TensorRT-LLM without layouts")

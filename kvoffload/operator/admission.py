@@ -97,9 +97,11 @@ def render_admission(plan: InjectionPlan) -> RenderedInjection:
 
 ADMISSION_FORCEABLE = (f".metadata.annotations.{c.ANN_INJECTION_RECORD}",
                        f".spec.template.metadata.labels.{c.LABEL_INJECT}")  # fmt: skip
-"""kvoffload's own keys, taken back when another manager holds them: ``kubectl rollout undo``
-writes an older record and label back as ``kubectl``; the operator re-applies its current one (one
-rollout) instead of leaving pods the webhook refuses."""
+"""kvoffload's own keys, taken back when another manager holds them. A write through the webhook
+keeps them kvoffload's (``workload_updates``); one admitted while the webhook was not reached (say
+``kubectl rollout undo`` writing an older record and label back as ``kubectl-rollout``) is answered
+by the operator re-applying its current record (one more rollout) instead of leaving pods the
+webhook refuses."""
 
 
 def intent_in_place(workload: Mapping[str, Any], rendered: RenderedInjection) -> bool:

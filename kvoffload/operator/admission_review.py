@@ -1,6 +1,6 @@
 """The AdmissionReview the webhook answers, checked strictly at the edge, pure: a pod CREATE (or a
-Deployment or StatefulSet CREATE, on the workloads path) in ``admission.k8s.io/v1`` with a uid to
-echo, or a one-line reason to refuse the body with."""
+Deployment or StatefulSet CREATE or UPDATE, on the workloads path) in ``admission.k8s.io/v1`` with a
+uid to echo, or a one-line reason to refuse the body with."""
 
 from __future__ import annotations
 
@@ -26,12 +26,16 @@ class PodReview:
 
 @dataclass(frozen=True)
 class WorkloadReview:
-    """One Deployment or StatefulSet CREATE to answer."""
+    """One Deployment or StatefulSet CREATE or UPDATE to answer."""
 
     uid: str
     namespace: str
     kind: str
     workload: Mapping[str, Any]
+    old: Mapping[str, Any] | None = None
+    """The object before an UPDATE (None: a CREATE)."""
+    field_manager: str = ""
+    """The request's ``fieldManager`` option (empty when the client named none)."""
 
 
 POD_KINDS = frozenset({("", "Pod")})
@@ -48,12 +52,24 @@ def parse_pod_review(body: bytes) -> PodReview | str:
 
 
 def parse_workload_review(body: bytes) -> WorkloadReview | str:
-    """The review in ``body``, or why it is not a Deployment or StatefulSet CREATE."""
+    """The review in ``body``, or why it is not a Deployment or StatefulSet CREATE or UPDATE."""
     request = _request(body)
     if isinstance(request, str):
         return request
-    created = _create(request, WORKLOAD_KINDS)
-    return created if isinstance(created, str) else WorkloadReview(*created)
+    operation = request.get("operation")
+    if operation != "UPDATE":
+        created = _create(request, WORKLOAD_KINDS)
+        return created if isinstance(created, str) else WorkloadReview(*created)
+    updated = _create({**request, "operation": "CREATE"}, WORKLOAD_KINDS)  # the same checks on the new object
+    if isinstance(updated, str):
+        return updated
+    old, options = request.get("oldObject"), request.get("options")
+    if not isinstance(old, dict) or not isinstance(old.get("metadata", {}), dict):
+        return f"request.oldObject is {type(old).__name__}, not an object with metadata"
+    manager = options.get("fieldManager", "") if isinstance(options, dict) else ""
+    if not isinstance(manager, str):
+        return f"request.options.fieldManager {_shown(manager)}: a string is required"
+    return WorkloadReview(*updated, old=old, field_manager=manager)
 
 
 def _request(body: bytes) -> dict[str, Any] | str:

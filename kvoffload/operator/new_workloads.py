@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 
 from .admission import InjectionRecord, record_of, render_admission
@@ -22,6 +21,7 @@ from .kube import Kube, KubeApiError, policy_path
 from .options_sources import OptionsSources
 from .settings import OperatorDefaults, enabled_state, policy_name, resolve_settings
 from .workload_inputs import plan_for
+from .workload_updates import template_label_patch
 
 Planner = Callable[[Mapping[str, Any]], "InjectionPlan | str"]
 """A workload as it is created -> the plan the operator would make for it, or why there is none."""
@@ -58,14 +58,7 @@ def planner(kube: Kube, defaults: OperatorDefaults, cluster: ClusterInfo) -> Pla
 
 def label_for_new_workload(workload: Mapping[str, Any], plan: InjectionPlan) -> list[dict[str, Any]]:
     """JSON patch adding the template label the operator's apply will carry (nothing else)."""
-    digest = render_admission(plan).config_hash
-    template_meta = ((workload.get("spec") or {}).get("template") or {}).get("metadata")
-    if not isinstance(template_meta, Mapping):
-        return [{"op": "add", "path": "/spec/template/metadata", "value": {"labels": {c.LABEL_INJECT: digest}}}]
-    if not isinstance(template_meta.get("labels"), Mapping):
-        return [{"op": "add", "path": "/spec/template/metadata/labels", "value": {c.LABEL_INJECT: digest}}]
-    key = c.LABEL_INJECT.replace("~", "~0").replace("/", "~1")
-    return [{"op": "add", "path": f"/spec/template/metadata/labels/{key}", "value": digest}]
+    return template_label_patch(workload, render_admission(plan).config_hash)
 
 
 def record_before_the_operator(workload: Mapping[str, Any], pod_label: str | None, plan: Planner

@@ -198,6 +198,11 @@ SEVERAL_LAYER_GROUPS = (
 main's default for them); matched on the model argument's last path element, lower-cased."""
 
 
+MULTI_HEAD_LATENT_ATTENTION = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v4", "kimi-k2")
+"""Model families with multi-head latent attention (one latent head, no value half per layer), which the
+connector refuses at engine start; a distilled model of another architecture (``...-Distill-...``) is not one."""
+
+
 def served_model(container: Mapping[str, Any]) -> str | None:
     """The model ``trtllm-serve [serve] MODEL ...`` serves, or None when the command line does not
     say it plainly (another launcher, or an option before the model)."""
@@ -212,8 +217,15 @@ def served_model(container: Mapping[str, Any]) -> str | None:
 
 
 def model_layout_problem(model: str) -> str | None:
-    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups), or None."""
+    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, or multi-head latent
+    attention), or None."""
     name = posixpath.basename(model.rstrip("/")).lower()
+    if "distill" not in name and any(family in name for family in MULTI_HEAD_LATENT_ATTENTION):
+        return (
+            f"{posixpath.basename(model.rstrip('/'))} uses multi-head latent attention (one latent head and no "
+            "value half per layer); kvoffload moves key and value halves and the connector would refuse it at "
+            "engine start: opt this workload out"
+        )
     for family, feature in SEVERAL_LAYER_GROUPS:
         if family in name:
             return (

@@ -7,6 +7,7 @@ import json
 import logging
 import ssl
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ from kvoffload import contract as c
 from .admission import Admission, InjectionRecord, admission_response, admit, record_from_workload
 from .admission_review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
 from .https_server import HttpsServer, Reply, Request, refusal
+from .injection_plan import InjectionPlan
 from .kube import Kube, KubeApiError
 from .metrics import OperatorMetrics
 from .new_workloads import Planner, label_for_new_workload, record_before_the_operator
 from .pod_owners import resolve_owner
 from .webhook_tls import TlsMaterial
+from .workload_updates import review_update
 
 log = logging.getLogger("kvoffload.operator")
 MAX_REVIEW_BYTES = 2**20
@@ -51,9 +54,16 @@ def review_pod(kube: Kube, review: PodReview, plan: Planner | None = None) -> Ad
 
 def review_workload(review: WorkloadReview, plan: Planner) -> Admission:
     """The answer for a Deployment or StatefulSet CREATE: an opted-in one gets the template label
-    the operator would write; anything else is admitted as written."""
-    planned = plan({"kind": review.kind, **review.workload,
-                    "metadata": {**(review.workload.get("metadata") or {}), "namespace": review.namespace}})  # fmt: skip
+    the operator would write; anything else is admitted as written. An UPDATE of one kvoffload
+    injects keeps kvoffload's record and label, as the plan gives them (``workload_updates``)."""
+
+    def plan_of(workload: Mapping[str, Any]) -> InjectionPlan | str:
+        return plan({"kind": review.kind, **workload,
+                     "metadata": {**(workload.get("metadata") or {}), "namespace": review.namespace}})  # fmt: skip
+
+    if review.old is not None:
+        return review_update(review.old, {"kind": review.kind, **review.workload}, review.field_manager, plan_of)
+    planned = plan_of(review.workload)
     if isinstance(planned, str):
         return Admission([], (), "ignored")
     return Admission(label_for_new_workload(review.workload, planned), (), "injected")

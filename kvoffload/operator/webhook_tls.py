@@ -190,7 +190,8 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
     """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
     sent, at creation, never from kube-system or the operator's own namespace; a webhook that
     cannot be reached admits them as the user wrote them. A second entry sees each Deployment and
-    StatefulSet CREATE there (``new_workloads``: one created opted in gets its label at once)."""
+    StatefulSet CREATE there (``new_workloads``: one created opted in gets its label at once) and
+    UPDATE (``workload_updates``: kvoffload's record and label stay kvoffload's)."""
     hook: dict[str, Any] = {
         "name": WEBHOOK_NAMES[0],
         "admissionReviewVersions": ["v1"],
@@ -218,7 +219,7 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
     hook["namespaceSelector"] = {"matchExpressions": selector}
     workloads = {
         **hook, "name": WEBHOOK_NAMES[1],
-        "rules": [{"operations": ["CREATE"], "apiGroups": ["apps"], "apiVersions": ["v1"],
+        "rules": [{"operations": ["CREATE", "UPDATE"], "apiGroups": ["apps"], "apiVersions": ["v1"],
                    "resources": ["deployments", "statefulsets"], "scope": "Namespaced"}],
         "clientConfig": {**_client_at(client, c.WEBHOOK_WORKLOADS_PATH), "caBundle": hook["clientConfig"]["caBundle"]},
     }  # fmt: skip

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from hack.demo import token_source_lines
-from hack.journey import Journey, shared_prefix_prompts, strip_server_fields, wait_until
+from hack.journey import Journey, shared_prefix_prompts, strip_server_fields
 from hack.localcluster import LocalCluster
+from hack.polling import wait_until
 from kvoffload import contract
 from tests.support.promtool import run_token_source_tests
 

@@ -3,7 +3,9 @@ apiserver's audit log: a seeded random series of policy changes, ``kubectl rollo
 SIGKILLs and pods deleted at random, over an opted-in workload guarded by a PodDisruptionBudget,
 an opted-in one without, one whose setting the webhook refuses and one that carries the label
 without the opt-in. Pods of the last two are never evicted, no pod is evicted twice, every
-eviction is of a pod that really ran uninjected, and every workload converges at the end.
+eviction is of a pod that really ran uninjected (so evictions <= pods admitted uninjected), no
+workload ever has more than one pod unavailable besides the one the test deleted (sampled
+throughout the churn), and every workload converges at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.support.scale import count
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane, pytest.mark.timeout(count(ci=900, soak=2400))]
 CHURN_S = count(ci=90, soak=600)
 OPTED_IN = ("guarded", "tuned")
+REPLICAS = 2
 NEVER_EVICTED = ("refused", "copied")
 
 
@@ -59,19 +62,56 @@ def policy(namespace: str, l1: str) -> dict[str, Any]:
 
 
 class PodSampler:
-    """Lists the namespace's pods every 0.3 s: which pods ran without the injection."""
+    """Lists the namespace's pods every 0.3 s: which pods ran without the injection, and the most
+    pods of one workload unavailable at once beyond what the test's own deletes took.
+
+    A pod is available when it is Ready and not terminating; a workload's unavailable pods are its
+    replicas minus its available pods (a rollout's surge pod starting is not one of them). The test
+    deletes a pod only from a whole workload and marks it disrupted until a list started after the
+    delete shows it whole again; meanwhile one unavailable pod is the test's."""
 
     def __init__(self, cluster: LocalCluster, namespace: str) -> None:
         self.cluster, self.namespace = cluster, namespace
         self.seen_uninjected: set[str] = set()
+        self.disrupted: dict[str, float] = {}
+        """Workload -> when the test deleted one of its pods (cleared once it is whole again)."""
+        self.worst: dict[str, tuple[int, int]] = {}
+        """Workload -> (most unavailable pods seen not counting the test's delete, samples)."""
+        self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
         while not self.stop.wait(0.3):
-            for pod in list_objects(self.cluster, "pods", self.namespace):
+            listed_at = time.monotonic()
+            found = list_objects(self.cluster, "pods", self.namespace)
+            for pod in found:
                 if pod["metadata"].get("labels", {}).get(c.LABEL_INJECTED) != "true":
                     self.seen_uninjected.add(pod["metadata"]["name"])
+            for name in (*OPTED_IN, *NEVER_EVICTED):
+                ours = [p for p in found if p["metadata"].get("labels", {}).get("app") == name]
+                unavailable = REPLICAS - len([p for p in ours if available(p)])
+                with self.lock:
+                    if unavailable <= 0 and self.disrupted.get(name, listed_at) < listed_at:
+                        del self.disrupted[name]
+                    beyond = unavailable - (1 if name in self.disrupted else 0)
+                    worst, samples = self.worst.get(name, (0, 0))
+                    self.worst[name] = (max(worst, beyond), samples + 1)
+
+    def whole(self) -> list[str]:
+        """Workloads no delete of the test is disrupting now."""
+        with self.lock:
+            return [n for n in (*OPTED_IN, *NEVER_EVICTED) if n not in self.disrupted]
+
+    def deleting(self, name: str) -> None:
+        with self.lock:
+            self.disrupted[name] = time.monotonic()
+
+
+def available(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    ready = any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
+    return ready and not pod["metadata"].get("deletionTimestamp")
 
 
 def converged(cluster: LocalCluster, namespace: str) -> bool | str:
@@ -92,9 +132,15 @@ def converged(cluster: LocalCluster, namespace: str) -> bool | str:
     return True
 
 
-def delete_a_pod(cluster: LocalCluster, namespace: str, rng: random.Random) -> None:
-    found = list_objects(cluster, "pods", namespace)
-    if found:
+def delete_a_pod(cluster: LocalCluster, namespace: str, rng: random.Random, sampler: PodSampler) -> None:
+    """Delete one pod of a workload the test is not disrupting already, at random."""
+    candidates = sampler.whole()
+    if not candidates:
+        return
+    name = rng.choice(candidates)
+    found = [p for p in list_objects(cluster, "pods", namespace, f"app={name}") if available(p)]
+    if len(found) == REPLICAS:
+        sampler.deleting(name)
         victim = rng.choice(found)["metadata"]["name"]
         cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false", check=False)
 
@@ -133,11 +179,11 @@ def test_admission_churn_never_evicts_wrongly_and_converges(
                 cluster.kubectl("rollout", "undo", "deployment/tuned", "-n", namespace, check=False)
             elif action == "kill":  # a pod deleted while no webhook answers comes back uninjected
                 admission_operator.kill()
-                delete_a_pod(cluster, namespace, rng)
+                delete_a_pod(cluster, namespace, rng, sampler)
                 time.sleep(rng.uniform(1, 4))
                 admission_operator.start()
             else:
-                delete_a_pod(cluster, namespace, rng)
+                delete_a_pod(cluster, namespace, rng, sampler)
             done.append(action)
             time.sleep(rng.uniform(2, 5))
         cluster.kubectl("delete", "pdb", "guarded", "-n", namespace)
@@ -149,8 +195,12 @@ def test_admission_churn_never_evicts_wrongly_and_converges(
     evicted = [pod for pod, code in tries if code == 201]
     print(f"admission churn {CHURN_S} s, actions {dict((a, done.count(a)) for a in set(done))}: eviction calls "
           f"{len(tries)} ({len(evicted)} evicted, {sum(1 for _, code in tries if code == 429)} refused by the "
-          f"budget), pods seen running uninjected {len(sampler.seen_uninjected)}")  # fmt: skip
+          f"budget), pods seen running uninjected {len(sampler.seen_uninjected)}, most pods of one workload "
+          f"unavailable at once beyond the test's own delete (worst, samples): {sampler.worst}")  # fmt: skip
     assert not [p for p, _ in tries if p.startswith(NEVER_EVICTED)], tries
     assert len(evicted) == len(set(evicted)), f"a pod evicted twice: {tries}"
     unseen = [p for p in evicted if p not in sampler.seen_uninjected]
     assert not unseen, f"evicted pods never seen uninjected: {unseen}"
+    admitted_plain = [p for p in sampler.seen_uninjected if p.startswith(OPTED_IN)]
+    assert len(evicted) <= len(admitted_plain), (evicted, admitted_plain)
+    assert all(worst <= 1 for worst, _ in sampler.worst.values()), f"unavailable at once: {sampler.worst}"

@@ -9,7 +9,9 @@ a hit proves the cache serves, a miss recomputes (still correct).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -29,7 +31,14 @@ from kvoffload.connector.settings import DEFAULT_HEARTBEAT_INTERVAL_MS
 from tests.support.connector_env import set_connector_env
 from tests.support.scale import count
 from tests.support.sidecar_harness import Sidecar, sample_sum, sidecar_env
-from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
+from tests.support.trtllm_executor import (
+    CHUNK,
+    PromptRequest,
+    StandinExecutor,
+    commits_lagging,
+    connector_llm_args,
+    make_prompt,
+)
 
 # The soak's 20 kills of a whole sidecar take a few minutes: allow more than pytest's default 900 s.
 pytestmark = [pytest.mark.reliability, pytest.mark.sidecar, pytest.mark.timeout(count(ci=900, soak=3600))]
@@ -49,6 +58,24 @@ def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return set_connector_env(
         monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000, heartbeat_ms=DEFAULT_HEARTBEAT_INTERVAL_MS
     )
+
+
+_CONNECTOR_WARNINGS: collections.deque[str] = collections.deque(maxlen=12)
+
+
+class _KeepWarnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _CONNECTOR_WARNINGS.append(f"{record.created:.3f} {record.getMessage()}")
+
+
+@pytest.fixture(autouse=True)
+def connector_warnings() -> Iterator[None]:
+    """Keep the connector's last warnings for a failure message (``Stream.why_no_hit``)."""
+    _CONNECTOR_WARNINGS.clear()
+    handler = _KeepWarnings(logging.WARNING)
+    logging.getLogger("kvoffload.connector").addHandler(handler)
+    yield
+    logging.getLogger("kvoffload.connector").removeHandler(handler)
 
 
 @pytest.fixture
@@ -80,6 +107,17 @@ class Stream:
     errors: list[str] = field(default_factory=list)
     wrong_outputs: int = 0
     next_id: int = 1
+    sidecar: Sidecar | None = None
+    """Whose log tail a failure message quotes."""
+    warnings: collections.deque[str] = field(default_factory=lambda: _CONNECTOR_WARNINGS)
+    """The connector's last warnings (backend down, store failed: with reasons), for a failure message."""
+
+    def why_no_hit(self) -> str:
+        """What the connector and the sidecar said last: the cause of a stream that stopped hitting."""
+        recent = self.outcomes[-5:]
+        tail = self.sidecar.log_tail(12) if self.sidecar is not None else ""
+        events = "\n".join(line for line in tail.splitlines() if "event=" in line)
+        return f"last outcomes {recent}; connector warnings:\n" + "\n".join(self.warnings) + f"\nsidecar:\n{events}"
 
     def one(self) -> tuple[bool, int]:
         self.executor.evict_device_cache()
@@ -102,7 +140,7 @@ class Stream:
             _failed, matched = self.one()
             if matched > 0 and started > after:
                 return time.monotonic()
-        raise AssertionError(f"no cache hit within {timeout:.0f} s of the fault")
+        raise AssertionError(f"no cache hit within {timeout:.0f} s of the fault; {self.why_no_hit()}")
 
 
 def _kill_soon(pid_of: Any, rng: random.Random) -> tuple[threading.Thread, list[float]]:
@@ -177,13 +215,17 @@ def _check(stream: Stream, kills: int = 0) -> None:
     assert stream.errors == [], f"{len(stream.errors)} failed requests over {kills} kills: {stream.errors[:3]}"
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 def test_lmcache_server_killed_repeatedly_during_a_request_stream(
-    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str]
+    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str], manager_v2: bool
 ) -> None:
     sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
-    executor = StandinExecutor(connector_llm_args("server-kill-model", contract.server_url(sidecar.request_port)))
+    url = contract.server_url(sidecar.request_port)
+    executor = StandinExecutor(
+        connector_llm_args(f"server-kill-{manager_v2}-model", url, kv_cache_manager_v2=manager_v2)
+    )
     try:
-        stream = Stream(executor, make_prompt(31, PROMPT_LEN))
+        stream = Stream(executor, make_prompt(31, PROMPT_LEN), sidecar=sidecar)
         recoveries = _run_stream_through_kills(stream, SERVER_KILLS, sidecar.server_pid, lambda: None)
         print(_summary("LMCache server SIGKILL", stream, recoveries), stream.errors)
         _check(stream, SERVER_KILLS)
@@ -203,7 +245,7 @@ def test_a_server_killed_beside_a_warm_standby_is_replaced_by_it(
     sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
     executor = StandinExecutor(connector_llm_args("warm-standby-model", contract.server_url(sidecar.request_port)))
     try:
-        stream = Stream(executor, make_prompt(41, PROMPT_LEN))
+        stream = Stream(executor, make_prompt(41, PROMPT_LEN), sidecar=sidecar)
         recoveries = _run_stream_through_kills(stream, WARM_KILLS, sidecar.server_pid, lambda: None,
                                                sidecar.standby_is_warm)  # fmt: skip
         print(_summary("LMCache server SIGKILL beside a warm standby", stream, recoveries), stream.errors)
@@ -224,7 +266,7 @@ def test_a_restarted_server_is_found_without_waiting_out_the_heartbeat_interval(
     sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
     executor = StandinExecutor(connector_llm_args("reconnect-model", contract.server_url(sidecar.request_port)))
     try:
-        stream = Stream(executor, make_prompt(37, PROMPT_LEN))
+        stream = Stream(executor, make_prompt(37, PROMPT_LEN), sidecar=sidecar)
         recoveries = _run_stream_through_kills(stream, 2, sidecar.server_pid, lambda: None)
         _check(stream, 2)
         assert max(recoveries) < RECOVERY_BOUND_S
@@ -232,12 +274,58 @@ def test_a_restarted_server_is_found_without_waiting_out_the_heartbeat_interval(
         executor.close()
 
 
+STALL_S = 13.0
+"""A server stall long enough for the heartbeat to declare it down and reset the connection (two
+missed PINGs of at least 2 s each), and longer than ``COMMIT_LAG_S``."""
+COMMIT_LAG_S = 9.0
+"""The stalled store's COMMIT leaves this long after its PREPARE was answered: after the reset."""
+
+
+def test_a_store_whose_commit_outlived_a_connection_reset_is_committed_to_the_same_server(
+    tmp_path: Path, sidecars: list[Sidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server stalls (SIGSTOP) after a store's PREPARE was answered and before its COMMIT left;
+    the heartbeat resets the connection; the same server comes back. The COMMIT goes to it: dropped,
+    its reservation would stay and LMCache would refuse to store those chunks again for 600 s, so
+    the prompt would miss for ten minutes."""
+    set_connector_env(monkeypatch, lookup_ms=1000, retrieve_ms=3000, store_ms=3000, heartbeat_ms=500)
+    sidecar = start_sidecar(tmp_path / "sidecar", sidecars)
+    executor = StandinExecutor(connector_llm_args("stall-commit-model", contract.server_url(sidecar.request_port)))
+    server = sidecar.server_pid()
+    stall_over = threading.Event()
+
+    def stall_the_server() -> None:  # on the committer thread, the first COMMIT due to leave
+        os.kill(server, signal.SIGSTOP)
+
+        def resume() -> None:
+            os.kill(server, signal.SIGCONT)
+            stall_over.set()
+
+        threading.Timer(STALL_S, resume).start()
+
+    try:
+        stream = Stream(executor, make_prompt(43, PROMPT_LEN), sidecar=sidecar)
+        with commits_lagging(COMMIT_LAG_S, on_first=stall_the_server):
+            stream.one()  # a miss that stores; returns once its save was reported
+        assert stall_over.wait(STALL_S + 30)
+        assert sidecar.server_pid() == server, "the same server, stalled, not a restarted one"
+        stream.until_hit(0.0, RECOVERY_BOUND_S)
+        assert "event=backend_down" in "\n".join(stream.warnings), "the stall reset the connection"
+        _check(stream)
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 def test_whole_sidecar_killed_and_restarted_like_kubelet_during_a_request_stream(
-    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str]
+    tmp_path: Path, sidecars: list[Sidecar], connector_env: dict[str, str], manager_v2: bool
 ) -> None:
     current = [start_sidecar(tmp_path / "sidecar", sidecars)]
     env = dict(current[0].env)  # same ports, same instance id: the container restarts in the same pod
-    executor = StandinExecutor(connector_llm_args("sidecar-kill-model", contract.server_url(current[0].request_port)))
+    url = contract.server_url(current[0].request_port)
+    executor = StandinExecutor(
+        connector_llm_args(f"sidecar-kill-{manager_v2}-model", url, kv_cache_manager_v2=manager_v2)
+    )
 
     def kill_group() -> int:
         assert current[0].proc is not None

@@ -133,6 +133,12 @@ class LMCacheServer:
         finally:
             os.killpg(self._proc.pid, signal.SIGCONT)
 
+    def process_state(self) -> str:
+        """The server process's scheduler state as ``/proc`` reports it (``T (stopped)`` while paused)."""
+        assert self._proc is not None
+        with open(f"/proc/{self._proc.pid}/status", encoding="ascii") as status:
+            return next((line.split(":", 1)[1].strip() for line in status if line.startswith("State:")), "?")
+
     def kill(self) -> None:
         """SIGKILL the server (a crash, not a graceful stop)."""
         self._signal_and_wait(signal.SIGKILL)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hack.localpod import http_get
+from hack.polling import wait_until
 from hack.ports import free_port
 from kvoffload import contract
 
@@ -29,13 +29,8 @@ CLIENT = Path(__file__).with_name("lmcache_client.py")
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
-    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds (``hack.polling``)."""
+    wait_until(predicate, timeout, what, interval)
 
 
 def metric_value(body: str, name: str, labels: str = "") -> float | None:

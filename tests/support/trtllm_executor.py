@@ -41,9 +41,10 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -316,6 +317,14 @@ class EngineDied(RuntimeError):
     """An exception left TensorRT-LLM's executor loop: the engine stops serving (every request fails)."""
 
 
+PREFERS_V2_FROM_RC22 = ("deepseek", "gpt-oss", "gemma", "qwen3-next", "kimi", "minimax")
+"""Model families whose class answers ``get_preferred_kv_cache_manager_version() -> "V2"`` once "auto"
+exists (PRs #15823, #16060, #16942, #17396, #17125, #17232, #17360; docs/connector.md, "TensorRT-LLM versions")."""
+
+PREFERS_V2_FROM_SEPTEMBER = (*PREFERS_V2_FROM_RC22, "llama", "nemotron")
+"""... and from September on, Llama 3.x/4 (#19004) and Nemotron multimodal (#19140)."""
+
+
 @dataclass(frozen=True)
 class ExecutorBehaviour:
     """Where supported TensorRT-LLM versions differ on the connector's paths (docs/connector.md table)."""
@@ -323,13 +332,49 @@ class ExecutorBehaviour:
     request_finished_on_termination: bool
     """``_do_terminate_request`` calls ``request_finished`` for every ending (cancel, error included);
     otherwise only ``_send_kv_async`` does, for requests that finished normally."""
+    prefers_kv_cache_manager_v2: tuple[str, ...] = ()
+    """Model families that ``use_kv_cache_manager_v2: "auto"`` resolves to V2 (written back into
+    ``llm_args``, ``llm_utils._resolve_kv_cache_manager_v2_auto``); empty: no "auto", V1 unless set."""
+    kv_cache_manager_v2_with_connector: Literal["served", "demoted", "refused"] = "refused"
+    """What a resolved V2 manager does with a connector: ``"served"`` (the V2 connector path, #18700/#18762),
+    ``"demoted"`` (``KvCacheCreator._validate_or_fallback_kv_cache_manager_v2`` builds V1 and the flag
+    stays True) or ``"refused"``."""
+    records_honoured_tokens: bool = False
+    """``commit_new_matched_tokens`` sets ``LlmRequest.py_num_connector_matched_tokens``."""
+    attention_dp_with_connector: bool = False
+    """A connector under ``enable_attention_dp`` (#19250; KVCacheManagerV2 only)."""
 
 
 TRTLLM_VERSIONS = {
     "1.1": ExecutorBehaviour(request_finished_on_termination=True),
     "1.2": ExecutorBehaviour(request_finished_on_termination=False),
-    "main": ExecutorBehaviour(request_finished_on_termination=False),
+    "1.3.0rc": ExecutorBehaviour(
+        request_finished_on_termination=False,
+        prefers_kv_cache_manager_v2=PREFERS_V2_FROM_RC22,
+        kv_cache_manager_v2_with_connector="demoted",
+    ),
+    "1.4.0rc1": ExecutorBehaviour(
+        request_finished_on_termination=False,
+        prefers_kv_cache_manager_v2=PREFERS_V2_FROM_SEPTEMBER,
+        kv_cache_manager_v2_with_connector="served",
+        records_honoured_tokens=True,
+        attention_dp_with_connector=True,
+    ),
+    "main": ExecutorBehaviour(
+        request_finished_on_termination=False,
+        prefers_kv_cache_manager_v2=PREFERS_V2_FROM_SEPTEMBER,
+        kv_cache_manager_v2_with_connector="served",
+        records_honoured_tokens=True,
+        attention_dp_with_connector=True,
+    ),
 }
+"""1.3.0rc: the "auto" window before the V2 connector path (rc22-rc26); 1.4.0rc1 and main: the V2
+connector path. Upstream commits per entry: docs/connector.md, "TensorRT-LLM versions"."""
+
+KV_CACHE_MANAGER_V2_VERSIONS = tuple(
+    v for v, b in TRTLLM_VERSIONS.items() if b.kv_cache_manager_v2_with_connector == "served"
+)
+"""The versions on which a connector runs on KVCacheManagerV2: every V2 test runs on each."""
 
 
 def returned_by_every_rank(votes: dict[int, int], per_rank: list[list[int]], ranks: int) -> list[int]:
@@ -348,25 +393,21 @@ ADP_LOAD_DEADLINE_S = 1.0
 """The stand-in's ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC`` (main; its value was not found upstream, and a
 test slows loads past this one)."""
 
-PREFERS_KV_CACHE_MANAGER_V2 = ("llama", "deepseek", "gpt-oss", "gemma", "qwen3-next", "kimi", "minimax", "nemotron")
-"""Model families whose class answers ``get_preferred_kv_cache_manager_version() -> "V2"`` on main
-(PRs #15823, #16060, #16942, #17396, #19004, #19140; docs/connector.md, "TensorRT-LLM versions")."""
 
-
-def resolve_kv_cache_manager(llm_args: Any, version: str) -> None:
-    """``llm_utils._resolve_kv_cache_manager_v2_auto``: on main ``"auto"`` becomes the model's preferred
-    manager and is written back into ``llm_args`` before the connector is built; 1.1/1.2 have no V2."""
+def resolve_kv_cache_manager(llm_args: Any, version: str) -> bool:
+    """``llm_utils._resolve_kv_cache_manager_v2_auto`` where ``"auto"`` exists: the model's preferred
+    manager, written back into ``llm_args`` before the connector is built (1.1/1.2: V1). Returns whether
+    the engine runs KVCacheManagerV2 with the connector (not so where V2 is demoted to V1)."""
+    behaviour = TRTLLM_VERSIONS[version]
     cache = llm_args.kv_cache_config
     if cache.use_kv_cache_manager_v2 == "auto":
         model = str(llm_args.model).lower()
-        cache.use_kv_cache_manager_v2 = version == "main" and any(f in model for f in PREFERS_KV_CACHE_MANAGER_V2)
-    if cache.use_kv_cache_manager_v2 is True and version != "main":
-        raise ValueError(f"KVCacheManagerV2 with a KV connector exists on TensorRT-LLM main, not {version}")
-
-
-def uses_kv_cache_manager_v2(llm_args: Any) -> bool:
-    """Whether the resolved ``kv_cache_config`` runs KVCacheManagerV2."""
-    return llm_args.kv_cache_config.use_kv_cache_manager_v2 is True
+        cache.use_kv_cache_manager_v2 = any(f in model for f in behaviour.prefers_kv_cache_manager_v2)
+    if cache.use_kv_cache_manager_v2 is not True:
+        return False
+    if behaviour.kv_cache_manager_v2_with_connector == "refused":
+        raise ValueError(f"KVCacheManagerV2 with a KV connector does not exist on TensorRT-LLM {version}")
+    return behaviour.kv_cache_manager_v2_with_connector == "served"
 
 
 KV_CACHE_DTYPES = {"auto": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -396,7 +437,7 @@ def load_connector_classes(llm_args: Any) -> tuple[type, type]:
 class RankState:
     """One rank's pool, worker and forward; rank 0 holds it in-process, rank 1 in its own process."""
 
-    def __init__(self, rank: int, llm_args: Any, geometry: dict[str, int]) -> None:
+    def __init__(self, rank: int, llm_args: Any, geometry: dict[str, int], kv_manager_v2: bool) -> None:
         _ensure_paths()
         os.environ[RANK_ENV] = str(rank)
         self.rank = rank
@@ -407,25 +448,30 @@ class RankState:
         self.heads = geometry["num_kv_heads"] // self.tp
         self.head_offset = (rank % self.tp) * self.heads
         self.head_dim = geometry["head_dim"]
+        self.kv_factor = geometry["kv_factor"]
         self.dtype = kv_cache_dtype(llm_args)
         self.pool = torch.zeros(
-            geometry["num_blocks"], self.layers, 2, self.heads * self.block * self.head_dim, dtype=self.dtype
+            geometry["num_blocks"],
+            self.layers,
+            self.kv_factor,
+            self.heads * self.block * self.head_dim,
+            dtype=self.dtype,
         )
         _, worker_cls = load_connector_classes(llm_args)
         self.worker = worker_cls(llm_args)
         self.worker.register_forward_pass_callable()
-        if uses_kv_cache_manager_v2(llm_args):  # KVCacheManagerV2 registers its pages as a layout
+        if kv_manager_v2:  # KVCacheManagerV2 registers its pages as a layout
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
 
             self.worker.register_kv_cache_layout(
-                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers))),))
+                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers)), geometry["window"] or None),))
             )
         else:
             self.worker.register_kv_caches(self.pool)
         self.mismatches = 0
 
     def _block_view(self, block: int, layer: int) -> torch.Tensor:
-        return self.pool[block, layer].view(2, self.heads, self.block, self.head_dim)
+        return self.pool[block, layer].view(self.kv_factor, self.heads, self.block, self.head_dim)
 
     def step(
         self,
@@ -472,7 +518,7 @@ class RankState:
 
     def _forward_layer(self, layer: int, hashes: list[int], blocks: list[int], start: int, end: int) -> None:
         h = torch.tensor(hashes[start:end], dtype=torch.int64)
-        vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)
+        vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)[: self.kv_factor]
         for pos in range(start, end):
             view = self._block_view(blocks[pos // self.block], layer)
             view[:, :, pos % self.block, :] = vals[:, :, pos - start, :]
@@ -481,7 +527,7 @@ class RankState:
         bad = 0
         h = torch.tensor(hashes[:end], dtype=torch.int64)
         for layer in range(self.layers):
-            expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)
+            expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)[: self.kv_factor]
             for b in range((end + self.block - 1) // self.block):
                 lo, hi = b * self.block, min(end, (b + 1) * self.block)
                 got = self._block_view(blocks[b], layer)[:, :, : hi - lo, :]
@@ -494,7 +540,7 @@ class RankState:
         total = 0
         for b in range((end + self.block - 1) // self.block):
             n = min(self.block, end - b * self.block)
-            view = self.pool[blocks[b]].view(self.layers, 2, self.heads, self.block, self.head_dim)
+            view = self.pool[blocks[b]].view(self.layers, self.kv_factor, self.heads, self.block, self.head_dim)
             total += int(view[:, :, :, :n, :].to(torch.int64).sum()) * (b + 1)
         return total
 
@@ -504,28 +550,48 @@ class RankState:
             shutdown()
 
 
-def _lag_commits(seconds: float) -> None:
-    """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may:
-    TensorRT-LLM's ranks never promise to finish a save together."""
+@contextlib.contextmanager
+def commits_lagging(seconds: float, on_first: Callable[[], None] | None = None) -> Iterator[None]:
+    """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may
+    (TensorRT-LLM's ranks never promise to finish a save together); ``on_first`` runs when the first
+    one is due to leave, its PREPARE answered and its copies done (a fault can land there)."""
     from kvoffload.connector.backends.lmcache_mp import LMCacheMPClient
 
     send = LMCacheMPClient._commit_now
+    first = [on_first]
 
     def late(self: Any, item: Any) -> None:
+        hook, first[0] = first[0], None
+        if hook is not None:
+            hook()
         time.sleep(seconds)
         send(self, item)
 
     LMCacheMPClient._commit_now = late  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LMCacheMPClient._commit_now = send  # type: ignore[method-assign]
 
 
 def _follower_main(
-    conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], env: dict[str, str], commit_lag_s: float
+    conn: Any,
+    rank: int,
+    llm_args: Any,
+    geometry: dict[str, int],
+    kv_manager_v2: bool,
+    env: dict[str, str],
+    commit_lag_s: float,
 ) -> None:
     os.environ.update(env)
-    if commit_lag_s:
-        _lag_commits(commit_lag_s)
+    lagging = commits_lagging(commit_lag_s) if commit_lag_s else contextlib.nullcontext()
+    with lagging:
+        _serve_rank(conn, rank, llm_args, geometry, kv_manager_v2)
+
+
+def _serve_rank(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], kv_manager_v2: bool) -> None:
     try:
-        state = RankState(rank, llm_args, geometry)
+        state = RankState(rank, llm_args, geometry, kv_manager_v2)
         conn.send({"ready": True})
         while True:
             msg = conn.recv()
@@ -642,12 +708,17 @@ class StandinExecutor:
         overlap_scheduler: bool = False,
         attention_dp_rank: int = 0,
         follower_commit_lag_s: float = 0.0,
+        mla: bool = False,
+        sliding_window: int = 0,
     ) -> None:
-        """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``_lag_commits``)."""
+        """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``commits_lagging``);
+        ``mla``: DeepSeek's multi-head latent attention, one latent head per layer and no value half
+        (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key" buffer);
+        ``sliding_window``: every layer attends to this many tokens (0: all), one V2 layer group with that
+        ``window_size`` (the -1 pages of passed blocks are not modelled: the connector refuses the layout)."""
         _ensure_paths()
-        resolve_kv_cache_manager(llm_args, version)
         self.llm_args = llm_args
-        self.kv_manager_v2 = uses_kv_cache_manager_v2(llm_args)
+        self.kv_manager_v2 = resolve_kv_cache_manager(llm_args, version)
         """KVCacheManagerV2 (main): pages per chunk, the honoured count may fall short of the offer
         (a grow that fails), the layout registration, ``block_hashes == []``."""
         self.attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
@@ -669,8 +740,10 @@ class StandinExecutor:
         geometry = {
             "num_blocks": num_blocks,
             "num_layers": num_layers,
-            "num_kv_heads": num_kv_heads,
+            "num_kv_heads": 1 if mla else num_kv_heads,
             "head_dim": head_dim,
+            "kv_factor": 1 if mla else 2,
+            "window": sliding_window,
         }
         os.environ[WORLD_ENV] = str(self.tp)
         self.blocks = BlockManager(num_blocks)
@@ -680,8 +753,8 @@ class StandinExecutor:
         ctx = mp.get_context("spawn")
         scheduler_cls, worker_cls = load_connector_classes(llm_args)
         if self.attention_dp:
-            if version != "main":
-                raise ValueError(f"attention DP with a KV connector exists on TensorRT-LLM main, not {version}")
+            if not self.behaviour.attention_dp_with_connector:
+                raise ValueError(f"attention DP with a KV connector does not exist on TensorRT-LLM {version}")
             if not self.kv_manager_v2:  # main's test_adp_rejects_a_resolved_v1_manager
                 raise ValueError("attention DP with a KV connector requires KVCacheManagerV2")
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import validate_attention_dp
@@ -691,13 +764,13 @@ class StandinExecutor:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_follower_main,
-                args=(child, rank, llm_args, geometry, child_env, follower_commit_lag_s),
+                args=(child, rank, llm_args, geometry, self.kv_manager_v2, child_env, follower_commit_lag_s),
                 daemon=True,
             )
             proc.start()
             self.followers.append((parent, proc))
         # TensorRT-LLM builds rank 0's scheduler and worker concurrently; sequential is equivalent here.
-        self.rank0 = RankState(attention_dp_rank if self.attention_dp else 0, llm_args, geometry)
+        self.rank0 = RankState(attention_dp_rank if self.attention_dp else 0, llm_args, geometry, self.kv_manager_v2)
         self.scheduler = scheduler_cls(llm_args)
         for parent, _proc in self.followers:
             reply = parent.recv()
@@ -997,7 +1070,7 @@ class StandinExecutor:
         req.reused_blocks = reused
         if partial_src is not None:  # copy-on-partial-reuse, in prepare_resources (before start_load_kv)
             block_copies.append((partial_src, req.block_ids[len(reused)]))
-        if self.version == "main":  # commit_new_matched_tokens records what was honoured on the request
+        if self.behaviour.records_honoured_tokens:  # commit_new_matched_tokens records it on the request
             req.py_num_connector_matched_tokens = honoured
         self.scheduler.update_state_after_alloc(req, list(req.block_ids))
         req.context_pos = num_reused + honoured
@@ -1106,7 +1179,9 @@ class StandinExecutor:
 
     def _match_partial(self, req: StandinLlmRequest, salt: str, full_blocks: int) -> tuple[int | None, int]:
         """With ``enable_partial_reuse``: a reusable block matching the start of the next block
-        (up to the prompt's last token, which is never reused)."""
+        (up to the prompt's last token, which is never reused). KVCacheManagerV2 does the same: its
+        radix tree matches into a block and the page is copied at the first ``resume()``, before the
+        forward (_kv_cache.py @00f6bd6 ``_setup_for_reuse``)."""
         if not self.partial_reuse:
             return None, 0
         start = full_blocks * self.block

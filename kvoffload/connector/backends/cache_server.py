@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult
 from kvoffload.connector.backends.blockcopy import gather_chunks, scatter_chunks
 from kvoffload.connector.backends.commits import PENDING_COMMITS, chain_of
 from kvoffload.connector.backends.lmcache_mp import KV_POOL_NAME, AsyncLoad, LMCacheMPClient, failure_reason
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, slot_view
 from kvoffload.connector.planning import SecuredLoad, SlotRef, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
@@ -45,8 +44,8 @@ class _Unsecured(Exception):
 class _IssuedStore:
     """A store whose PREPAREs went and whose copies are queued: what its COMMITs need."""
 
-    transfer: Any
-    """The transfer context that prepared it (its COMMITs go there, or nowhere if it was replaced)."""
+    prepared_on: tuple[Any, tuple[str, int] | None]
+    """The transfer context and server segment that prepared it (its COMMITs go to that server)."""
     keys: list[IPCCacheServerKey] = dataclasses.field(default_factory=list)
     blocks: int = 0
     prepare_s: float = 0.0
@@ -188,7 +187,7 @@ class CacheServerBackend(LMCacheMPClient):
         finally:
             self._lock.release()
         for key in asked:  # whatever was handed out goes back
-            self._commit_later("retrieve", key)
+            self._commit_later("retrieve", key, (transfer, segment))
         return None
 
     def commit_secured(
@@ -197,7 +196,7 @@ class CacheServerBackend(LMCacheMPClient):
         """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
         segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
         for key in self._keys_of_every_rank(session_id, token_ids, start, end, salt):
-            self._commit_later("retrieve", key)
+            self._commit_later("retrieve", key, (None, segment))
         with self._retired_lock:
             self._secured_open[segment] -= 1
             if self._secured_open[segment] <= 0:
@@ -313,10 +312,7 @@ class CacheServerBackend(LMCacheMPClient):
         if transfer is None:
             raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
         edc = transfer.engine_driven_context
-        return [
-            edc._make_tensor_view(offset=slot.offset, length=slot.length, shape=list(slot.shape), dtype_str=slot.dtype)
-            for slot in secured.slots[self._rank]
-        ]
+        return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in secured.slots[self._rank]]
 
     def _fast_copies(self) -> bool:
         """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
@@ -424,7 +420,7 @@ class CacheServerBackend(LMCacheMPClient):
         overlap it; ``store`` waits for the copies after the transfer context is free again."""
         assert self._instance_id is not None
         bpc, block = self._blocks_per_chunk, self._settings.tokens_per_block
-        issued = _IssuedStore(self._transfer)
+        issued = _IssuedStore((self._transfer, self._shm_identity))
         with self._retired_lock:
             self._stores_copying += 1  # the segment stays mapped until these copies finished
         try:
@@ -462,7 +458,7 @@ class CacheServerBackend(LMCacheMPClient):
         t1 = time.perf_counter()
         if commit:
             for group_key in issued.keys:
-                self._commit_later("store", group_key, issued.transfer)
+                self._commit_later("store", group_key, issued.prepared_on)
         logger.debug(
             "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
             issued.blocks,

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 Chain = tuple[str, str, tuple[int, ...]]
 """(model, salt, first chunk's tokens): LMCache hashes a prompt's chunks as a chain from its first
@@ -29,6 +29,9 @@ class DeferredCommit:
     key: IPCCacheServerKey
     chain: Chain | None = None
     """A store's chain (lookups on it wait for this COMMIT); None for a retrieve's."""
+    segment: tuple[str, int] | None = None
+    """The server segment its PREPARE reserved in (None in pickle mode): the COMMIT goes to whichever
+    connection reaches that segment's server, and nowhere once the server is gone."""
 
 
 class PendingCommits:

@@ -13,7 +13,6 @@ store, so this backend requires ``tensor_parallel_size == 1``.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import logging
@@ -67,36 +66,14 @@ def start_engine(settings: ConnectorSettings) -> str:
     with _LOCK:
         if "url" in _ENGINE:
             return str(_ENGINE["url"])
-        from lmcache.v1.distributed.config import add_storage_manager_args, parse_args_to_config
-        from lmcache.v1.mp_observability.config import add_observability_args, parse_args_to_observability_config
-        from lmcache.v1.multiprocess.config import (
-            add_coordinator_args,
-            add_mp_server_args,
-            parse_args_to_coordinator_config,
-            parse_args_to_mp_server_config,
-        )
-        from lmcache.v1.multiprocess.server import run_cache_server
-
+        from kvoffload.connector.lmcache_seam import run_inprocess_server
         from kvoffload.lmcache_guard import install_restricted_unpickler
 
         install_restricted_unpickler()  # the engine's own server unpickles no stranger's code either
-        parser = argparse.ArgumentParser()
-        add_mp_server_args(parser)
-        add_storage_manager_args(parser)
-        add_observability_args(parser)
-        add_coordinator_args(parser)
         port = _free_port()
         l1 = parse_bytes(os.environ.get(contract.ENV_L1_SIZE, DEFAULT_L1_SIZE), contract.ENV_L1_SIZE)
-        args = parser.parse_args(
+        server, engine = run_inprocess_server(
             server_args(port, settings.chunk_size or DEFAULT_CHUNK_SIZE, l1, f"kvo_inproc_{uuid.uuid4().hex[:10]}")
-        )
-        server, engine = run_cache_server(
-            mp_config=parse_args_to_mp_server_config(args),
-            storage_manager_config=parse_args_to_config(args),
-            obs_config=parse_args_to_observability_config(args),
-            coordinator_config=parse_args_to_coordinator_config(args),
-            return_engine=True,
-            start_prometheus_http_server=False,
         )
         url = contract.server_url(port)
         _ENGINE.update(url=url, server=server, engine=engine)

@@ -1,7 +1,7 @@
 """LMCache's multi-process server, as a client: connection, registration, health, deferred COMMITs.
 
-Everything here is LMCache's public client API (``RequestClientFactory``, ``create_transfer_context``,
-``IPCCacheServerKey``). :class:`~kvoffload.connector.backends.cache_server.CacheServerBackend`
+LMCache comes through :mod:`kvoffload.connector.lmcache_seam` (its client, transfer contexts, keys,
+and the private names that seam lists). :class:`~kvoffload.connector.backends.cache_server.CacheServerBackend`
 builds the connector's lookups, loads and stores on it, for the pod's sidecar or for the server
 the in-process backend hosts.
 
@@ -28,15 +28,10 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from lmcache.utils import EngineType
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
-from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvoffload.cache_keys import ClientKeys
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
@@ -44,6 +39,16 @@ from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.keys import cache_model_name, chunk_layout
+from kvoffload.connector.lmcache_seam import (
+    EngineType,
+    IPCCacheServerKey,
+    MPTransferMode,
+    RequestClientFactory,
+    ServerDisconnected,
+    create_transfer_context,
+    fail_requests_on_disconnect,
+    shm_segment_name,
+)
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.planning import TransferOp
 from kvoffload.connector.settings import ConnectorSettings
@@ -62,6 +67,15 @@ _PINGS_MISSED_FOR_DOWN = 2
 PING is a busy server (the next goes ``_RECONNECT_S`` later); a dropped connection is down at once."""
 _RECONNECT_PING_TIMEOUT_S = 1.0
 """A PING to a server believed down: a restarted one answers a fresh socket in milliseconds."""
+_COMMIT_AWAITS_REGISTRATION_S = 15.0
+"""How long after a reset COMMITs queued before it wait for the next registration, which says
+whether the server that prepared them is still there (same segment: send them there) or gone (drop
+them). Dropping one for a live server would keep its reservation, and LMCache would refuse to store
+those chunks again until the reservation's write lock expires (600 s by default). One deadline for
+all of them: a long outage holds the queue this long once, not once per COMMIT."""
+_COMMIT_ATTEMPTS = 3
+"""Sends of one COMMIT at most: a connection reset under a COMMIT to a server that is still there
+sends it again on the new connection."""
 _RETIRED_GRACE_S = 10.0
 """A replaced transfer context (server restarted) stays mapped until the end of the engine's
 iteration (``release_loaded``), or this long when the engine is idle, and in any case while a load
@@ -82,38 +96,6 @@ def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, ServerDisconnected):
         return "unavailable"
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
-
-
-class ServerDisconnected(ConnectionError):
-    """The LMCache server's connection dropped (it died or restarted) while a request waited on it."""
-
-
-def fail_requests_on_disconnect(client: Any, on_disconnect: Callable[[], None] | None = None) -> bool:
-    """Make requests waiting on ``client`` fail as soon as its connection to the server drops,
-    rather than at their timeouts: a killed server never answers them; then call ``on_disconnect``.
-
-    LMCache's ZMQ client polling loop already watches the socket's disconnect events, but only
-    wakes subscription streams (``cancel_streams``); this extends that callback, on the loop's own
-    thread (the one that owns ``pending_futures``), to fail the pending requests too. False where
-    the client is not LMCache 0.5's ZMQ client (then requests wait for their timeouts, as before).
-    """
-    mq: Any = getattr(client, "_message_queue_client", None)
-    pending = getattr(mq, "pending_futures", None)
-    original = getattr(mq, "cancel_streams", None)
-    if not isinstance(pending, dict) or original is None:
-        return False
-
-    def cancel_streams_and_requests() -> None:
-        original()
-        waiting = list(pending.values())
-        pending.clear()
-        for future, _spec in waiting:
-            future.set_exception(ServerDisconnected("the LMCache server's connection dropped"))
-        if on_disconnect is not None:
-            on_disconnect()
-
-    mq.cancel_streams = cancel_streams_and_requests
-    return True
 
 
 def authenticate_as_client(context: zmq.Context[Any], keys: ClientKeys) -> None:
@@ -179,6 +161,12 @@ class LMCacheMPClient:
         """The model name in this client's keys (:meth:`cache_model`)."""
         self._transfer: Any = None
         self._shm_identity: tuple[str, int] | None = None
+        self._registered = threading.Condition(self._lock)
+        """Notified when a transfer context is registered (or the client closes): a COMMIT queued
+        during a reset waits on it to learn whether its server is still there."""
+        self._closing = False
+        self._transfer_lost_at = 0.0
+        """When a reset last dropped the transfer context (monotonic)."""
         self._retired: list[tuple[Any, tuple[str, int] | None, float]] = []
         self._retired_lock = threading.Lock()  # heartbeat thread and engine thread both close them
         self._secured_open: Counter[tuple[str, int]] = Counter()
@@ -347,6 +335,7 @@ class LMCacheMPClient:
             old, self._transfer = self._transfer, transfer
             old_identity, self._shm_identity = self._shm_identity, self._shm_of(transfer)
             self._needs_register = False
+            self._registered.notify_all()
         if old is not None:
             self._retire(old, old_identity)
         mode = "shm" if self._shm_identity else "pickle"
@@ -364,8 +353,7 @@ class LMCacheMPClient:
     @staticmethod
     def _shm_of(transfer: Any) -> tuple[str, int] | None:
         """(segment name, inode) of the server L1 segment this context mapped; None in pickle mode."""
-        # lmcache 0.5.6 keeps the name on the SHM context only as a private attribute.
-        name = getattr(getattr(transfer, "_engine_driven_context", None), "_shm_name", None)
+        name = shm_segment_name(transfer)
         if not name:
             return None
         try:
@@ -419,11 +407,17 @@ class LMCacheMPClient:
         self._retired = keep
 
     # --- deferred COMMIT ----------------------------------------------------------------
-    def _commit_later(self, operation: str, key: IPCCacheServerKey, transfer: Any = None) -> None:
-        """Queue the COMMIT of a finished copy for ``transfer`` (default: the current transfer context;
-        one queued for a context replaced before it is sent is dropped: that server is gone)."""
+    def _commit_later(
+        self, operation: str, key: IPCCacheServerKey, prepared_on: tuple[Any, tuple[str, int] | None] | None = None
+    ) -> None:
+        """Queue the COMMIT of a finished copy prepared on ``prepared_on`` (transfer context, segment;
+        default: the current ones). It is sent to that segment's server, through whichever connection
+        reaches it then, and dropped once that server is gone (``_commit_target``)."""
         chain = chain_of(key, self.chunk_size) if operation == "store" else None
-        commit = DeferredCommit(operation, transfer if transfer is not None else self._transfer, key, chain)
+        if prepared_on is None:
+            with self._lock:
+                prepared_on = (self._transfer, self._shm_identity)
+        commit = DeferredCommit(operation, prepared_on[0], key, chain, prepared_on[1])
         PENDING_COMMITS.add(commit)
         self._commits.put(commit)
 
@@ -441,50 +435,56 @@ class LMCacheMPClient:
 
     def _commit_now(self, item: DeferredCommit) -> None:
         """Send one COMMIT and wait for its answer, without holding the transfer lock meanwhile (the
-        MQ client takes requests from any thread): lookups, secures and copies go on during it."""
-        transfer = self._commit_target(item)
-        if transfer is None:
-            self._commit_dropped(item)
-            return
-        edc = transfer.engine_driven_context
-        start = time.perf_counter()
-        try:
-            ok = True
-            if item.operation == "store":
-                ok = bool(edc.commit_store(item.key, self._instance_id, []))
-            else:
-                edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
-        except Exception as exc:
-            with self._lock:
-                replaced = transfer is not self._transfer
-            if replaced:  # the connection was reset under it: that server is gone
+        MQ client takes requests from any thread): lookups, secures and copies go on during it. A
+        reset under it sends it again to the same server; it is dropped only once that server is gone."""
+        for _attempt in range(_COMMIT_ATTEMPTS):
+            transfer = self._commit_target(item)
+            if transfer is None:
                 self._commit_dropped(item)
-            else:
+                return
+            edc = transfer.engine_driven_context
+            start = time.perf_counter()
+            try:
+                ok = True
+                if item.operation == "store":
+                    ok = bool(edc.commit_store(item.key, self._instance_id, []))
+                else:
+                    edc.commit_retrieve(item.key, self._instance_id)  # releases the slots; the KV is already in
+            except Exception as exc:
+                with self._lock:
+                    replaced = transfer is not self._transfer
+                if replaced:  # the connection was reset under it: send it again where it belongs
+                    continue
                 self._fail(item.operation, failure_reason(exc), f"COMMIT: {exc!r}")
+                return
+            if not ok:
+                self._metrics.error(item.operation, "server_error")
+                logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
+            elif item.operation == "store" and self._store_reports is not None:
+                self._store_reports.report(self._client, item.key)
+            logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
+                         (time.perf_counter() - start) * 1e3)  # fmt: skip
             return
-        if not ok:
-            self._metrics.error(item.operation, "server_error")
-            logger.warning("event=commit_refused operation=%s session=%s", item.operation, item.key.request_id)
-        elif item.operation == "store" and self._store_reports is not None:
-            self._store_reports.report(self._client, item.key)
-        logger.debug("event=commit_timing op=%s commit_ms=%.3f", item.operation,
-                     (time.perf_counter() - start) * 1e3)  # fmt: skip
+        self._commit_dropped(item)
 
     def _commit_target(self, item: DeferredCommit) -> Any:
         """The transfer context to send ``item``'s COMMIT through: the one that prepared it while it
         is current; the current one where the context was replaced on the same server segment (a
         re-registration with the server that prepared it: without the COMMIT it would keep the
         reservation, and refuse to store those chunks again, for good); None once that server is gone.
-        COMMITs name the instance and the key, not the connection."""
-        with self._lock:
-            current, segment = self._transfer, self._shm_identity
-        if item.transfer is None or current is None:
+        During a reset it waits for the next registration, which tells which. COMMITs name the
+        instance and the key, not the connection."""
+        if item.transfer is None and item.segment is None:
             return None
-        if item.transfer is current:
+        with self._registered:
+            wait_s = self._transfer_lost_at + _COMMIT_AWAITS_REGISTRATION_S - time.monotonic()
+            self._registered.wait_for(lambda: self._transfer is not None or self._closing, timeout=max(0.0, wait_s))
+            current, segment = self._transfer, self._shm_identity
+        if current is None:
+            return None
+        if item.transfer is current or (item.segment is not None and item.segment == segment):
             return current
-        with self._retired_lock:
-            prepared_on = next((ident for t, ident, _ in self._retired if t is item.transfer), None)
-        return current if prepared_on is not None and prepared_on == segment else None
+        return None
 
     def _commit_dropped(self, item: DeferredCommit) -> None:
         """Reconnected meanwhile: that server (and its reservation) is gone; a store is lost."""
@@ -558,12 +558,17 @@ class LMCacheMPClient:
                 self._needs_register = True
             transfer, self._transfer = self._transfer, None
             identity, self._shm_identity = self._shm_identity, None
+            if transfer is not None:
+                self._transfer_lost_at = time.monotonic()
         if transfer is not None:
             self._retire(transfer, identity)
         old.close()
 
     def close(self) -> None:
         """Send the queued COMMITs, stop the heartbeat, unregister and close the connection."""
+        with self._registered:
+            self._closing = True  # a COMMIT waiting for a registration gives up
+            self._registered.notify_all()
         self._commits.put(None)
         self._committer.join(timeout=max(5.0, self._store_timeout_s))
         self._stop.set()

@@ -14,10 +14,8 @@ import logging
 from collections import deque
 from typing import Any
 
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
-
 from kvoffload import chunk_report
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, ServerModuleCallRequest
 from kvoffload.connector.metrics import ConnectorMetrics
 
 logger = logging.getLogger("kvoffload.connector")

@@ -16,6 +16,7 @@ from tests.integration.connector.test_connector_on_real_executor import (
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     CHUNK,
+    KV_CACHE_MANAGER_V2_VERSIONS,
     AttentionDpRank,
     PromptRequest,
     connector_llm_args,
@@ -23,7 +24,8 @@ from tests.support.trtllm_executor import (
     settle_commits,
 )
 
-pytestmark = pytest.mark.connector
+pytestmark = [pytest.mark.connector, pytest.mark.parametrize("version", KV_CACHE_MANAGER_V2_VERSIONS)]
+"""Every test runs on each version that has attention DP with a connector (those serving V2)."""
 
 ADP = {"tp": 2, "attention_dp": True, "kv_cache_manager_v2": True}
 """Attention DP with a connector runs on KVCacheManagerV2 only (main refuses a resolved V1 manager)."""
@@ -34,13 +36,15 @@ def conversations(seed: int, first_id: int, n: int = 3) -> list[PromptRequest]:
 
 
 def test_two_attention_dp_ranks_load_each_others_kv_bit_exact(
-    lmcache_server: LMCacheServer, executor_factory: Any, connector_env: dict[str, str]
+    lmcache_server: LMCacheServer, executor_factory: Any, connector_env: dict[str, str], version: str
 ) -> None:
     """What one DP rank stored, the other loads: every prompt served again on the other rank hits
     LMCache for its whole chunks, its KV is bit-exact and its output equals the first rank's."""
-    model = "adp-model"
-    rank0 = executor_factory(model, lmcache_server.url, llm_args=ADP, num_blocks=88, attention_dp_rank=0)
-    rank1 = AttentionDpRank(connector_llm_args(model, lmcache_server.url, **ADP), 1, dict(os.environ), num_blocks=88)
+    model = f"adp-{version}-model"
+    rank0 = executor_factory(model, lmcache_server.url, llm_args=ADP, num_blocks=88, attention_dp_rank=0,
+                             version=version)  # fmt: skip
+    rank1 = AttentionDpRank(connector_llm_args(model, lmcache_server.url, **ADP), 1, dict(os.environ), num_blocks=88,
+                            version=version)  # fmt: skip
     try:
         first0 = rank0.run(conversations(700, 100))
         assert settle_commits()
@@ -62,14 +66,14 @@ def test_two_attention_dp_ranks_load_each_others_kv_bit_exact(
 
 
 def test_an_idle_dp_ranks_dummy_forward_never_leaks_into_a_cancelled_requests_saves(
-    lmcache_server: LMCacheServer, executor_factory: Any
+    lmcache_server: LMCacheServer, executor_factory: Any, version: str
 ) -> None:
     """Requests cancelled mid chunked prefill (no ``request_finished``) with saves queued behind a busy
     server; the rank then idles while the other ranks work, so each iteration runs a dummy request
     on a block from the free pool, which the connector is never told of. Later requests with those
     prefixes load only KV that was really theirs, and the connector keeps no state of the cancelled."""
-    ex = executor_factory("adp-cancel-model", lmcache_server.url, llm_args=ADP, num_blocks=88,
-                          context_chunk_size=CHUNK, attention_dp_rank=0)  # fmt: skip
+    ex = executor_factory(f"adp-cancel-{version}-model", lmcache_server.url, llm_args=ADP, num_blocks=88,
+                          context_chunk_size=CHUNK, attention_dp_rank=0, version=version)  # fmt: skip
     make_server_busy(ex, 0.03)
     cancelled = 0
     for batch in cancellation_stream(seed=23, rounds=30, per_round=4, cancel_share=1.0):
@@ -88,18 +92,18 @@ def test_an_idle_dp_ranks_dummy_forward_never_leaks_into_a_cancelled_requests_sa
 
 
 def test_attention_dp_refuses_a_connector_that_does_not_declare_it(
-    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
     """The stand-in is no kinder than KvCacheConnectorManager: without the opt-in, attention DP is refused."""
     from kvoffload.connector import trtllm
 
     monkeypatch.setattr(trtllm.KvoffloadConnectorScheduler, "supports_attention_dp", False)
     with pytest.raises(NotImplementedError, match="supports_attention_dp=True"):
-        executor_factory("adp-refused-model", lmcache_server.url, llm_args=ADP, attention_dp_rank=0)
+        executor_factory("adp-refused-model", lmcache_server.url, llm_args=ADP, attention_dp_rank=0, version=version)
 
 
 def test_under_attention_dp_a_slow_load_never_trips_the_engines_load_deadline(
-    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
     """Main fails the engine on every DP rank when a parked load is not reported in time
     (``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``, the stand-in's 1 s): under attention DP the connector loads
@@ -110,7 +114,8 @@ def test_under_attention_dp_a_slow_load_never_trips_the_engines_load_deadline(
 
     monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
     slow_async_loads(monkeypatch, 1.5)
-    ex = executor_factory("adp-deadline-model", lmcache_server.url, llm_args=ADP, num_blocks=88, attention_dp_rank=0)
+    ex = executor_factory(f"adp-deadline-{version}-model", lmcache_server.url, llm_args=ADP, num_blocks=88,
+                          attention_dp_rank=0, version=version)  # fmt: skip
     first = ex.run(conversations(900, 500))
     ex.evict_device_cache()
     again = ex.run([PromptRequest(600 + i, p.prompt, 3) for i, p in enumerate(conversations(900, 500))])

@@ -13,7 +13,13 @@ import pytest
 from kvoffload import contract
 from kvoffload.connector.backends.cache_server import CacheServerBackend
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import CHUNK, TRTLLM_VERSIONS, PromptRequest, make_prompt
+from tests.support.trtllm_executor import (
+    CHUNK,
+    KV_CACHE_MANAGER_V2_VERSIONS,
+    TRTLLM_VERSIONS,
+    PromptRequest,
+    make_prompt,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -64,7 +70,8 @@ def cancel_and_retry_rounds(ex: Any, rounds: int, first_id: int) -> list[int]:
 @pytest.mark.parametrize(
     ("version", "manager_v2", "overlap", "rounds"),
     [("main", v2, overlap, 10) for v2 in (False, True) for overlap in (False, True)]
-    + [(v, False, False, 2) for v in sorted(TRTLLM_VERSIONS) if v != "main"],
+    + [(v, False, False, 2) for v in sorted(TRTLLM_VERSIONS) if v != "main"]
+    + [(v, True, False, 2) for v in KV_CACHE_MANAGER_V2_VERSIONS if v != "main"],
 )
 def test_a_retry_never_reads_kv_a_cancelled_parked_request_is_still_loading(
     lmcache_server: LMCacheServer,

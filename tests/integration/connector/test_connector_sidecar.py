@@ -200,12 +200,15 @@ def test_async_saves_hold_blocks_until_every_rank_saved(lmcache_server: LMCacheS
     assert ex.kv_mismatches == 0
 
 
-def test_sidecar_killed_mid_run_requests_keep_completing(tmp_path: Path, executor_factory: Any) -> None:
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_sidecar_killed_mid_run_requests_keep_completing(
+    tmp_path: Path, executor_factory: Any, manager_v2: bool
+) -> None:
     """Kill the LMCache server between requests: zero failures, exact output; hits return after restart."""
     server = LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path / "lmcache")
     server.start()
     try:
-        ex = executor_factory("restart-model", server.url)
+        ex = executor_factory(f"restart-{manager_v2}-model", server.url, llm_args={"kv_cache_manager_v2": manager_v2})
         base = make_prompt(7, 200)
         (r0,) = ex.run([PromptRequest(1, base, 2)])
         ex.evict_device_cache()
@@ -256,16 +259,22 @@ def test_decode_tokens_saved_when_enabled(
     assert ex.kv_mismatches == 0
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 @pytest.mark.parametrize("min_async_tokens", ["0", str(CHUNK)], ids=["sync-load", "async-load"])
 def test_server_killed_between_lookup_and_load_still_gives_the_promised_kv(
-    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, min_async_tokens: str
+    doomed_server: LMCacheServer,
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    min_async_tokens: str,
+    manager_v2: bool,
 ) -> None:
     """The sidecar dies right after the lookup promised KV: the load was secured at lookup (chunks
     handed out in the shared L1 segment), so it is a local copy, synchronous or by the loader
     thread while the request is parked; the request gets the right output and the engine goes on
     (raising in start_load_kv would have stopped TensorRT-LLM's executor)."""
     monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, min_async_tokens)
-    ex = executor_factory("failed-load-model", doomed_server.url)
+    ex = executor_factory(f"failed-load-{manager_v2}-model", doomed_server.url,
+                          llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     p = make_prompt(12, 200)
     (r0,) = ex.run([PromptRequest(1, p, 2)])
     ex.evict_device_cache()

@@ -1,7 +1,7 @@
 """Where every prompt token came from: the connector's ``kvoffload_connector_prompt_tokens_total``
 by source (device reuse, the cache server, computed with a reason) adds up to the prompt tokens the
 engine scheduled, on the stand-in of TensorRT-LLM's executor with a real ``lmcache server``: chunked
-prefill, partial reuse, cancellations and server kills."""
+prefill, partial reuse, cancellations and server kills, each on KVCacheManagerV1 and V2."""
 
 from __future__ import annotations
 
@@ -48,12 +48,13 @@ def by_source(found: Counter[tuple[str, str]]) -> Counter[str]:
     return out
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain-loop", "overlap-loop"])
 def test_chunked_prefill_from_cache_device_and_scratch_adds_up(
-    lmcache_server: LMCacheServer, executor_factory: Any, overlap: bool
+    lmcache_server: LMCacheServer, executor_factory: Any, overlap: bool, manager_v2: bool
 ) -> None:
-    ex = executor_factory(f"sources-chunked-{overlap}-model", lmcache_server.url, context_chunk_size=CHUNK,
-                          overlap_scheduler=overlap)  # fmt: skip
+    ex = executor_factory(f"sources-chunked-{overlap}-{manager_v2}-model", lmcache_server.url, context_chunk_size=CHUNK,
+                          overlap_scheduler=overlap, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     shared = make_prompt(1, 4 * CHUNK)
     results = ex.run([PromptRequest(1, [*shared, *make_prompt(2, CHUNK // 2)], 2)])  # from scratch
     ex.evict_device_cache()
@@ -69,10 +70,13 @@ def test_chunked_prefill_from_cache_device_and_scratch_adds_up(
     assert set(found) <= {("device", "none"), ("cache", "none"), *(("computed", r) for r in contract.COMPUTED_REASONS)}
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 @pytest.mark.parametrize("partial_reuse", [True, False], ids=["partial-reuse-on", "partial-reuse-off"])
-def test_partial_reuse_adds_up(lmcache_server: LMCacheServer, executor_factory: Any, partial_reuse: bool) -> None:
-    ex = executor_factory(f"sources-partial-{partial_reuse}-model", lmcache_server.url,
-                          enable_partial_reuse=partial_reuse)  # fmt: skip
+def test_partial_reuse_adds_up(
+    lmcache_server: LMCacheServer, executor_factory: Any, partial_reuse: bool, manager_v2: bool
+) -> None:
+    ex = executor_factory(f"sources-partial-{partial_reuse}-{manager_v2}-model", lmcache_server.url,
+                          enable_partial_reuse=partial_reuse, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     shared = make_prompt(70, 200)
     x = shared + make_prompt(71, 200)
     results = ex.run([PromptRequest(1, x, 2)])
@@ -83,8 +87,12 @@ def test_partial_reuse_adds_up(lmcache_server: LMCacheServer, executor_factory: 
     assert by_source(token_sources(ex)) == engine_scheduled(results)
 
 
-def test_cancelled_requests_count_only_what_was_scheduled(lmcache_server: LMCacheServer, executor_factory: Any) -> None:
-    ex = executor_factory("sources-cancel-model", lmcache_server.url, num_blocks=88, context_chunk_size=CHUNK)
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_cancelled_requests_count_only_what_was_scheduled(
+    lmcache_server: LMCacheServer, executor_factory: Any, manager_v2: bool
+) -> None:
+    ex = executor_factory(f"sources-cancel-{manager_v2}-model", lmcache_server.url, num_blocks=88,
+                          context_chunk_size=CHUNK, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     rng = random.Random(3)
     prefixes = [make_prompt(600 + i, 4 * CHUNK) for i in range(4)]
     results: list[RequestResult] = []
@@ -98,14 +106,17 @@ def test_cancelled_requests_count_only_what_was_scheduled(lmcache_server: LMCach
         results += ex.run(batch)
         ex.evict_device_cache()
     assert sum(r.cancelled for r in results) >= 10
+    print(f"v2={manager_v2}: connector {dict(by_source(token_sources(ex)))}, engine {dict(engine_scheduled(results))}")
     assert by_source(token_sources(ex)) == engine_scheduled(results)
 
 
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
 def test_server_kills_count_failed_lookups_as_computed_with_their_reason(
-    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, manager_v2: bool
 ) -> None:
     monkeypatch.setenv(contract.ENV_LOOKUP_TIMEOUT_MS, "500")
-    ex = executor_factory("sources-kills-model", doomed_server.url, num_blocks=88, context_chunk_size=CHUNK)
+    ex = executor_factory(f"sources-kills-{manager_v2}-model", doomed_server.url, num_blocks=88,
+                          context_chunk_size=CHUNK, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     shared = make_prompt(90, 4 * CHUNK)
     results: list[RequestResult] = []
     for round_ in range(4):
@@ -116,6 +127,7 @@ def test_server_kills_count_failed_lookups_as_computed_with_their_reason(
         ex.evict_device_cache()
         doomed_server.start()
     found = token_sources(ex)
+    print(f"v2={manager_v2}: connector {dict(by_source(found))}, engine {dict(engine_scheduled(results))}")
     assert by_source(found) == engine_scheduled(results)
     lost = found["computed", "cache_unavailable"] + found["computed", "lookup_timeout"]
     assert lost >= 4 * (4 * CHUNK - CHUNK), found

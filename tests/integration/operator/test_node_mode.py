@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from hack.journey import JourneyError
 from hack.localcluster import LocalCluster
+from hack.polling import WaitTimedOut
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
@@ -138,11 +138,11 @@ def wait_caches_follow(cluster: LocalCluster, namespace: str, app: str, count: i
 
     try:
         return wait_for(converged, timeout=timeout, interval=1, what=f"one cache pod per engine node of {app}")  # type: ignore[no-any-return]
-    except JourneyError as exc:
+    except WaitTimedOut as exc:
         engines = list_objects(cluster, "pods", namespace, f"app={app}")
         seen = [(p["metadata"]["name"], p["spec"].get("nodeName"), (p.get("status") or {}).get("phase"),
                  bool(p["metadata"].get("deletionTimestamp"))) for p in engines + cache_pods(cluster, namespace)]  # fmt: skip
-        raise JourneyError(f"{exc}; pods (name, node, phase, terminating): {seen}") from exc
+        raise WaitTimedOut(f"{exc}; pods (name, node, phase, terminating): {seen}") from exc
 
 
 def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_only_locally(

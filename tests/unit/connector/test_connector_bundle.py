@@ -70,6 +70,25 @@ def test_a_compiled_part_that_does_not_load_fails_naming_the_extension_and_torch
         b.load_lmcache(None)
 
 
+def test_an_lmcache_the_seam_was_not_written_for_is_refused_at_start_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connector uses private names of LMCache (listed in lmcache_seam); on another version it
+    stops at start naming both versions, before any of them is reached."""
+    import lmcache
+
+    from kvoffload.connector import lmcache_seam
+
+    b.load_lmcache(None)  # the pinned version passes
+    monkeypatch.setattr(lmcache, "__version__", "0.5.7")
+    with pytest.raises(b.BundleError) as refused:
+        b.load_lmcache(None)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "LMCache 0.5.7 is installed" in message
+    assert all(v in message for v in lmcache_seam.SUPPORTED_LMCACHE_VERSIONS)
+
+
 def test_lmcache_native_uses_no_symbol_of_torchs_cpp_api() -> None:
     """lmcache_native links libtorch but calls none of it, so it loads against any image's torch;
     if a new lmcache changes that, the bundle starts to depend on the image's torch build."""

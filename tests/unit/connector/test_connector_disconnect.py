@@ -7,7 +7,7 @@ import zmq
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from hack.ports import free_port
-from kvoffload.connector.backends.lmcache_mp import ServerDisconnected, fail_requests_on_disconnect
+from kvoffload.connector.lmcache_seam import ServerDisconnected, fail_requests_on_disconnect
 
 pytestmark = pytest.mark.connector
 

@@ -193,6 +193,17 @@ def test_a_model_with_several_kv_layer_groups_is_refused_at_start_by_name(fake: 
         worker.register_kv_cache_layout(layout)
 
 
+def test_one_sliding_window_layer_group_is_refused_at_start_naming_the_window(fake: FakeBackend, trtllm: Any) -> None:
+    """KVCacheManagerV2 reports the blocks a sliding window passed as -1 (BAD_PAGE_INDEX) and hands
+    their pages to other requests without restating them: the connector refuses such a pool at start."""
+    from types import SimpleNamespace
+
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    layout = SimpleNamespace(groups=(SimpleNamespace(window_size=4096),))
+    with pytest.raises(RuntimeError, match=r"sliding attention window of 4096 tokens"):
+        worker.register_kv_cache_layout(layout)
+
+
 def test_an_async_save_is_reported_done_only_once_its_commits_are_answered(
     fake: FakeBackend, trtllm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.operator.admission_review import PodReview, parse_pod_review
+from kvoffload.operator.admission_review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
 from kvoffload.operator.https_server import Reply, RequestHead, parse_head
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "llm-", "namespace": "ns"}, "spec": {}}
@@ -42,6 +42,27 @@ def test_a_pod_create_is_read_with_its_uid_namespace_and_pod() -> None:
     assert parse_pod_review(changed("request.object.metadata.namespace")) == PodReview(
         "705ab4f5", "ns", {**POD, "metadata": {"generateName": "llm-"}}
     ), "a pod whose namespace the apiserver has not filled in yet"
+
+
+def test_a_workload_update_is_read_with_the_old_object_and_the_field_manager() -> None:
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "llm"}, "spec": {}}
+    old = {**deployment, "spec": {"replicas": 1}}
+    request = {**REVIEW["request"], "kind": {"group": "apps", "version": "v1", "kind": "Deployment"},
+               "operation": "UPDATE", "object": deployment, "oldObject": old,
+               "options": {"kind": "PatchOptions", "fieldManager": "kubectl-rollout"}}  # fmt: skip
+    body = {**REVIEW, "request": request}
+    assert parse_workload_review(json.dumps(body).encode()) == WorkloadReview(
+        "705ab4f5", "ns", "Deployment", deployment, old=old, field_manager="kubectl-rollout"
+    )
+    no_options = {**body, "request": {k: v for k, v in request.items() if k != "options"}}
+    assert parse_workload_review(json.dumps(no_options).encode()) == WorkloadReview(
+        "705ab4f5", "ns", "Deployment", deployment, old=old
+    )
+    for refused, reason in (({"oldObject": None}, "request.oldObject is NoneType"),
+                            ({"options": {"fieldManager": 7}}, "fieldManager 7"),
+                            ({"operation": "DELETE"}, "only CREATE")):  # fmt: skip
+        answer = parse_workload_review(json.dumps({**body, "request": {**request, **refused}}).encode())
+        assert isinstance(answer, str) and reason in answer, answer
 
 
 @pytest.mark.parametrize(

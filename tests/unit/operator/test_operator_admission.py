@@ -347,6 +347,7 @@ def test_the_webhook_never_sees_pods_of_kube_system_or_the_operators_namespace()
     assert pods_hook["namespaceSelector"] == workloads_hook["namespaceSelector"] == {"matchExpressions": [excluded]}
     assert workloads_hook["clientConfig"]["url"] == "https://127.0.0.1:8443" + c.WEBHOOK_WORKLOADS_PATH
     assert workloads_hook["rules"][0]["resources"] == ["deployments", "statefulsets"]
+    assert workloads_hook["rules"][0]["operations"] == ["CREATE", "UPDATE"], "an update keeps kvoffload's fields"
     scoped = webhook_configuration("kvoffload-pod-injection", b"ca", client, ("team-a",), "kvoffload-system")[
         "webhooks"
     ][0]

@@ -528,9 +528,25 @@ def test_a_model_with_several_kv_layer_groups_is_refused_before_the_pod_naming_i
 
 @pytest.mark.parametrize(
     "args",
+    [["serve", "deepseek-ai/DeepSeek-V3"], ["/models/deepseek-ai/DeepSeek-R1-0528"], ["moonshotai/Kimi-K2-Instruct"]],
+)
+def test_a_model_with_multi_head_latent_attention_is_refused_before_the_pod_naming_it(args: list[str]) -> None:
+    """DeepSeek's and Kimi K2's KV pool has one latent head and no value half, which the connector
+    refuses at engine start (``settings.pool_layout_problem``): the operator says so first, naming the model."""
+    engine = container()
+    engine["args"] = args
+    r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
+    assert isinstance(r, PolicyError) and r.reason == "unsupported", r
+    model = args[-1].rsplit("/", 1)[-1]
+    assert r.field == "container trtllm model" and f"{model} uses multi-head latent attention" in r.message
+    assert "opt this workload out" in r.message
+
+
+@pytest.mark.parametrize(
+    "args",
     [
         ["meta-llama/Llama-3.1-8B-Instruct"],
-        ["serve", "deepseek-ai/DeepSeek-V3"],
+        ["serve", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"],  # a Llama: no latent attention
         ["--host", "0.0.0.0", "openai/gpt-oss-120b"],  # not said plainly: left to the engine's own check
     ],
 )

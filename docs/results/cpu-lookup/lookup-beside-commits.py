@@ -3,7 +3,7 @@
 A standalone copy of ``connector_overhead``'s ``lookup_beside_commits`` that runs on older trees too
 (their ``release_secured`` lacks the ``secured`` argument). Run from a tree's root:
 
-    python docs/results/cpu-lookup-beside-commits.py 60 8
+    python docs/results/cpu-lookup/lookup-beside-commits.py 60 8
 """
 
 from __future__ import annotations
