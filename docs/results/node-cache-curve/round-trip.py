@@ -15,13 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import zmq  # noqa: E402
-from lmcache.v1.multiprocess.transport.factory import RequestClientFactory  # noqa: E402
+import zmq
+from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
-from kvoffload import contract  # noqa: E402
-from kvoffload.cache_keys import read_client_keys  # noqa: E402
-from kvoffload.connector.backends.lmcache_mp import authenticate_as_client  # noqa: E402
-from tests.support.cache_keys import policy_keys  # noqa: E402
+from kvoffload import contract
+from kvoffload.cache_keys import read_client_keys
+from kvoffload.connector.backends.lmcache_mp import authenticate_as_client
+from tests.support.cache_keys import policy_keys
 
 ROUND_TRIPS = 2000
 KEYS_ROOT = Path("/tmp/kvo-curve-rtt-keys")
@@ -62,7 +62,12 @@ def main() -> None:
     servers = [start(plain_port, None), start(curve_port, server_keys)]
     time.sleep(25)  # both servers import LMCache
     try:
-        for port, keys in ((curve_port, engine_keys), (plain_port, None), (curve_port, engine_keys), (plain_port, None)):
+        for port, keys in (
+            (curve_port, engine_keys),
+            (plain_port, None),
+            (curve_port, engine_keys),
+            (plain_port, None),
+        ):
             print(measure(port, keys), flush=True)
     finally:
         for server in servers:
