@@ -260,6 +260,7 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
         RULES_FILE,
         OperatorProcess,
         admission_rules,
+        register_webhook_as_the_chart_does,
     )
 
     cluster = LocalCluster(workdir=workdir / "cluster", gpu_nodes=gpu_nodes)
@@ -289,10 +290,13 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
             OPERATOR_NAMESPACE, OPERATOR_SA, workdir / "operator.kubeconfig"
         )
         (workdir / "operator").mkdir(exist_ok=True)
+        webhook_port = free_port()
+        if injection == "admission":  # the chart ships the registration; the operator patches its caBundle
+            register_webhook_as_the_chart_does(cluster, webhook_port)
         operator = OperatorProcess(
             kubeconfig=kubeconfig,
             workdir=workdir / "operator",
-            extra_args=_operator_args(injection, 600, free_port()),
+            extra_args=_operator_args(injection, 600, webhook_port),
         )
         operator.start()
         yield cluster, operator, Api(cluster.server, cluster.pki)

@@ -265,6 +265,21 @@ cache pod share (a hostPath)."""
 NODE_SHM_PREPARE_CONTAINER: Final = "kvoffload-shm-permissions"
 ANN_CACHE_NODE: Final = "kvoffload.io/cache-node"
 """On node cache pods: the node the pod is for (set before the scheduler binds it)."""
+ENV_CACHE_KEYS_DIR: Final = "KVOFFLOAD_CACHE_KEYS_DIR"
+"""Node mode: the directory holding the policy's CURVE keys (Z85 text files ``CACHE_KEY_*``). Set by
+the operator on the node cache pod (the sidecar's server accepts only the policy's client key) and
+on the policy's engines (the connector dials with the client key); unset: no authentication
+(sidecar mode, on the pod's loopback)."""
+CACHE_KEYS_MOUNT_PATH: Final = "/etc/kvoffload/cache-keys"
+VOLUME_CACHE_KEYS: Final = "kvoffload-cache-keys"
+CACHE_KEY_SERVER_PUBLIC: Final = "server.public"
+CACHE_KEY_SERVER_SECRET: Final = "server.secret"
+"""Only in the node cache pod."""
+CACHE_KEY_CLIENT_PUBLIC: Final = "client.public"
+CACHE_KEY_CLIENT_SECRET: Final = "client.secret"
+"""Only in the policy's engine pods."""
+CACHE_KEYS_SECRET_SUFFIX: Final = "-cache-keys"
+"""The policy's key Secret is ``<node-local Service name><suffix>`` in the policy's namespace."""
 
 OPERATOR_LEASE_NAME: Final = "kvoffload-operator"
 """The coordination.k8s.io Lease the acting operator holds (in its own namespace)."""

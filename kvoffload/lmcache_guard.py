@@ -2,8 +2,8 @@
 ``kvoffload.sidecar.lmcache_server``, the connector's in-process backend): the LMCache version it
 was written for, the restricted unpickler it puts in place of LMCache's, and what KV events for
 routers need of its internals: the cache-key events of its event bus
-(:func:`subscribe_cache_key_events`) and its own chunk hashes (:func:`resolve_chunk_hashes`). (The
-connector's client-side imports of LMCache are not behind it.)
+(:func:`subscribe_cache_key_events`) and its own chunk hashes (:func:`resolve_chunk_hashes`). The
+connector's client side has its own seam, ``kvoffload.connector.lmcache_seam``.
 
 Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STORE that
 carries bytes (``v1/multiprocess/modules/server_transfer.py``, ``pickle.loads``), from any
@@ -13,6 +13,12 @@ replaced by one whose ``loads`` builds only what LMCache's pickle transport send
 CPU tensors (``torch._utils._rebuild_tensor_v2`` over storages that ``torch.load`` reads with
 ``weights_only=True``, torch's own restricted unpickler). Anything else is refused
 before it is built, and the COMMIT fails as a bad payload would.
+
+Node mode also authenticates the request port (``require_curve_clients``): LMCache 0.5.6 builds its
+request server on ``zmq.Context.instance()`` (``transport/zmq_impl/server.py``); here that module's
+``MessageQueueServer`` gets a context of its own whose sockets are CURVE servers, with a ZAP
+handler that admits only the policy's client key. A client without it never completes the
+handshake, so none of its frames reaches a handler (store, lookup, clear, the unpickler).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 import importlib
 import importlib.metadata
 import io
+import logging
 import pickle
 import sys
 import threading
@@ -30,10 +37,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.cache_keys import ServerKeys
+
+log = logging.getLogger("kvoffload.lmcache_guard")
+
 SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
 """LMCache releases whose unpickling sites this module was checked against."""
 UNPICKLING_MODULE = "lmcache.v1.multiprocess.modules.server_transfer"
 """The one module of the server that unpickles request data (its ``pickle`` global is replaced)."""
+REQUEST_SERVER_MODULE = "lmcache.v1.multiprocess.transport.zmq_impl.server"
+"""The module that builds the request port's ``MessageQueueServer`` (its name there is replaced)."""
+ZAP_DOMAIN = "kvoffload-cache"
+_AUTHENTICATORS: list[Any] = []
 
 
 class LMCacheVersionError(RuntimeError):
@@ -191,3 +206,59 @@ def resolve_chunk_hashes(
         if not hashes or hashes[-1] != object_key.chunk_hash:
             hashes.append(object_key.chunk_hash)
     return hashes
+
+
+class _AllowedClients:
+    """pyzmq's ZAP credentials provider: admits the listed Z85 client keys, logs every refusal."""
+
+    def __init__(self, allowed: frozenset[str]) -> None:
+        self._allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key.decode("ascii", "replace") in self._allowed
+        if not allowed:
+            log.warning("event=cache_client_refused reason=unknown_key domain=%s", domain)
+        return allowed
+
+
+def curve_server_context(keys: ServerKeys) -> Any:
+    """A ``zmq.Context`` whose every socket is a CURVE server with ``keys``, and its running ZAP
+    handler admitting only ``keys.allowed_clients`` (it lives as long as the process)."""
+    import zmq
+    from zmq.auth.thread import ThreadAuthenticator
+
+    context = zmq.Context()
+    authenticator = ThreadAuthenticator(context, log=log)
+    authenticator.start()
+    authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedClients(keys.allowed_clients))
+    # Set after the ZAP socket exists: context-level options apply to the sockets created later.
+    context.setsockopt(zmq.CURVE_SERVER, 1)
+    context.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
+    context.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
+    context.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode("ascii"))
+    _AUTHENTICATORS.append(authenticator)  # stopped when collected: it lives as long as the process
+    return context
+
+
+def require_curve_clients(keys: ServerKeys) -> None:
+    """Check the version, then make LMCache's request server a CURVE server admitting only
+    ``keys.allowed_clients``. Call before the server starts."""
+    check_lmcache_version()
+    target = importlib.import_module(REQUEST_SERVER_MODULE)
+    original = getattr(target, "MessageQueueServer", None)
+    if original is None or _is_guard(original):
+        raise LMCacheVersionError(f"{REQUEST_SERVER_MODULE} no longer builds a MessageQueueServer")
+    curve_context = curve_server_context(keys)
+
+    def authenticated_server(bind_url: str, context: Any = None) -> Any:
+        del context  # LMCache passes zmq.Context.instance(): its sockets would admit anyone
+        return original(bind_url=bind_url, context=curve_context)
+
+    authenticated_server.kvoffload_guard = True  # type: ignore[attr-defined]
+    target.MessageQueueServer = authenticated_server  # type: ignore[attr-defined]
+
+
+def request_port_is_authenticated() -> bool:
+    """Whether this process's LMCache request server admits only CURVE clients of the allow-list."""
+    module = sys.modules.get(REQUEST_SERVER_MODULE)
+    return module is not None and _is_guard(getattr(module, "MessageQueueServer", None))

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvoffload import contract
 from kvoffload import policy as pol
+from kvoffload.cache_keys import CacheKeysError, ClientKeys, read_client_keys
 from kvoffload.policy import Policy, PolicyError
 
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
@@ -58,6 +59,9 @@ class ConnectorSettings:
     """Loads of at least this many tokens are asynchronous (tensor parallelism: never); 0: never."""
     kv_events: bool = False
     """Report committed stores to the cache server's KV-event module (``KVOFFLOAD_KV_EVENTS``)."""
+    cache_keys: ClientKeys | None = None
+    """Node mode: the policy's CURVE keys (``KVOFFLOAD_CACHE_KEYS_DIR``); the connection to the cache
+    server authenticates with them. None: a plain connection (the sidecar on the pod's loopback)."""
     attention_dp: bool = False
     """``enable_attention_dp``: every rank holds whole KV heads for its own requests, runs its own
     scheduler, and shares the cache with the other ranks as rank 0 of one."""
@@ -189,7 +193,18 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         metrics_port=_parse_port(env, contract.ENV_METRICS_PORT),
         async_load_min_tokens=_parse_count(env, contract.ENV_ASYNC_LOAD_MIN_TOKENS, DEFAULT_ASYNC_LOAD_MIN_TOKENS),
         attention_dp=attention_dp,
+        cache_keys=_cache_keys(env),
     )
+
+
+def _cache_keys(env: Mapping[str, str]) -> ClientKeys | None:
+    directory = env.get(contract.ENV_CACHE_KEYS_DIR)
+    if not directory:
+        return None
+    try:
+        return read_client_keys(directory)
+    except CacheKeysError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def engine_config_problem(llm_args: Any) -> str | None:

@@ -37,7 +37,7 @@ from .pod_alignment import PodAlignment
 from .reconcile import Reconciler
 from .settings import OperatorDefaults, base_settings
 from .webhook import WebhookServer
-from .webhook_tls import delete_webhook_configuration, ensure_tls, ensure_webhook_configuration, webhook_configuration
+from .webhook_tls import WebhookRegistrationMissing, delete_webhook_configuration, ensure_tls, patch_ca_bundle
 from .workload_writes import remove_every_injection
 
 PROG = "kvoffload-operator"
@@ -301,22 +301,22 @@ def _injection_mode(args: argparse.Namespace) -> str:
 
 def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...],
                    plan: Planner) -> WebhookServer:  # fmt: skip
-    """Start the webhook's HTTPS server, then register it (its CA as the caBundle)."""
+    """Start the webhook's HTTPS server, then put its CA into the chart's registration (the
+    registration itself, rules and client config, is the chart's: ``webhook_configuration``)."""
     namespace = args.leader_election_namespace
     if args.webhook_url:
         hosts = [str(urlparse(args.webhook_url).hostname)]
-        client: dict[str, object] = {"url": args.webhook_url}
     else:
         service = args.webhook_service
         hosts = [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
-        client = {"service": {"namespace": namespace, "name": service, "port": int(args.webhook_port),
-                              "path": c.WEBHOOK_PATH}}  # fmt: skip
     tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
     server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan)
     server.start()
-    ensure_webhook_configuration(
-        kube, webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem, client, namespaces, namespace)
-    )
+    try:
+        patch_ca_bundle(kube, c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem)
+    except WebhookRegistrationMissing as exc:
+        server.stop()
+        raise SystemExit(f"{PROG}: {exc}") from None
     logging.getLogger(__name__).info("injection webhook serving on :%d for %s", server.port, ", ".join(hosts))
     return server
 

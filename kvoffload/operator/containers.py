@@ -42,11 +42,34 @@ def env_var(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
 
-def engine_env(settings: InjectionSettings, server_url: str, serve_metrics: bool) -> list[dict[str, Any]]:
-    """The connector's settings; ``serve_metrics``: no sidecar in the pod, the connector serves /metrics."""
+ENGINE_KEY_FILES = (c.CACHE_KEY_CLIENT_PUBLIC, c.CACHE_KEY_CLIENT_SECRET, c.CACHE_KEY_SERVER_PUBLIC)
+"""Node mode: the key files a policy's engine pods mount (never the server's secret)."""
+CACHE_POD_KEY_FILES = (c.CACHE_KEY_SERVER_PUBLIC, c.CACHE_KEY_SERVER_SECRET, c.CACHE_KEY_CLIENT_PUBLIC)
+"""Node mode: the key files the node cache pod mounts (never the client's secret)."""
+CACHE_KEYS_MOUNT = {"name": c.VOLUME_CACHE_KEYS, "mountPath": c.CACHE_KEYS_MOUNT_PATH, "readOnly": True}
+KEY_FILE_MODE = 0o444
+"""Readable by the container's non-root user whatever its uid (the pod's own containers only)."""
+
+
+def cache_keys_volume(secret_name: str, files: Sequence[str]) -> dict[str, Any]:
+    """The volume mounting ``files`` of a policy's key Secret, and nothing else of it."""
+    return {
+        "name": c.VOLUME_CACHE_KEYS,
+        "secret": {"secretName": secret_name, "defaultMode": KEY_FILE_MODE,
+                   "items": [{"key": f, "path": f} for f in files]},
+    }  # fmt: skip
+
+
+def engine_env(
+    settings: InjectionSettings, server_url: str, serve_metrics: bool, cache_keys: bool = False
+) -> list[dict[str, Any]]:
+    """The connector's settings; ``serve_metrics``: no sidecar in the pod, the connector serves /metrics;
+    ``cache_keys``: node mode, the connector authenticates with the keys mounted at CACHE_KEYS_MOUNT_PATH."""
     env = []
     if settings.backend == c.BACKEND_SIDECAR:
         env.append(env_var(c.ENV_SERVER_URL, server_url))
+    if cache_keys:
+        env.append(env_var(c.ENV_CACHE_KEYS_DIR, c.CACHE_KEYS_MOUNT_PATH))
     env += [
         env_var(c.ENV_BACKEND, settings.backend),
         env_var(c.ENV_PYTHONHASHSEED, "0"),
@@ -155,6 +178,7 @@ def _node_shared_env(settings: InjectionSettings) -> list[dict[str, Any]]:
     """A node's shared cache pod has no per-workload policy file: its policy comes by env."""
     env = [
         env_var(c.ENV_REQUEST_HOST, "0.0.0.0"),
+        env_var(c.ENV_CACHE_KEYS_DIR, c.CACHE_KEYS_MOUNT_PATH),
         env_var(c.ENV_EVICTION_POLICY, settings.eviction_policy),
         env_var(c.ENV_CHUNK_SIZE, str(settings.chunk_size)),
         env_var(c.ENV_MAX_WORKERS, str(settings.max_workers)),
@@ -221,7 +245,7 @@ def cache_server_container(
     ]
     if node_shared:
         env = [e for e in env if e["name"] != c.ENV_POLICY_FILE] + _node_shared_env(settings)
-        mounts = [m for m in mounts if m["name"] != c.VOLUME_POLICY]
+        mounts = [m for m in mounts if m["name"] != c.VOLUME_POLICY] + [dict(CACHE_KEYS_MOUNT)]
     if settings.fs_tier:
         mounts.append({"name": c.VOLUME_L2_FS, "mountPath": settings.fs_tier.path})
     ports = [

@@ -19,7 +19,16 @@ from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes
 
-from .containers import BUNDLE_VOLUME_SIZE, RUN_VOLUME_SIZE, bundle_container, cache_server_container, shm_size_limit
+from .containers import (
+    BUNDLE_VOLUME_SIZE,
+    CACHE_KEYS_MOUNT,
+    ENGINE_KEY_FILES,
+    RUN_VOLUME_SIZE,
+    bundle_container,
+    cache_keys_volume,
+    cache_server_container,
+    shm_size_limit,
+)
 from .injection_plan import ClusterInfo, InjectionPlan, NodeCacheWiring, choose_engine, plan_injection
 from .managed_fields import TEMPLATE_META, container_path, manages_anything, owned_by, owned_by_others
 from .settings import InjectionSettings
@@ -78,6 +87,8 @@ def _engine_fragment(plan: InjectionPlan) -> dict[str, Any]:
     if settings.connector_source == "init-container":
         mounts.append({"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH, "readOnly": True})
     mounts.append({"name": c.VOLUME_TRTLLM_OPTIONS, "mountPath": c.TRTLLM_OPTIONS_MOUNT_PATH, "readOnly": True})
+    if plan.node_cache is not None:
+        mounts.append(dict(CACHE_KEYS_MOUNT))
     fragment: dict[str, Any] = {"name": plan.engine.name, "env": plan.engine_env, "volumeMounts": mounts}
     if not plan.uses_sidecar:
         fragment["ports"] = [
@@ -104,6 +115,7 @@ def _volumes(plan: InjectionPlan, cm_name: str | None) -> list[dict[str, Any]]:
         volumes.append(
             {"name": c.VOLUME_SHM, "hostPath": {"path": plan.node_cache.shm_host_path, "type": "DirectoryOrCreate"}}
         )
+        volumes.append(cache_keys_volume(plan.node_cache.keys_secret, ENGINE_KEY_FILES))
     elif plan.user_shm_volume is None:
         shm = {"medium": "Memory", "sizeLimit": format_bytes(shm_size_limit(settings))}
         volumes.append({"name": c.VOLUME_SHM, "emptyDir": shm})

@@ -64,6 +64,8 @@ class NodeCacheWiring:
     """The node directory mounted at /dev/shm in the engine and in the node's cache pod."""
     pod_labels: Mapping[str, str]
     """Labels on the engine pods by which the operator finds the nodes needing a cache pod."""
+    keys_secret: str
+    """The policy's CURVE key Secret: the engine mounts its client files (``ENGINE_KEY_FILES``)."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,9 @@ def plan_injection(
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
     uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
     env, env_error = merge_engine_env(
-        engine_env(settings, url, serve_metrics=not uses_sidecar), engine.view.container.get("env") or [], engine.name
+        engine_env(settings, url, serve_metrics=not uses_sidecar, cache_keys=node_cache is not None),
+        engine.view.container.get("env") or [],
+        engine.name,
     )
     if env_error:
         return env_error

@@ -14,17 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.cache_keys import z85_encode
 from kvoffload.policy import PolicyError
 
 from .drift import object_carries
 from .kube import Kube, KubeApiError, namespaced_path, policy_path
 from .node_mode import (
+    cache_keys_secret_name,
     cache_pod_selector,
     cache_service_name,
     cache_settings,
     desired_cache_pods,
+    keys_in_use,
     node_cache_status,
     plan_cache_pods,
+    render_cache_keys_secret,
     render_cache_network_policy,
     render_cache_service,
 )
@@ -43,6 +47,26 @@ def network_policies_path(namespace: str, name: str = "") -> str:
 
 def services_path(namespace: str, name: str = "") -> str:
     return namespaced_path("/api/v1", "services", namespace, name)
+
+
+def secrets_path(namespace: str, name: str = "") -> str:
+    return namespaced_path("/api/v1", "secrets", namespace, name)
+
+
+def new_cache_keys() -> dict[str, str]:
+    """Two fresh CURVE keypairs (Curve25519, as libzmq's), server's and client's, as Z85 text by file name."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
+
+    keys: dict[str, str] = {}
+    for secret_file, public_file in (
+        (c.CACHE_KEY_SERVER_SECRET, c.CACHE_KEY_SERVER_PUBLIC),
+        (c.CACHE_KEY_CLIENT_SECRET, c.CACHE_KEY_CLIENT_PUBLIC),
+    ):
+        private = X25519PrivateKey.generate()
+        keys[secret_file] = z85_encode(private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
+        keys[public_file] = z85_encode(private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+    return keys
 
 
 def _selector(labels: dict[str, str]) -> str:
@@ -74,6 +98,18 @@ class NodeCaches:
         if not object_carries(body, self.kube.get(path)):
             self.kube.apply(path, body, c.FIELD_MANAGER)
 
+    def _ensure_keys(self, policy: dict[str, Any]) -> None:
+        """Create the policy's key Secret; a 409 says it exists (kept: running pods use its keys).
+        Never reads it: the operator has no right to."""
+        meta = policy.get("metadata") or {}
+        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+        try:
+            self.kube.create(secrets_path(namespace), render_cache_keys_secret(policy, new_cache_keys()))
+            log.info("node cache: created key Secret %s/%s", namespace, cache_keys_secret_name(name))
+        except KubeApiError as exc:
+            if exc.status != 409:
+                raise
+
     def sync(self, namespace: str, policy_name: str) -> bool:
         """One pass for one policy; True when it created or deleted something."""
         with self._policy_lock((namespace, policy_name)):
@@ -96,6 +132,8 @@ class NodeCaches:
                 )
                 desired = desired_cache_pods(policy, settings, engines)
                 if desired:
+                    if not keys_in_use(existing):  # a ready cache pod mounted them: they exist
+                        self._ensure_keys(policy)
                     name = cache_service_name(policy_name)
                     self._apply_if_drifted(services_path(namespace, name), render_cache_service(policy))
                     self._apply_if_drifted(

@@ -26,7 +26,7 @@ from kvoffload import contract as c
 from kvoffload.policy import PolicyError
 from kvoffload.quantity import format_bytes
 
-from .containers import RESTRICTED_SECURITY_CONTEXT, cache_server_container
+from .containers import CACHE_POD_KEY_FILES, RESTRICTED_SECURITY_CONTEXT, cache_keys_volume, cache_server_container
 from .fragment import RenderedInjection, render_injection_fragment
 from .injection_plan import ClusterInfo, NodeCacheWiring
 from .settings import InjectionSettings, OperatorDefaults, resolve_settings
@@ -66,6 +66,31 @@ def cache_pod_name(policy: str, node: str) -> str:
     if len(name) <= MAX_NAME:
         return name
     return f"{policy[:36].rstrip('-.')}-cache-{_digest(node)[:12]}"
+
+
+def cache_keys_secret_name(policy: str) -> str:
+    """The policy's CURVE key Secret (in the policy's namespace)."""
+    return cache_service_name(policy) + c.CACHE_KEYS_SECRET_SUFFIX
+
+
+def render_cache_keys_secret(policy: Mapping[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    """The Secret holding a policy's node-cache keys (``keys``: file name -> Z85 key, all four
+    ``CACHE_KEY_*``), owned by the policy. The cache pod mounts the server's files, the policy's
+    engines the client's: a pod of another policy or namespace, or one that only labels itself,
+    mounts none, and the server admits no other key."""
+    namespace, name = _policy_meta(policy)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": cache_keys_secret_name(name),
+            "namespace": namespace,
+            "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE, **cache_pod_selector(name)},
+            "ownerReferences": [_owner(policy)],
+        },
+        "stringData": dict(sorted(keys.items())),
+    }
 
 
 def node_shm_host_path(namespace: str, policy: str) -> str:
@@ -120,6 +145,7 @@ def node_cache_wiring(workload: Mapping[str, Any], settings: InjectionSettings) 
         server_url=cache_server_url(namespace, settings.policy_name),
         shm_host_path=node_shm_host_path(namespace, settings.policy_name),
         pod_labels={c.LABEL_NODE_CACHE_POLICY: settings.policy_name},
+        keys_secret=cache_keys_secret_name(settings.policy_name),
     )
 
 
@@ -164,6 +190,7 @@ def render_cache_pod(
     volumes: list[dict[str, Any]] = [
         {"name": c.VOLUME_SHM, "hostPath": {"path": node_shm_host_path(namespace, name), "type": "DirectoryOrCreate"}},
         {"name": c.VOLUME_RUN, "emptyDir": {"sizeLimit": "512Mi"}},
+        cache_keys_volume(cache_keys_secret_name(name), CACHE_POD_KEY_FILES),
     ]
     if settings.fs_tier:
         volumes.append({"name": c.VOLUME_L2_FS, "emptyDir": {"sizeLimit": format_bytes(settings.fs_tier.size_bytes)}})
@@ -306,6 +333,12 @@ def plan_cache_pods(desired: Mapping[str, Mapping[str, Any]], existing: Iterable
 def _ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(x.get("type") == "Ready" and x.get("status") == "True" for x in conditions)
+
+
+def keys_in_use(existing: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a ready cache pod of the policy stands: it mounted the policy's key Secret, so the
+    operator need not ask for it again (it may not read Secrets, only create them)."""
+    return any(_ready(p) and not (p.get("metadata") or {}).get("deletionTimestamp") for p in existing)
 
 
 def node_cache_status(existing: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

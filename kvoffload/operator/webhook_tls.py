@@ -178,6 +178,8 @@ def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str],
     return winner
 
 
+WEBHOOK_NAMES = ("pods.kvoffload.io", "workloads.kvoffload.io")
+"""The registration's two webhooks (pods, then Deployments and StatefulSets)."""
 NEVER_INJECTED_NAMESPACES = ("kube-system",)
 """Namespaces whose pods are never sent to the webhook, besides the operator's own: the cluster's
 own components must not wait on (or be changed by) it."""
@@ -191,7 +193,7 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
     StatefulSet CREATE there (``new_workloads``: one created opted in gets its label at once) and
     UPDATE (``workload_updates``: kvoffload's record and label stay kvoffload's)."""
     hook: dict[str, Any] = {
-        "name": "pods.kvoffload.io",
+        "name": WEBHOOK_NAMES[0],
         "admissionReviewVersions": ["v1"],
         "sideEffects": "None",
         "failurePolicy": "Ignore",
@@ -216,7 +218,7 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
         selector.append({"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)})
     hook["namespaceSelector"] = {"matchExpressions": selector}
     workloads = {
-        **hook, "name": "workloads.kvoffload.io",
+        **hook, "name": WEBHOOK_NAMES[1],
         "rules": [{"operations": ["CREATE", "UPDATE"], "apiGroups": ["apps"], "apiVersions": ["v1"],
                    "resources": ["deployments", "statefulsets"], "scope": "Namespaced"}],
         "clientConfig": {**_client_at(client, c.WEBHOOK_WORKLOADS_PATH), "caBundle": hook["clientConfig"]["caBundle"]},
@@ -236,8 +238,31 @@ def _client_at(client: Mapping[str, Any], path: str) -> dict[str, Any]:
     return {"service": {**client["service"], "path": path}}
 
 
-def ensure_webhook_configuration(kube: Kube, body: Mapping[str, Any]) -> None:
-    kube.apply(f"{MWC_PATH}/{body['metadata']['name']}", body, c.FIELD_MANAGER, force=True)
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+
+
+class WebhookRegistrationMissing(RuntimeError):
+    """The chart's MutatingWebhookConfiguration is not there to patch (the operator cannot create one)."""
+
+
+def ca_bundle_patch(ca_pem: bytes) -> dict[str, Any]:
+    """A strategic merge patch setting only each webhook's caBundle (entries merged by name)."""
+    bundle = base64.b64encode(ca_pem).decode()
+    return {"webhooks": [{"name": name, "clientConfig": {"caBundle": bundle}} for name in WEBHOOK_NAMES]}
+
+
+def patch_ca_bundle(kube: Kube, name: str, ca_pem: bytes) -> None:
+    """Put the webhook CA into the registration the chart shipped (``webhook_configuration`` less
+    its caBundle): the operator may get and patch it by name, never create one."""
+    try:
+        kube.request("PATCH", f"{MWC_PATH}/{name}", body=ca_bundle_patch(ca_pem), content_type=STRATEGIC_MERGE_PATCH)
+    except KubeApiError as exc:
+        if exc.status != 404:
+            raise
+        raise WebhookRegistrationMissing(
+            f"MutatingWebhookConfiguration {name} does not exist: the Helm chart installs it with "
+            "injection.mode=admission (the operator only patches its caBundle)"
+        ) from None
 
 
 def delete_webhook_configuration(kube: Kube, name: str) -> bool:

@@ -1,20 +1,33 @@
 """The sidecar's LMCache server: LMCache's own CLI run behind kvoffload's restricted unpickler
-(``kvoffload.lmcache_guard``), so no client of the request port can make it run code.
+(``kvoffload.lmcache_guard``), so no client of the request port can make it run code, and, where
+``KVOFFLOAD_CACHE_KEYS_DIR`` names the policy's keys (node mode), behind CURVE: only the policy's
+client key completes a connection.
 
-    python -m kvoffload.sidecar.lmcache_server server --host 127.0.0.1 ...
+    python -m kvoffload.sidecar.lmcache_server server --host 0.0.0.0 ...
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from kvoffload.lmcache_guard import LMCacheVersionError, install_restricted_unpickler
+from kvoffload import contract
+from kvoffload.cache_keys import CacheKeysError, read_server_keys
+from kvoffload.lmcache_guard import LMCacheVersionError, install_restricted_unpickler, require_curve_clients
 
 
-def run_server(arguments: Sequence[str]) -> None:
-    """Run LMCache's CLI (``server ...``) in this process with the restricted unpickler."""
+def guard_server(env: Mapping[str, str]) -> None:
+    """Put this process's LMCache server behind the guards ``env`` asks for (before it starts)."""
     install_restricted_unpickler()
+    keys_dir = env.get(contract.ENV_CACHE_KEYS_DIR)
+    if keys_dir:
+        require_curve_clients(read_server_keys(keys_dir))
+
+
+def run_server(arguments: Sequence[str], env: Mapping[str, str] = os.environ) -> None:
+    """Run LMCache's CLI (``server ...``) in this process behind ``guard_server``."""
+    guard_server(env)
     import lmcache.cli.main as cli
 
     sys.argv = ["lmcache", *arguments]
@@ -24,6 +37,6 @@ def run_server(arguments: Sequence[str]) -> None:
 if __name__ == "__main__":
     try:
         run_server(sys.argv[1:])
-    except LMCacheVersionError as exc:
+    except (LMCacheVersionError, CacheKeysError) as exc:
         print(f"kvoffload: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from kvoffload import contract
 from kvoffload import policy as pol
+from kvoffload.cache_keys import CacheKeysError, read_server_keys
 from kvoffload.policy import Policy, PolicyError, parse_policy
 
 DEFAULT_GRACE_SECONDS = 25.0
@@ -89,6 +90,9 @@ class SidecarSettings:
     request_host: str = "127.0.0.1"
     """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
     node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""
+    cache_keys_dir: str | None = None
+    """The policy's CURVE keys (``KVOFFLOAD_CACHE_KEYS_DIR``, checked readable): the server then
+    admits only the policy's client key. Required when the request port leaves the loopback."""
 
     def describe(self) -> dict[str, str]:
         """Non-secret settings as strings, for logs and the config-info metric."""
@@ -263,6 +267,7 @@ def load_settings(
     shm_name = _name(contract.ENV_SHM_NAME, shm_raw) if shm_raw else SHM_NAME_PREFIX + instance_id
 
     track_raw = env.get(contract.ENV_LMCACHE_TRACK_USAGE, "false")
+    request_host = _request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1")
     return SidecarSettings(
         request_port=request_port,
         lmcache_http_port=lmcache_http_port,
@@ -282,7 +287,8 @@ def load_settings(
         ),
         track_usage=_bool(contract.ENV_LMCACHE_TRACK_USAGE, track_raw),
         policy_file=policy_file,
-        request_host=_request_host(env.get(contract.ENV_REQUEST_HOST, "") or "127.0.0.1"),
+        request_host=request_host,
+        cache_keys_dir=_cache_keys_dir(env, request_host),
         warm_standby=_bool(contract.ENV_WARM_STANDBY, env.get(contract.ENV_WARM_STANDBY, "true")),
         kv_events_port=kv_events_port,
         kv_events_topic=_kv_events_topic(env.get(contract.ENV_KV_EVENTS_TOPIC, "")),
@@ -309,6 +315,24 @@ def _request_host(raw: str) -> str:
         return str(ipaddress.ip_address(raw))
     except ValueError:
         raise _fail(contract.ENV_REQUEST_HOST, raw, "an IP address, e.g. 127.0.0.1 or 0.0.0.0") from None
+
+
+def _cache_keys_dir(env: Mapping[str, str], request_host: str) -> str | None:
+    """The keys directory, its files checked; a request port off the loopback must have one."""
+    raw = env.get(contract.ENV_CACHE_KEYS_DIR, "")
+    if not raw:
+        if not ipaddress.ip_address(request_host).is_loopback:
+            raise _fail(
+                contract.ENV_REQUEST_HOST, request_host,
+                f"a request port off the loopback needs {contract.ENV_CACHE_KEYS_DIR} (the policy's CURVE "
+                "keys, which the operator mounts in node mode): LMCache's port would otherwise serve any client",
+            )  # fmt: skip
+        return None
+    try:
+        read_server_keys(raw)
+    except CacheKeysError as exc:
+        raise SettingsError(str(exc)) from None
+    return raw
 
 
 def parse_policy_text(text: str, path: str) -> dict[str, Any]:

@@ -5,6 +5,12 @@ JSON line (for a range: totals over its sequences).
 ``lmcache_client.py REQUEST_PORT HTTP_PORT foreign-commit MARKER_PATH``: a stranger registered
 like any client sends a COMMIT_STORE whose pickle payload, if unpickled freely, creates
 ``MARKER_PATH``; prints ``{"committed": ..., "error": ...}``.
+``lmcache_client.py REQUEST_PORT HTTP_PORT stranger MARKER_PATH``: sends CLEAR (force) and a LOOKUP
+(3 s wait each), then tries to register (6 s) and, registered, to store and to COMMIT a pickle that
+would create ``MARKER_PATH``; prints ``{"answered": [CLEAR/LOOKUP answered, error answers
+included], "registered": ..., and when registered "stored", "committed", "error"}``.
+With ``KVOFFLOAD_CACHE_KEYS_DIR`` set, every connection is a CURVE client with the keys there (as the
+connector's in node mode); without it, a plain one.
 Uses ``lmcache bench server``'s client in CPU mode: ``auto`` transfer picks the
 engine-driven path, the one that works on CPU (see measured-baselines.md).
 """
@@ -47,10 +53,71 @@ def foreign_commit(client: ServerBenchClient, marker: str) -> dict[str, object]:
     return {"committed": bool(committed), "error": None}
 
 
-def main() -> int:
-    """Run one operation; exit 0 when the client itself worked (hits are in the JSON)."""
-    port, http_port, op = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    config = BenchConfig(
+STRANGER_WAIT_S = 3.0
+
+
+def curve_contexts_from_env() -> None:
+    """Where ``KVOFFLOAD_CACHE_KEYS_DIR`` is set, every request client LMCache creates from now on
+    authenticates with its keys, through the connector's own ``authenticate_as_client``."""
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    from kvoffload import contract
+    from kvoffload.cache_keys import read_client_keys
+    from kvoffload.connector.backends.lmcache_mp import authenticate_as_client
+
+    directory = os.environ.get(contract.ENV_CACHE_KEYS_DIR)
+    if not directory:
+        return
+    keys = read_client_keys(directory)
+    create = RequestClientFactory.create
+
+    def create_authenticated(server_url: str, *, context: object = None) -> object:
+        assert context is not None, "the bench client and stranger() pass their own context"
+        authenticate_as_client(context, keys)  # type: ignore[arg-type]
+        return create(server_url, context=context)
+
+    RequestClientFactory.create = staticmethod(create_authenticated)  # type: ignore[method-assign,assignment]
+
+
+def stranger(port: int, http_port: int, marker: str) -> dict[str, object]:
+    """What a client gets from the server: answers to CLEAR and LOOKUP, then whether it can register
+    (LMCache's bench client, its start bounded), and, if it can, a store and a code-running pickle."""
+    import threading
+
+    import zmq
+    from lmcache.cli.commands.bench.server_bench.helpers import _make_key
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    client = RequestClientFactory.create(f"tcp://127.0.0.1:{port}", context=context)
+    key = _make_key(tuple(range(NUM_TOKENS)), "kvo-stranger", worker_id=0)
+    attempts = {"clear": client.clear(force=True), "lookup": client.lookup(key, 1)}
+    answered = []
+    for name, future in attempts.items():
+        try:
+            future.result(timeout=STRANGER_WAIT_S)
+            answered.append(name)
+        except TimeoutError:
+            pass
+        except Exception:  # an error answer is an answer: the request reached a handler
+            answered.append(name)
+    bench = ServerBenchClient(_bench_config(port, http_port), log=lambda m: print(m, file=sys.stderr))
+    starter = threading.Thread(target=bench.start, daemon=True)
+    starter.start()
+    starter.join(timeout=STRANGER_WAIT_S * 2)
+    result: dict[str, object] = {"answered": answered, "registered": not starter.is_alive()}
+    if result["registered"]:
+        request = bench.create_request(99, "kvo-stranger-store", "store")
+        assert request is not None
+        stored = bench.store(request, 0, request.num_full_tokens)
+        result["stored"] = bool(stored and stored.succeeded)
+        result.update(foreign_commit(bench, marker))
+    return result
+
+
+def _bench_config(port: int, http_port: int) -> BenchConfig:
+    return BenchConfig(
         rpc_url=f"tcp://127.0.0.1:{port}",
         http_url=f"http://127.0.0.1:{http_port}",
         mode="cpu",
@@ -62,7 +129,16 @@ def main() -> int:
         num_blocks=64,
         block_size=16,
     )
-    client = ServerBenchClient(config, log=lambda m: print(m, file=sys.stderr))
+
+
+def main() -> int:
+    """Run one operation; exit 0 when the client itself worked (hits are in the JSON)."""
+    port, http_port, op = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    curve_contexts_from_env()
+    if op == "stranger":
+        print(json.dumps(stranger(port, http_port, sys.argv[4])), flush=True)
+        os._exit(0)  # a client that never got in may still be retrying its handshake
+    client = ServerBenchClient(_bench_config(port, http_port), log=lambda m: print(m, file=sys.stderr))
     client.start()
     if op == "foreign-commit":
         try:

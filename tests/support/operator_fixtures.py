@@ -29,6 +29,7 @@ from tests.support.operator_support import (
     OperatorProcess,
     admission_args,
     admission_rules,
+    register_webhook_as_the_chart_does,
 )
 
 
@@ -89,8 +90,10 @@ def admission_operator_instead(
     """The operator with ``--injection admission`` and the chart's admission rules (ClusterRoles named
     after ``role``), its webhook on 127.0.0.1, in the session operator's place; its webhook
     registration is deleted afterwards."""
+    port = free_port()
+    register_webhook_as_the_chart_does(cluster, port)
     try:
-        with operator_instead(cluster, operator, workdir, admission_rules(role), admission_args(free_port())) as proc:
+        with operator_instead(cluster, operator, workdir, admission_rules(role), admission_args(port)) as proc:
             yield proc
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)

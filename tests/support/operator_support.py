@@ -75,6 +75,27 @@ def admission_args(port: int) -> list[str]:
             "--webhook-url", f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"]  # fmt: skip
 
 
+def register_webhook_as_the_chart_does(
+    cluster: LocalCluster, port: int, release_namespace: str = OPERATOR_NAMESPACE
+) -> None:
+    """What Helm installs with injection.mode=admission (``webhook_configuration`` without a caBundle),
+    pointed at a test operator's webhook on 127.0.0.1:``port``; the operator then patches the caBundle
+    in. Applied again for another port, it is a Service whose endpoints moved to another pod."""
+    from kvoffload.operator.webhook_tls import webhook_configuration
+
+    client = {"url": f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"}
+    body = webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, b"", client, (), release_namespace)
+    for hook in body["webhooks"]:
+        del hook["clientConfig"]["caBundle"]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+
+def webhook_port(proc: OperatorProcess) -> int:
+    """The ``--webhook-port`` an admission-mode test operator was started with."""
+    args = proc.extra_args
+    return int(args[args.index("--webhook-port") + 1])
+
+
 def admission_rules(prefix: str) -> dict[str, Path]:
     """The rules files the chart adds with injection.mode admission, under ClusterRole names from ``prefix``."""
     return {f"{prefix}-admission": ADMISSION_RULES_FILE, f"{prefix}-admission-ns": ADMISSION_NAMESPACE_RULES_FILE,

@@ -262,13 +262,20 @@ def lmcache_client(sidecar: Sidecar, op: str, sequence: int | str) -> dict[str, 
     return lmcache_client_on(sidecar.request_port, sidecar.lmcache_http_port, op, sequence)
 
 
-def lmcache_client_on(request_port: int, http_port: int, op: str, argument: int | str) -> dict[str, object]:
-    """``lmcache_client.py`` against any LMCache server's ports (see its usage), in a fresh process."""
+def lmcache_client_on(
+    request_port: int, http_port: int, op: str, argument: int | str, keys_dir: Path | None = None
+) -> dict[str, object]:
+    """``lmcache_client.py`` against any LMCache server's ports (see its usage), in a fresh process;
+    with ``keys_dir``, its connections authenticate with the CURVE client keys there."""
+    env = {k: v for k, v in os.environ.items() if k != contract.ENV_CACHE_KEYS_DIR}
+    if keys_dir is not None:
+        env[contract.ENV_CACHE_KEYS_DIR] = str(keys_dir)
     out = subprocess.run(
         [sys.executable, str(CLIENT), str(request_port), str(http_port), op, str(argument)],
         capture_output=True,
         timeout=180,
         check=False,
+        env=env,
     )
     lines = [ln for ln in out.stdout.decode().splitlines() if ln.startswith("{")]
     assert out.returncode == 0 and lines, f"client {op} failed ({out.returncode}):\n{out.stderr.decode()[-3000:]}"

@@ -17,7 +17,7 @@ import pytest
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.node_mode import cache_settings, render_cache_pod
+from kvoffload.operator.node_mode import cache_settings, render_cache_pod, render_node_mode_fragment
 from kvoffload.operator.settings import OperatorDefaults, resolve_settings
 from kvoffload.policy import PolicyError
 
@@ -100,6 +100,15 @@ def operator_sets() -> dict[str, set[str]]:
     assert not isinstance(node_settings, PolicyError)
     cache_pod = render_cache_pod(node_policy, node_settings, "node-a")["spec"]
     sets["sidecar"] |= {e["name"] for x in cache_pod["containers"] for e in x.get("env", [])}
+    node_annotations = {c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}
+    engine_settings = resolve_settings(node_annotations, node_policy, OperatorDefaults(), "ns")
+    assert not isinstance(engine_settings, PolicyError)
+    engine = render_node_mode_fragment(trtllm_deployment("llm", "ns", annotations=node_annotations), engine_settings,
+                                       ClusterInfo(native_sidecars=True))  # fmt: skip
+    assert isinstance(engine, RenderedInjection)
+    sets["connector"] |= _env_of(
+        engine.workload_apply["spec"]["template"]["spec"]["containers"], engine.engine_container
+    )
     return sets
 
 

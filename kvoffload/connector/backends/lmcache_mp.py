@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from kvoffload.cache_keys import ClientKeys
 from kvoffload.connector.backends.base import BackendError, KvGeometry, instance_id
 from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream
 from kvoffload.connector.backends.commits import PENDING_COMMITS, DeferredCommit, chain_of
@@ -97,6 +98,14 @@ def failure_reason(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "server_error"
 
 
+def authenticate_as_client(context: zmq.Context[Any], keys: ClientKeys) -> None:
+    """Make every socket ``context`` creates from now on a CURVE client with ``keys`` (context-level
+    options apply to each new socket, so every reconnect's fresh socket authenticates too)."""
+    context.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public.encode("ascii"))
+    context.setsockopt(zmq.CURVE_PUBLICKEY, keys.public.encode("ascii"))
+    context.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))
+
+
 class LMCacheMPClient:
     """One process's connection to an LMCache MP server, for one role (``scheduler`` or ``worker``)."""
 
@@ -126,6 +135,8 @@ class LMCacheMPClient:
         # Drop queued requests when a socket closes: a restarted server must never
         # receive PREPARE/LOOKUP messages that were meant for its predecessor.
         self._zmq.setsockopt(zmq.LINGER, 0)
+        if settings.cache_keys is not None:  # node mode: the policy's node cache admits only its client key
+            authenticate_as_client(self._zmq, settings.cache_keys)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._up = threading.Event()  # these before the client: its disconnect callback reads them

@@ -18,6 +18,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract
+from kvoffload.operator.webhook_tls import webhook_configuration
 from tests.support.operator_support import OperatorProcess, admission_args, is_injected, wait_injected
 from tests.support.promtool import run_token_source_tests
 
@@ -443,13 +444,16 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
     release_ns = "kvo-uninstall-system"
     names = ["llm-a", "llm-b"]
     cluster.kubectl("create", "namespace", release_ns, check=False)
-    helm("install", "kvo-un", str(CHART), "-n", release_ns, "--wait=false", kubeconfig=cluster.admin_kubeconfig)
+    port = free_port()  # the chart's registration points at the operator the test runs on 127.0.0.1
+    helm("install", "kvo-un", str(CHART), "-n", release_ns, "--wait=false",
+         "--set", f"injection.webhookUrl=https://127.0.0.1:{port}{contract.WEBHOOK_PATH}",
+         kubeconfig=cluster.admin_kubeconfig)  # fmt: skip
     released = None
     try:
         kubeconfig = cluster.service_account_kubeconfig(release_ns, "kvo-un-kvoffload", tmp_path / "sa.kubeconfig")
         operator.stop()  # one operator at a time; the next test restarts the session one
         released = OperatorProcess(kubeconfig=kubeconfig, workdir=tmp_path, lease_namespace=release_ns,
-                                   extra_args=admission_args(free_port()))  # fmt: skip
+                                   extra_args=admission_args(port))  # fmt: skip
         originals = {}
         for name in names:
             apply(cluster, trtllm_deployment(name, namespace, replicas=2))
@@ -512,3 +516,30 @@ def get_live(cluster: LocalCluster, name: str, namespace: str) -> dict[str, Any]
     """The Deployment with its managedFields."""
     out = cluster.kubectl("get", "deployment", name, "-n", namespace, "-o", "json", "--show-managed-fields")
     return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("settings", "client"),
+    [
+        ((), {"service": {"namespace": RELEASE_NAMESPACE, "name": "kvo-kvoffload-operator-webhook", "port": 8443,
+                          "path": contract.WEBHOOK_PATH}}),
+        (("operator.watchNamespaces={team-b,team-a}",), {"service": {"namespace": RELEASE_NAMESPACE,
+         "name": "kvo-kvoffload-operator-webhook", "port": 8443, "path": contract.WEBHOOK_PATH}}),
+        (("injection.webhookUrl=https://hooks.example:9443/mutate-pods",),
+         {"url": "https://hooks.example:9443/mutate-pods"}),
+    ],
+)  # fmt: skip
+def test_the_chart_ships_the_webhook_registration_the_operator_only_patches(
+    settings: tuple[str, ...], client: dict[str, Any]
+) -> None:
+    """The chart's MutatingWebhookConfiguration is the operator's own description of it, less the
+    caBundle the operator patches in (it has no right to create one)."""
+    docs = render(*settings)
+    (mwc,) = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    namespaces = ["team-a", "team-b"] if settings and "watchNamespaces" in settings[0] else []
+    expected = webhook_configuration(contract.WEBHOOK_CONFIGURATION_NAME, b"", client, namespaces, RELEASE_NAMESPACE)
+    for hook in expected["webhooks"]:
+        del hook["clientConfig"]["caBundle"]
+    assert mwc["metadata"]["name"] == expected["metadata"]["name"]
+    assert mwc["webhooks"] == expected["webhooks"]
+    assert not [d for d in render("injection.mode=template") if d["kind"] == "MutatingWebhookConfiguration"]

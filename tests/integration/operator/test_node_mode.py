@@ -17,9 +17,15 @@ from hack.localcluster import LocalCluster
 from hack.polling import WaitTimedOut
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
+from kvoffload.operator.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 from kvoffload.operator.kube import Kube, load_configuration
 from kvoffload.operator.node_caches import NodeCaches, services_path
-from kvoffload.operator.node_mode import cache_server_url, cache_service_name, node_shm_host_path
+from kvoffload.operator.node_mode import (
+    cache_keys_secret_name,
+    cache_server_url,
+    cache_service_name,
+    node_shm_host_path,
+)
 from tests.support.operator_support import (
     OperatorProcess,
     all_containers,
@@ -194,6 +200,17 @@ def test_five_replicas_over_three_nodes_get_exactly_three_cache_pods_reachable_o
         {"podSelector": {"matchLabels": {c.LABEL_NODE_CACHE_POLICY: POLICY}}}
     ]
     assert netpol["metadata"]["ownerReferences"][0]["name"] == POLICY  # goes with the policy
+    # The policy's CURVE keys: one Secret the operator created (it cannot read it back), owned by
+    # the policy; the engines mount its client files, the cache pods its server files.
+    keys = get(cluster, "secret", cache_keys_secret_name(POLICY), ns)
+    assert sorted(keys["data"]) == sorted([*ENGINE_KEY_FILES, c.CACHE_KEY_SERVER_SECRET])
+    assert keys["metadata"]["ownerReferences"][0]["name"] == POLICY
+    engine_keys = next(v for v in spec["volumes"] if v["name"] == c.VOLUME_CACHE_KEYS)["secret"]
+    assert engine_keys["secretName"] == cache_keys_secret_name(POLICY)
+    assert [i["key"] for i in engine_keys["items"]] == list(ENGINE_KEY_FILES)
+    for pod in cache_pods(cluster, ns):
+        cache_keys = next(v for v in pod["spec"]["volumes"] if v["name"] == c.VOLUME_CACHE_KEYS)["secret"]
+        assert [i["key"] for i in cache_keys["items"]] == list(CACHE_POD_KEY_FILES)
 
     per_node = wait_for(endpoints_per_node, timeout=60, what="an endpoint on every node")
     for node, targets in per_node.items():

@@ -22,6 +22,8 @@ from tests.support.operator_support import (
     OperatorProcess,
     admission_args,
     events_for,
+    register_webhook_as_the_chart_does,
+    webhook_port,
 )
 from tests.support.operator_support import gitops_manifest as manifest
 
@@ -289,7 +291,8 @@ def test_overlapping_admission_operators_roll_each_workload_once_per_upgrade_and
     try:
         for old, new, l1 in ((admission_operator, upgraded, "5Gi"), (upgraded, rolled_back, "4Gi")):
             before = {n: revision(cluster, n, namespace) for n in names}
-            new.start()  # a standby: serves the webhook (the registration now points at it), writes nothing
+            new.start()  # a standby: serves the webhook, writes nothing
+            register_webhook_as_the_chart_does(cluster, webhook_port(new))  # the Service's endpoints moved to it
             time.sleep(8)
             assert {n: revision(cluster, n, namespace) for n in names} == before, "the standby wrote"
             old.stop()
@@ -302,6 +305,7 @@ def test_overlapping_admission_operators_roll_each_workload_once_per_upgrade_and
     finally:
         upgraded.stop()
         rolled_back.stop()
+        register_webhook_as_the_chart_does(cluster, webhook_port(admission_operator))
         admission_operator.start()
     print(f"overlapping admission operators, rollouts per workload (upgrade, rollback): {counts}")
     assert counts == [dict.fromkeys(names, 1), dict.fromkeys(names, 1)], counts

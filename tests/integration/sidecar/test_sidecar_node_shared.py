@@ -2,8 +2,8 @@
 pods on a node sharing its /dev/shm) use one cache server; replica B gets replica A's prefix.
 
 The server is the real sidecar configured as the operator configures a node cache pod
-(request port on all addresses); the replicas dial it on a non-loopback address, as engines
-in other pods dial the node-local Service.
+(request port on all addresses, the policy's CURVE keys); the replicas dial it on a non-loopback
+address with the policy's client keys, as engines in other pods dial the node-local Service.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from kvoffload import contract
+from tests.support.cache_keys import policy_keys
 from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
 from tests.support.sidecar_harness import Sidecar
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
@@ -40,7 +41,7 @@ def _node_address() -> str:
     return address if not address.startswith("127.") else "127.0.0.1"
 
 
-def _replica(tmp_path: Path, name: str, url: str, model: str, phases: list[Any]) -> dict[str, Any]:
+def _replica(tmp_path: Path, name: str, url: str, model: str, phases: list[Any], keys: Path) -> dict[str, Any]:
     """One stand-in engine process with the env node mode injects; its report."""
     workdir = tmp_path / name
     workdir.mkdir()
@@ -58,6 +59,7 @@ def _replica(tmp_path: Path, name: str, url: str, model: str, phases: list[Any])
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
     env.update({
         contract.ENV_SERVER_URL: url,
+        contract.ENV_CACHE_KEYS_DIR: str(keys),
         contract.ENV_BACKEND: contract.BACKEND_SIDECAR,
         contract.ENV_PYTHONHASHSEED: "0",
         contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(workdir),
@@ -78,17 +80,33 @@ def test_replica_b_gets_replica_as_prefix_from_the_shared_node_cache(
     make_sidecar: Callable[..., Sidecar], tmp_path: Path
 ) -> None:
     address = _node_address()
-    sidecar = make_sidecar(**{contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CHUNK_SIZE: str(CHUNK)})
+    server_keys, engine_keys = policy_keys(tmp_path / "keys", "shared")
+    sidecar = make_sidecar(**{contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CHUNK_SIZE: str(CHUNK),
+                              contract.ENV_CACHE_KEYS_DIR: str(server_keys)})  # fmt: skip
     sidecar.wait_ready()
     url = f"tcp://{address}:{sidecar.request_port}"
     p1 = make_prompt(41, 200)
     p2 = p1 + make_prompt(42, 70)
 
-    a = _replica(tmp_path, "replica-a", url, "shared-model", [[{"request_id": 1, "prompt": p1, "max_new_tokens": 3}]])
+    a = _replica(
+        tmp_path,
+        "replica-a",
+        url,
+        "shared-model",
+        [[{"request_id": 1, "prompt": p1, "max_new_tokens": 3}]],
+        engine_keys,
+    )
     (ra,) = a["phases"][0]["results"]
     assert not ra["failed"] and ra["connector_matched_tokens"] == 0 and ra["computed_prompt_tokens"] == len(p1)
 
-    b = _replica(tmp_path, "replica-b", url, "shared-model", [[{"request_id": 1, "prompt": p2, "max_new_tokens": 3}]])
+    b = _replica(
+        tmp_path,
+        "replica-b",
+        url,
+        "shared-model",
+        [[{"request_id": 1, "prompt": p2, "max_new_tokens": 3}]],
+        engine_keys,
+    )
     (rb,) = b["phases"][0]["results"]
     hit = (len(p1) // CHUNK) * CHUNK
     assert not rb["failed"] and b["kv_mismatches"] == 0
@@ -97,7 +115,7 @@ def test_replica_b_gets_replica_as_prefix_from_the_shared_node_cache(
 
     # Keys are scoped by model: another model on the same node cache never hits A's blocks.
     other = _replica(
-        tmp_path, "replica-c", url, "other-model", [[{"request_id": 1, "prompt": p2, "max_new_tokens": 3}]]
+        tmp_path, "replica-c", url, "other-model", [[{"request_id": 1, "prompt": p2, "max_new_tokens": 3}]], engine_keys
     )
     (rc,) = other["phases"][0]["results"]
     assert rc["connector_matched_tokens"] == 0 and rc["computed_prompt_tokens"] == len(p2)

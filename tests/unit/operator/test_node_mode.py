@@ -11,8 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
+from kvoffload.operator.containers import CACHE_KEYS_MOUNT, CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
+from kvoffload.operator.node_caches import new_cache_keys
 from kvoffload.operator.node_mode import (
+    cache_keys_secret_name,
     cache_pod_name,
     cache_pod_selector,
     cache_server_url,
@@ -23,6 +26,7 @@ from kvoffload.operator.node_mode import (
     node_cache_status,
     node_shm_host_path,
     plan_cache_pods,
+    render_cache_keys_secret,
     render_cache_network_policy,
     render_cache_pod,
     render_cache_service,
@@ -144,11 +148,58 @@ def test_engine_fragment_is_the_sidecar_fragment_minus_the_sidecar() -> None:
     assert isinstance(side, RenderedInjection)
     n_engine, s_engine = pod_spec(node)["containers"][0], pod_spec(side)["containers"][0]
     assert n_engine["args"] == s_engine["args"]
-    assert n_engine["volumeMounts"] == s_engine["volumeMounts"]
+    # Node mode adds the policy's client keys (the node cache admits no other connection).
+    assert n_engine["volumeMounts"] == [*s_engine["volumeMounts"], dict(CACHE_KEYS_MOUNT)]
     differing = {e["name"] for e in n_engine["env"]} ^ {e["name"] for e in s_engine["env"]}
-    assert differing == {c.ENV_METRICS_PORT}  # no sidecar in the pod: the connector serves /metrics
+    assert differing == {c.ENV_METRICS_PORT, c.ENV_CACHE_KEYS_DIR}  # no sidecar: the connector serves /metrics
     assert node.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE] == side.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE]
     assert node.config_hash != side.config_hash  # switching modes rolls the pods once
+
+
+def _keys_volume(spec: dict[str, Any]) -> dict[str, Any]:
+    return next(v for v in spec["volumes"] if v["name"] == c.VOLUME_CACHE_KEYS)
+
+
+def test_engines_mount_only_their_policys_client_keys_and_the_cache_pod_only_the_servers() -> None:
+    engine = pod_spec(render_node(deployment()))
+    assert _keys_volume(engine)["secret"]["secretName"] == cache_keys_secret_name("shared")
+    assert [i["key"] for i in _keys_volume(engine)["secret"]["items"]] == list(ENGINE_KEY_FILES)
+    assert c.CACHE_KEY_SERVER_SECRET not in ENGINE_KEY_FILES
+    env = {e["name"]: e["value"] for e in engine["containers"][0]["env"]}
+    assert env[c.ENV_CACHE_KEYS_DIR] == c.CACHE_KEYS_MOUNT_PATH
+    # Another policy's engines get that policy's Secret, never this one's.
+    other_settings = node_settings(policy("other"))
+    rendered = render_node_mode_fragment(deployment(), other_settings, NATIVE)
+    assert isinstance(rendered, RenderedInjection)
+    other = pod_spec(rendered)
+    assert (
+        _keys_volume(other)["secret"]["secretName"]
+        == cache_keys_secret_name("other")
+        != cache_keys_secret_name("shared")
+    )
+    pol = policy()
+    settings_ = cache_settings(pol, DEFAULTS)
+    assert isinstance(settings_, InjectionSettings)
+    cache = render_cache_pod(pol, settings_, NODES[0])["spec"]
+    assert [i["key"] for i in _keys_volume(cache)["secret"]["items"]] == list(CACHE_POD_KEY_FILES)
+    assert c.CACHE_KEY_CLIENT_SECRET not in CACHE_POD_KEY_FILES
+    server = cache["containers"][0]
+    assert {"name": c.ENV_CACHE_KEYS_DIR, "value": c.CACHE_KEYS_MOUNT_PATH} in server["env"]
+    assert dict(CACHE_KEYS_MOUNT) in server["volumeMounts"]
+    # Sidecar mode: loopback only, no keys.
+    side = render_injection_fragment(deployment(), node_settings(**{c.ANN_MODE: "sidecar"}), NATIVE)
+    assert isinstance(side, RenderedInjection)
+    assert all(v["name"] != c.VOLUME_CACHE_KEYS for v in pod_spec(side)["volumes"])
+
+
+def test_the_key_secret_holds_two_fresh_keypairs_owned_by_the_policy() -> None:
+    first, second = new_cache_keys(), new_cache_keys()
+    files = {c.CACHE_KEY_SERVER_PUBLIC, c.CACHE_KEY_SERVER_SECRET, c.CACHE_KEY_CLIENT_PUBLIC, c.CACHE_KEY_CLIENT_SECRET}
+    assert set(first) == files and len(set(first.values()) | set(second.values())) == 8
+    secret = render_cache_keys_secret(policy(), first)
+    assert secret["metadata"]["name"] == cache_keys_secret_name("shared")
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == c.POLICY_KIND
+    assert secret["stringData"] == first
 
 
 def test_render_is_deterministic_and_stable_on_the_injected_object() -> None:

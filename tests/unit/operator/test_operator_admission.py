@@ -28,7 +28,7 @@ from kvoffload.operator.new_workloads import label_for_new_workload, record_befo
 from kvoffload.operator.pod_alignment import next_eviction, start_failure
 from kvoffload.operator.pod_owners import Owner, resolve_owner
 from kvoffload.operator.settings import InjectionSettings
-from kvoffload.operator.webhook_tls import webhook_configuration
+from kvoffload.operator.webhook_tls import ca_bundle_patch, webhook_configuration
 from kvoffload.policy import FsTier, PolicyError, RedisTier
 
 
@@ -354,6 +354,14 @@ def test_the_webhook_never_sees_pods_of_kube_system_or_the_operators_namespace()
     assert scoped["namespaceSelector"]["matchExpressions"] == [
         excluded, {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a"]}
     ]  # fmt: skip
+
+
+def test_the_operator_patches_only_the_ca_bundle_of_the_charts_two_webhooks() -> None:
+    patch = ca_bundle_patch(b"ca")
+    registered = webhook_configuration("kvoffload-pod-injection", b"", {"url": "https://h/mutate-pods"}, (), "ns")
+    assert [h["name"] for h in patch["webhooks"]] == [h["name"] for h in registered["webhooks"]]
+    assert all(h == {"name": h["name"], "clientConfig": {"caBundle": "Y2E="}} for h in patch["webhooks"])
+    assert set(patch) == {"webhooks"}
 
 
 def test_a_workload_created_opted_in_gets_the_operators_label_and_its_first_pods_the_same_record() -> None:

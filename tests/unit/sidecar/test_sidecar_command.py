@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvoffload import contract
 from kvoffload.sidecar.command import build_server_command, l2_adapter_specs
 from kvoffload.sidecar.settings import SettingsError, load_settings
+from tests.support.cache_keys import policy_keys
 
 pytestmark = pytest.mark.sidecar
 
@@ -107,10 +109,15 @@ def test_track_usage_opt_in() -> None:
     assert build_server_command(s, {}, None).env[contract.ENV_LMCACHE_TRACK_USAGE] == "true"
 
 
-def test_node_cache_pod_opens_only_the_request_port_to_other_pods() -> None:
-    """Node mode: engines of other pods dial the request port; LMCache's admin API stays on loopback."""
-    s = load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0"}, None)
-    argv = build_server_command(s, {}, shm_free_bytes=None, python="/py").argv
+def test_node_cache_pod_opens_only_the_request_port_to_other_pods(tmp_path: Path) -> None:
+    """Node mode: engines of other pods dial the request port (their keys checked by the server, which
+    inherits the keys directory); LMCache's admin API stays on loopback."""
+    keys, _ = policy_keys(tmp_path, "p")
+    env = {contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CACHE_KEYS_DIR: str(keys)}
+    s = load_settings(env, None)
+    command = build_server_command(s, env, shm_free_bytes=None, python="/py")
+    assert command.env[contract.ENV_CACHE_KEYS_DIR] == str(keys)
+    argv = command.argv
     assert _flag(argv, "--host") == "0.0.0.0"
     assert _flag(argv, "--http-host") == "127.0.0.1"
 

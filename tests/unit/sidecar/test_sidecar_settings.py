@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from kvoffload.sidecar.settings import (
     load_settings,
     parse_policy_text,
 )
+from tests.support.cache_keys import policy_keys
 
 pytestmark = pytest.mark.sidecar
 
@@ -296,3 +299,14 @@ def test_a_port_with_a_control_character_is_refused_not_crashed_on() -> None:
     """Found by the settings fuzz test: re's \\s matched \\x1f, and int() then raised ValueError."""
     with pytest.raises(SettingsError, match=r"KVOFFLOAD_REQUEST_PORT: '0\\x1f' is not allowed"):
         load_settings({contract.ENV_REQUEST_PORT: "0\x1f"}, None)
+
+
+def test_a_request_port_off_the_loopback_needs_the_policys_keys(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=rf"{contract.ENV_REQUEST_HOST}: '0.0.0.0' .*{contract.ENV_CACHE_KEYS_DIR}"):
+        load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0"}, None)
+    with pytest.raises(SettingsError, match=r"server\.public is missing"):
+        load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CACHE_KEYS_DIR: str(tmp_path)}, None)
+    server_dir, _ = policy_keys(tmp_path, "llama")
+    node = load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CACHE_KEYS_DIR: str(server_dir)}, None)
+    assert node.cache_keys_dir == str(server_dir)
+    assert load_settings({}, None).cache_keys_dir is None  # sidecar mode: loopback, no keys
