@@ -17,21 +17,24 @@ ARG TRTLLM_IMAGE=nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc26
 ARG TORCH_VERSION=2.13.0
 ARG LMCACHE_VERSION=0.5.6
 
-# --- build the kvoffload wheel once ------------------------------------------
-FROM ${PYTHON_IMAGE} AS wheel
+# --- build kvoffload's four wheels once ------------------------------------------
+# common (the shared floor), operator, sidecar, connector: each folder is its own distribution.
+FROM ${PYTHON_IMAGE} AS wheels
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY kvoffload/ kvoffload/
+COPY common/ common/
+COPY operator/ operator/
+COPY sidecar/ sidecar/
+COPY connector/ connector/
 # hadolint ignore=DL3013
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./common ./operator ./sidecar ./connector
 
 # --- operator ------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS operator-venv
-COPY --from=wheel /wheels /wheels
-# Versions are pinned by the package's "operator" extra.
+COPY --from=wheels /wheels /wheels
+# Versions are pinned by the operator distribution's dependencies; it never pulls torch or lmcache.
 # hadolint ignore=DL3013
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir "$(find /wheels -name 'kvoffload-*.whl')[operator]"
+    && /opt/venv/bin/pip install --no-cache-dir /wheels/kvoffload_common-*.whl /wheels/kvoffload_operator-*.whl
 
 FROM ${PYTHON_IMAGE} AS operator
 LABEL org.opencontainers.image.title="kvoffload-operator" \
@@ -48,12 +51,12 @@ ENTRYPOINT ["kvoffload-operator"]
 FROM ${PYTHON_IMAGE} AS sidecar-venv
 ARG TORCH_VERSION
 ARG LMCACHE_VERSION
-COPY --from=wheel /wheels /wheels
+COPY --from=wheels /wheels /wheels
 # torch first, pinned to the build lmcache's extension expects; then the rest.
 # hadolint ignore=DL3013
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
-    && /opt/venv/bin/pip install --no-cache-dir "lmcache==${LMCACHE_VERSION}" "$(find /wheels -name 'kvoffload-*.whl')[sidecar]" \
+    && /opt/venv/bin/pip install --no-cache-dir "lmcache==${LMCACHE_VERSION}" /wheels/kvoffload_common-*.whl /wheels/kvoffload_sidecar-*.whl \
     && /opt/venv/bin/python -c "import torch, lmcache; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__" \
     && /opt/venv/bin/python -c "import torch, lmcache.cuda_ops"
 
@@ -72,15 +75,15 @@ ENTRYPOINT ["kvoffload-sidecar"]
 
 # --- connector bundle ------------------------------------------------------------
 # TensorRT-LLM's image already has torch, numpy, pydantic, pyzmq and CUDA; the bundle carries
-# kvoffload's connector and lmcache (python/), and the packages lmcache imports that the image
+# kvoffload's connector distribution, the floor it stands on and lmcache (python/), and the packages lmcache imports that the image
 # lacks (deps/, appended to the END of sys.path by the connector). hack/build_bundle.py is the
 # one recipe: the tests build the bundle with it too, and load it in an image-shaped environment.
-FROM wheel AS bundle-build
+FROM wheels AS bundle-build
 ARG LMCACHE_VERSION
 COPY hack/build_bundle.py hack/bundle-requirements.txt hack/
 ENV PIP_NO_CACHE_DIR=1
-RUN python hack/build_bundle.py --out /kvoffload-bundle \
-        --kvoffload "$(find /wheels -name 'kvoffload-*.whl')" --lmcache-version "${LMCACHE_VERSION}"
+RUN python hack/build_bundle.py --out /kvoffload-bundle --lmcache-version "${LMCACHE_VERSION}" \
+        --dist /wheels/kvoffload_common-*.whl --dist /wheels/kvoffload_connector-*.whl
 
 FROM ${BUNDLE_BASE_IMAGE} AS connector-bundle
 LABEL org.opencontainers.image.title="kvoffload-connector-bundle" \

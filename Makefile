@@ -27,7 +27,7 @@ lint:
 	@$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command(['--no-cache'])"
 
 typecheck:
-	@$(PY) -m mypy kvoffload
+	@$(PY) -m mypy common/src operator/src sidecar/src connector/src
 
 ## bandit on the code, checkov on the rendered chart; every finding fixed or waived in hack/scan-waivers.yaml.
 scan:

@@ -147,19 +147,12 @@ class RawClient:
             self.transfer.engine_driven_context.mq_timeout = 60.0
 
     def key(self, session: str, tokens: tuple[int, ...], start: int, end: int, worker: bool, salt: str = "") -> Any:
-        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+        """The connector's own key for these tokens (``ServerKeys``), so both sides name chunks alike."""
+        from kvoffload.connector.backends.server_keys import ServerKeys
 
-        return IPCCacheServerKey(
-            model_name=self.shape.key_model,
-            world_size=1,
-            worker_id=0 if worker else None,
-            token_ids=tokens,
-            start=start,
-            end=end,
-            request_id=session,
-            cache_salt=salt,
-            num_kv_readers=1,
-        )
+        keys = ServerKeys(world_size=1, rank=0)
+        keys.model = self.shape.key_model
+        return keys.key(session, tokens, start, end, salt, worker)
 
     def lookup(self, session: str, tokens: tuple[int, ...], end: int, salt: str = "") -> int:
         self.client.lookup(self.key(session, tokens, 0, end, False, salt), 1)
@@ -252,8 +245,9 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.planning import ConnectorMetadata, TransferOp
+    from kvoffload.connector.runtime import ENGINE_PROCESS
     from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
+    from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
 
     shape = OVERHEAD_SHAPE
@@ -270,9 +264,11 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         url = server.url
         off = ConnectorMetrics(MODEL, "sidecar", enabled=False)
         raw = RawClient(url, shape, pool)
-        backend = CacheServerBackend(_settings(url, shape), rank=0, role="worker", metrics=off)
+        backend = CacheServerBackend(_settings(url, shape), rank=0, role="worker", metrics=off, process=ENGINE_PROCESS)
         backend.register(pool, geometry)
-        sched_backend = CacheServerBackend(_settings(url, shape), rank=0, role="scheduler", metrics=off)
+        sched_backend = CacheServerBackend(
+            _settings(url, shape), rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS
+        )
         llm_args = connector_llm_args(MODEL, url, block=shape.tokens_per_block)
         hooks: dict[bool, tuple[Any, Any]] = {}
         for metrics in (False, True):
@@ -469,9 +465,8 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             )
 
             # --- lookup + secure while other prompts' store COMMITs are still queued ----------
-            from kvoffload.connector.backends import cache_server
-
-            securing = cache_server._LOCAL_WORKERS[url]  # the worker the scheduler secures through
+            securing = ENGINE_PROCESS.worker(url)  # the worker the scheduler secures through
+            assert securing is not None
 
             def lookup_secure(queued: int) -> Any:
                 def run(_: int) -> float:
@@ -560,7 +555,8 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
     from kvoffload.connector.backends.blockcopy import gather_chunk, scatter_chunk
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.wire import TransferOp
 
     shape = TRANSFER_SHAPE
     block, chunk = shape.tokens_per_block, shape.chunk
@@ -579,13 +575,17 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(_server(chunk, l1_gb))
             settings = _settings(server.url, shape)
-            ours = CacheServerBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=True)
+            ours = CacheServerBackend(
+                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=True
+            )
             stack.callback(ours.close)
             ours.register(pool, geometry)
-            shipped = CacheServerBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=False)
+            shipped = CacheServerBackend(
+                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=False
+            )
             stack.callback(shipped.close)
             shipped.register(pool, geometry)
-            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off)
+            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
             stack.callback(scheduler.close)
             nb = tokens // block
             nbytes = tokens * shape.bytes_per_token

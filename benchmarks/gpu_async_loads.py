@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = args.device
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
     from kvoffload import contract
-    from kvoffload.connector.planning import ConnectorMetadata, TransferOp
+    from kvoffload.connector.wire import ConnectorMetadata, TransferOp
 
     failures = 0
     most = max(args.tokens) // gt.TOKENS_PER_BLOCK

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     assert dev == "cpu" or torch.cuda.is_available(), "needs a CUDA device"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     from kvoffload import contract
-    from kvoffload.connector.planning import ConnectorMetadata, TransferOp
+    from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
     def honoured_load(scheduler: Any, request: Any, matched: int, pages: list[int], parked: bool) -> Any:

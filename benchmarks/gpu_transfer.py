@@ -167,6 +167,7 @@ def make_backend(
     from kvoffload.connector.backends.base import kv_geometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
+    from kvoffload.connector.runtime import ENGINE_PROCESS
     from kvoffload.connector.settings import parse_settings
 
     llm_args = types.SimpleNamespace(
@@ -183,7 +184,8 @@ def make_backend(
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
-    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, use_fast_copies=fast)
+    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS,
+                                 use_fast_copies=fast)  # fmt: skip
     if pool is None:  # scheduler role: lookups only
         deadline = time.monotonic() + 30
         while not backend.is_up() and time.monotonic() < deadline:
@@ -231,7 +233,7 @@ def transfer_round(
     ``forward``, the same store as the engine runs them); ``sync_after=False`` times each call alone (the backend returns once its copies are done)
     instead of adding a device-wide synchronize, which under load would wait for the stand-in
     engine's work too."""
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.wire import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
     src, dst, src_idx, dst_idx, token_ids = round_inputs(tokens, order, seed=1000 * rep + tokens)
@@ -274,7 +276,7 @@ def engine_path_store(
     matmuls, then the KV written into the blocks); the saver's stream waits for the pass's event on
     the device and calls ``store``. Timed from the pass's end to the store's return (CUDA events);
     then retrieved into other blocks and checked against what the pass wrote."""
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.wire import TransferOp
 
     salt = f"{salt}-engine-store"  # keys of their own: LMCache would skip chunks the round's store holds
     nblocks = tokens // TOKENS_PER_BLOCK
@@ -310,7 +312,7 @@ def engine_path_load(
 ) -> dict[str, Any]:  # fmt: skip
     """The same load as the engine runs it: secured at lookup (the PREPAREs, on the scheduling path
     before the promise) and copied by ``start_load_kv`` (``load_secured``), each timed alone."""
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.wire import TransferOp
 
     tokens = len(token_ids)
     scheduler.lookup(session, token_ids, tokens, salt)
@@ -443,30 +445,31 @@ def measure_under_load(backend: Any, scheduler: Any, pool: torch.Tensor, tokens:
         "raw": raw_copy_baseline(tokens * BYTES_PER_TOKEN),
     }
     row["idle"] = measure(backend, scheduler, pool, tokens, reps, salt="idle", sync_after=False)
-    shipped = backend._copies, backend._store_copies
+    transfers = backend.transfers
+    shipped = transfers.load_copies, transfers.store_copies
     with EngineLoad() as load:
         row["forward_ms"] = load.forward_ms
         row["under_load_transfer_stream"] = measure(
             backend, scheduler, pool, tokens, reps, salt="load-stream", sync_after=False
         )
-        real_store, real_retrieve = backend._store_fast, backend._retrieve_fast
+        real_store, real_retrieve = transfers._store_fast, transfers._retrieve_fast
 
         def store_old(edc: Any, key: Any, op: Any) -> bool:
-            backend._store_copies = DeviceWideSync(before_copies=True)
+            transfers.store_copies = DeviceWideSync(before_copies=True)
             return bool(real_store(edc, key, op))
 
         def retrieve_old(edc: Any, key: Any, op: Any) -> bool:
-            backend._copies = DeviceWideSync(before_copies=False)
+            transfers.load_copies = DeviceWideSync(before_copies=False)
             return bool(real_retrieve(edc, key, op))
 
-        backend._store_fast, backend._retrieve_fast = store_old, retrieve_old
+        transfers._store_fast, transfers._retrieve_fast = store_old, retrieve_old
         try:
             row["under_load_device_sync"] = measure(
                 backend, scheduler, pool, tokens, reps, salt="load-device", sync_after=False
             )
         finally:
-            backend._store_fast, backend._retrieve_fast = real_store, real_retrieve
-            backend._copies, backend._store_copies = shipped
+            transfers._store_fast, transfers._retrieve_fast = real_store, real_retrieve
+            transfers.load_copies, transfers.store_copies = shipped
     return row
 
 
@@ -476,7 +479,7 @@ def measure_batched_loads(
     """``count`` loads of ``tokens`` each in one iteration: one ``retrieve`` after another (baseline)
     against the shipped path (PREPAREs at lookup, then ``load_secured`` copies them all), same run,
     alternating, every block checked."""
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.wire import TransferOp
 
     nblocks = tokens // TOKENS_PER_BLOCK
     assert 2 * count * nblocks <= pool.shape[0], "pool too small for the batch"
@@ -543,11 +546,13 @@ def measure_batched_loads(
 def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Path, timings: TransferTimings
                       ) -> list[dict[str, Any]]:  # fmt: skip
     """The in-process backend: LMCache's engine started inside this process, same data path."""
-    from kvoffload.connector.backends import inprocess
+    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.quantity import parse_bytes
 
-    os.environ["KVOFFLOAD_L1_SIZE"] = args.l1
-    settings = types.SimpleNamespace(world_size=1, chunk_size=args.chunk_sizes[0])
-    url = inprocess.start_engine(settings)  # type: ignore[arg-type]
+    settings = types.SimpleNamespace(
+        world_size=1, chunk_size=args.chunk_sizes[0], l1_bytes=parse_bytes(args.l1, "--l1")
+    )
+    url = ENGINE_PROCESS.inprocess.start(settings)  # type: ignore[arg-type]
     rows = []
     try:
         scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
@@ -563,7 +568,7 @@ def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Pat
         backend.close()
         scheduler.close()
     finally:
-        inprocess.stop_engine()
+        ENGINE_PROCESS.inprocess.stop()
     return rows
 
 

@@ -49,9 +49,9 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
     from hack.ports import free_port
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
-    from kvoffload.connector.backends.commits import PENDING_COMMITS
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.wire import TransferOp
 
     shape = OVERHEAD_SHAPE
     chunk, bpc = shape.chunk, shape.chunk // shape.tokens_per_block
@@ -71,7 +71,7 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
     backends = {
         on: CacheServerBackend(
             _settings(server.url, shape, {"KVOFFLOAD_KV_EVENTS": "true" if on else "false"}),
-            rank=0, role="worker", metrics=metrics,
+            rank=0, role="worker", metrics=metrics, process=ENGINE_PROCESS,
         )
         for on in (False, True)
     }  # fmt: skip
@@ -104,7 +104,7 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
             t0 = time.perf_counter()
             assert backends[on].store(op) > 0, "store failed"
             t1 = time.perf_counter()
-            assert PENDING_COMMITS.wait_session(sid, 30.0), "COMMIT not answered"
+            assert ENGINE_PROCESS.pending.wait_session(sid, 30.0), "COMMIT not answered"
             t2 = time.perf_counter()
             if i >= warmup:
                 published[name].append((t2 - t0) * 1e3)

@@ -4,11 +4,12 @@
 # sortedcontainers, which that image has). Saved under .whl/ (git-ignored through
 # .git/info/exclude); a device call carries `.whl` and starts with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/common/src:$PWD/connector/src:$PWD
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.whl/' >> .git/info/exclude; }
+exclude="$(git rev-parse --git-path info/exclude)"  # a worktree's .git is a file: ask git where its excludes live
+grep -qxF '/.whl/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")"; echo '/.whl/' >> "$exclude"; }
 mkdir -p .whl
 mapfile -t wanted < <(grep -Ev '^\s*(#|$)' hack/bundle-requirements.txt | grep -Ev '^(numba|llvmlite|py-cpuinfo|sortedcontainers)==')
 platforms=()

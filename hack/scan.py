@@ -24,6 +24,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WAIVERS = ROOT / "hack" / "scan-waivers.yaml"
 CHART = ROOT / "charts" / "kvoffload"
+SOURCE_FOLDERS = ("common/src", "operator/src", "sidecar/src", "connector/src")  # what ships
 CACHE = Path(os.environ.get("KVOFFLOAD_CACHE") or Path.home() / ".cache" / "kvoffload")
 SCANNERS = CACHE / "scanners" / "bin"
 RENDERS: dict[str, tuple[str, ...]] = {
@@ -94,7 +95,7 @@ def checkov_findings(reports: dict[str, Any] | list[dict[str, Any]]) -> list[Fin
 
 
 def _run_bandit() -> list[Finding]:
-    out = subprocess.run([str(SCANNERS / "bandit"), "-q", "-r", "kvoffload", "-f", "json"],
+    out = subprocess.run([str(SCANNERS / "bandit"), "-q", "-r", *SOURCE_FOLDERS, "-f", "json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     if out.returncode not in (0, 1) or not out.stdout.strip():
         raise SystemExit(f"scan: bandit failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -106,9 +107,9 @@ def injected_objects() -> list[dict[str, Any]]:
     it injects beside an engine (the engine is the user's), and a node-mode cache pod."""
     from hack.workloads import trtllm_deployment
     from kvoffload import contract as c
-    from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-    from kvoffload.operator.node_mode import cache_settings, render_cache_network_policy, render_cache_pod
-    from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+    from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+    from kvoffload.operator.node.cache_objects import cache_settings, render_cache_network_policy, render_cache_pod
+    from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 
     defaults = OperatorDefaults()
     workload = trtllm_deployment("llm", "team-a")

@@ -32,10 +32,14 @@ mkdir -p "$CACHE" "$BIN"
 setup_python() {
   # One shared virtualenv holds the heavy dependencies (torch, lmcache, kopf...).
   local reqs want
-  reqs="$("$PY" - "$ROOT/pyproject.toml" <<'EOF'
-import sys, tomllib
-extras = tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]
-print("\n".join(sorted({r for group in extras.values() for r in group})))
+  reqs="$("$PY" - "$ROOT" <<'EOF'
+import pathlib, sys, tomllib
+root = pathlib.Path(sys.argv[1])
+wanted = set(tomllib.load(open(root / "pyproject.toml", "rb"))["dependency-groups"]["dev"])
+for component in ("common", "operator", "sidecar", "connector"):
+    deps = tomllib.load(open(root / component / "pyproject.toml", "rb"))["project"]["dependencies"]
+    wanted |= {d for d in deps if not d.startswith("kvoffload-")}  # ours are the editable installs below
+print("\n".join(sorted(wanted)))
 EOF
 )"
   want="$("$PY" --version 2>&1)|$(printf '%s' "$reqs" | sha256sum | cut -c1-16)"
@@ -58,10 +62,11 @@ EOF
   site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   shared_site="$("$DEPS_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "import site; site.addsitedir('$shared_site')" > "$site/kvoffload-shared-deps.pth"
-  if ! "$ROOT/.venv/bin/python" -c 'import kvoffload, sys; sys.exit(0 if kvoffload.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
+  if ! "$ROOT/.venv/bin/python" -c 'import kvoffload.contract, sys; sys.exit(0 if kvoffload.contract.__file__.startswith(sys.argv[1]) else 1)' "$ROOT" 2>/dev/null \
      || [ ! -x "$ROOT/.venv/bin/kvoffload-sidecar" ]; then
-    log "installing this checkout (editable) into $ROOT/.venv"
-    "$ROOT/.venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+    log "installing this checkout's four distributions (editable) into $ROOT/.venv"
+    "$ROOT/.venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
+      -e "$ROOT/common" -e "$ROOT/operator" -e "$ROOT/sidecar" -e "$ROOT/connector"
   fi
   # Console scripts of the dependencies (lmcache, kopf) live in the shared venv.
   for tool in lmcache kopf ruff hadolint; do

@@ -48,7 +48,7 @@ def engine_argv(*args: str) -> list[str]:
 
 def build_bundle(out: Path) -> Path:
     """The connector bundle of this checkout, built for the image's Python as the Dockerfile builds it."""
-    argv = [str(image_python()), str(HACK / "build_bundle.py"), "--out", str(out), "--kvoffload", str(REPO_ROOT)]
+    argv = [str(image_python()), str(HACK / "build_bundle.py"), "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise ImageEnvError(f"building the connector bundle failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")

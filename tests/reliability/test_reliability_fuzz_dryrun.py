@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hack.localcluster import LocalCluster
 from hack.workloads import get
 from kvoffload import contract as c
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.settings import resolve_settings
+from kvoffload.operator.intent.settings import resolve_settings
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.policy import PolicyError
 from tests.support import fuzz_strategies as fuzz
 

@@ -21,7 +21,7 @@ import pytest
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from kvoffload.operator.settings import OperatorDefaults
+from kvoffload.operator.intent.settings import OperatorDefaults
 from kvoffload.quantity import parse_bytes
 from tests.support.operator_support import (
     OperatorProcess,

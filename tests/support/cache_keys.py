@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvoffload.operator.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
-from kvoffload.operator.node_caches import new_cache_keys
-from kvoffload.operator.node_mode import render_cache_keys_secret
+from kvoffload.operator.node.cache_objects import render_cache_keys_secret
+from kvoffload.operator.node.caches import new_cache_keys
+from kvoffload.operator.plan.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 
 
 def _mount(data: dict[str, str], files: Sequence[str], directory: Path) -> Path:

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from hack.workloads import trtllm_container, trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.fragment import RenderedInjection
-from kvoffload.operator.settings import (
+from kvoffload.operator.intent.settings import (
     OperatorDefaults,
 )
+from kvoffload.operator.plan.fragment import RenderedInjection
 from tests.support.scale import count
 
 EXAMPLES = count(ci=1000, soak=5000)

@@ -63,7 +63,7 @@ def curve_contexts_from_env() -> None:
 
     from kvoffload import contract
     from kvoffload.cache_keys import read_client_keys
-    from kvoffload.connector.backends.lmcache_mp import authenticate_as_client
+    from kvoffload.connector.backends.connection import authenticate_as_client
 
     directory = os.environ.get(contract.ENV_CACHE_KEYS_DIR)
     if not directory:

@@ -28,7 +28,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from kvoffload.operator.settings import OperatorDefaults
+from kvoffload.operator.intent.settings import OperatorDefaults
 from tests.conftest import REPO_ROOT
 
 
@@ -81,7 +81,7 @@ def register_webhook_as_the_chart_does(
     """What Helm installs with injection.mode=admission (``webhook_configuration`` without a caBundle),
     pointed at a test operator's webhook on 127.0.0.1:``port``; the operator then patches the caBundle
     in. Applied again for another port, it is a Service whose endpoints moved to another pod."""
-    from kvoffload.operator.webhook_tls import webhook_configuration
+    from kvoffload.operator.admission.webhook_tls import webhook_configuration
 
     client = {"url": f"https://127.0.0.1:{port}{c.WEBHOOK_PATH}"}
     body = webhook_configuration(c.WEBHOOK_CONFIGURATION_NAME, b"", client, (), release_namespace)

@@ -555,9 +555,9 @@ def commits_lagging(seconds: float, on_first: Callable[[], None] | None = None) 
     """Every COMMIT of this process reaches the server ``seconds`` late, as a busy rank's may
     (TensorRT-LLM's ranks never promise to finish a save together); ``on_first`` runs when the first
     one is due to leave, its PREPARE answered and its copies done (a fault can land there)."""
-    from kvoffload.connector.backends.lmcache_mp import LMCacheMPClient
+    from kvoffload.connector.backends.committer import Committer
 
-    send = LMCacheMPClient._commit_now
+    send = Committer.send
     first = [on_first]
 
     def late(self: Any, item: Any) -> None:
@@ -567,11 +567,11 @@ def commits_lagging(seconds: float, on_first: Callable[[], None] | None = None) 
         time.sleep(seconds)
         send(self, item)
 
-    LMCacheMPClient._commit_now = late  # type: ignore[method-assign]
+    Committer.send = late  # type: ignore[method-assign]
     try:
         yield
     finally:
-        LMCacheMPClient._commit_now = send  # type: ignore[method-assign]
+        Committer.send = send  # type: ignore[method-assign]
 
 
 def _follower_main(
@@ -612,9 +612,9 @@ def _serve_rank(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], k
 def settle_commits(timeout_s: float = 10.0) -> bool:
     """Wait until this process's deferred COMMITs were answered: another process's lookup finds
     only committed chunks (a test's synchronisation, not the engine's)."""
-    from kvoffload.connector.backends.commits import PENDING_COMMITS
+    from kvoffload.connector.runtime import ENGINE_PROCESS
 
-    return PENDING_COMMITS.wait_idle(timeout_s)
+    return ENGINE_PROCESS.pending.wait_idle(timeout_s)
 
 
 def _attention_dp_rank_main(conn: Any, llm_args: Any, rank: int, env: dict[str, str], kwargs: dict[str, Any]) -> None:
@@ -1119,8 +1119,11 @@ class StandinExecutor:
     def _pause_for_pages(self, active: list[StandinLlmRequest]) -> None:
         """No request can run for want of pages: MAX_UTILIZATION destroys the allocation of the
         context request holding the most (its blocks stored for reuse up to its KV, as a release
-        does) and replays it next iteration (``reset_request_state``; the connector is asked again)."""
+        does) and replays it next iteration (``reset_request_state``; the connector is asked again). With
+        none to pause, it waits while finished requests' saves or parked loads still hold blocks."""
         candidates = [r for r in active if r.context_pos < r.prompt_len and not r.generated]
+        if not candidates and (self.saving or self.parked):
+            return  # blocks come back once those saves or loads are reported: the engine waits for them
         if not candidates:
             raise RuntimeError("stand-in KV pool exhausted: no context request to pause")
         victim = max(candidates, key=lambda r: len(r.block_ids))
@@ -1300,7 +1303,7 @@ def llm_args_from_options(options_path: str, model: str, tp: int) -> Any:
 
 
 REPORTED_MODULES = (
-    "kvoffload", "lmcache", "torch", "numpy", "zmq", "pydantic", "fastapi", "prometheus_client", "cachetools", "numba",
+    "kvoffload.connector", "kvoffload.contract", "lmcache", "torch", "numpy", "zmq", "pydantic", "fastapi", "prometheus_client", "cachetools", "numba",
 )  # fmt: skip
 
 

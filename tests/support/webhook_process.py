@@ -22,9 +22,9 @@ from typing import Any
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.admission import render_admission
-from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.operator.settings import InjectionSettings
+from kvoffload.operator.admission.records import render_admission
+from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE, NAME, TEMPLATE_HASH = "ns", "llm", "5d8f7c9b4"
@@ -141,9 +141,9 @@ class _StandInApiserver:
 
 
 def main(workdir: str) -> None:
+    from kvoffload.operator.admission.webhook import WebhookServer
+    from kvoffload.operator.admission.webhook_tls import issue
     from kvoffload.operator.metrics import OperatorMetrics
-    from kvoffload.operator.webhook import WebhookServer
-    from kvoffload.operator.webhook_tls import issue
 
     tls = issue(["127.0.0.1"])
     Path(workdir, "ca.pem").write_bytes(tls.ca_pem)

@@ -16,9 +16,9 @@ import pytest
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.node_mode import cache_settings, render_cache_pod, render_node_mode_fragment
-from kvoffload.operator.settings import OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
+from kvoffload.operator.node.cache_objects import cache_settings, render_cache_pod, render_node_mode_fragment
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.policy import PolicyError
 
 pytestmark = [pytest.mark.operator, pytest.mark.sidecar, pytest.mark.connector]
@@ -69,7 +69,7 @@ POLICIES: list[dict[str, Any]] = [
 def component_reads(component: str) -> set[str]:
     """The env vars a component's source reads: every ``contract.ENV_*`` it names."""
     found: set[str] = set()
-    for path in (ROOT / "kvoffload" / component).rglob("*.py"):
+    for path in (ROOT / component / "src" / "kvoffload" / component).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr.startswith("ENV_") and hasattr(c, node.attr):
                 found.add(getattr(c, node.attr))
@@ -129,4 +129,4 @@ def test_every_env_var_a_component_reads_is_set_by_the_operator_or_documented(co
 
 def test_every_env_name_in_the_contract_is_used() -> None:
     used = component_reads("operator") | component_reads("sidecar") | component_reads("connector")
-    assert set(ENV_NAMES) - used == set(), "dead names in kvoffload/contract.py"
+    assert set(ENV_NAMES) - used == set(), "dead names in common/src/kvoffload/contract.py"

@@ -1,4 +1,5 @@
-"""Package layout rules: the stdlib `operator` is never shadowed, and components import only what they may."""
+"""Layout rules: the design card's top level, four distributions sharing the ``kvoffload`` namespace,
+the stdlib ``operator`` never shadowed, and components importing only what they may."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 import kvoffload
+import kvoffload.operator
 
 ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = ("operator", "sidecar", "connector")
+DISTRIBUTIONS = ("common", *COMPONENTS)
 
 
 def _run(code: str) -> str:
@@ -25,12 +31,31 @@ def test_python_run_from_the_repo_root_imports_the_stdlib_operator() -> None:
     assert location.endswith("operator.py")
 
 
-def test_the_package_is_real_folders_without_symlinks() -> None:
-    links = [p for p in (ROOT / "kvoffload").rglob("*") if p.is_symlink()]
-    assert links == []
-    folders = [p for p in (ROOT / "kvoffload").rglob("*") if p.is_dir() and p.name != "__pycache__"]
-    assert {p.name for p in folders} >= {"operator", "sidecar", "connector"}
-    assert all((p / "__init__.py").exists() for p in folders), "every folder is a regular package"
+def test_the_top_level_is_the_design_cards() -> None:
+    for name in ("pyproject.toml", "operator", "sidecar", "connector", "charts", "tests", "Dockerfile"):
+        assert (ROOT / name).exists(), name
+    assert not (ROOT / "kvoffload").exists(), "the code lives in the component folders"
+
+
+def test_each_folder_is_a_distribution_holding_its_part_of_the_kvoffload_namespace() -> None:
+    for name in DISTRIBUTIONS:
+        project = tomllib.loads((ROOT / name / "pyproject.toml").read_text())["project"]
+        assert project["name"] == f"kvoffload-{name}"
+        assert not (ROOT / name / "src" / "kvoffload" / "__init__.py").exists(), "kvoffload is a namespace package"
+    for name in COMPONENTS:
+        assert (ROOT / name / "src" / "kvoffload" / name / "__init__.py").exists()
+
+
+def test_the_imported_kvoffload_is_the_four_folders_of_this_checkout() -> None:
+    assert sorted(kvoffload.__path__) == sorted(str(ROOT / name / "src" / "kvoffload") for name in DISTRIBUTIONS)
+
+
+def test_the_packages_are_real_folders_without_symlinks() -> None:
+    for name in DISTRIBUTIONS:
+        src = ROOT / name / "src"
+        assert [p for p in src.rglob("*") if p.is_symlink()] == []
+        folders = [p for p in (src / "kvoffload").rglob("*") if p.is_dir() and p.name != "__pycache__"]
+        assert all((p / "__init__.py").exists() for p in folders), "every folder below kvoffload/ is a regular package"
 
 
 def _modules_after_importing(modules: list[str]) -> set[str]:
@@ -39,10 +64,11 @@ def _modules_after_importing(modules: list[str]) -> set[str]:
 
 
 def _component_modules(component: str) -> list[str]:
+    folder = ROOT / component / "src" / "kvoffload" / component
     return [
-        f"kvoffload.{component}.{m.name}"
-        for m in pkgutil.iter_modules([str(ROOT / "kvoffload" / component)])
-        if not m.name.startswith("_") or m.name == "__main__"
+        m.name
+        for m in pkgutil.walk_packages([str(folder)], prefix=f"kvoffload.{component}.")
+        if not m.name.rsplit(".", 1)[-1].startswith("_") or m.name.endswith(".__main__")
     ]
 
 
@@ -64,5 +90,8 @@ def test_contract_imports_only_the_standard_library() -> None:
     assert third_party == set()
 
 
-def test_version_is_exposed() -> None:
-    assert kvoffload.__version__
+def test_the_operators_version_is_the_distributions_version() -> None:
+    versions = {
+        tomllib.loads((ROOT / name / "pyproject.toml").read_text())["project"]["version"] for name in DISTRIBUTIONS
+    }
+    assert versions == {kvoffload.operator.__version__}

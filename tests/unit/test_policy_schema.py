@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvoffload import contract as c
 from kvoffload import policy as pol
-from kvoffload.operator.settings import OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
 from kvoffload.policy import PolicyError
 from kvoffload.quantity import QUANTITY_PATTERN
 from kvoffload.sidecar import settings as sidecar_settings

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.chart
 
 def test_a_finding_without_a_waiver_fails_and_a_waiver_without_a_finding_is_stale() -> None:
     webhook_role = Finding("checkov", "CKV_K8S_155", "ClusterRole.default.kvo-kvoffload-operator-webhook", "")
-    chmod = Finding("bandit", "B103", "kvoffload/sidecar/__main__.py:62", "")
-    shell = Finding("bandit", "B602", "kvoffload/sidecar/supervisor.py:10", "")
+    chmod = Finding("bandit", "B103", "sidecar/src/kvoffload/sidecar/__main__.py:62", "")
+    shell = Finding("bandit", "B602", "sidecar/src/kvoffload/sidecar/supervisor.py:10", "")
     waivers = [
         Waiver("checkov", "CKV_K8S_155", "ClusterRole.*.kvo-kvoffload-operator-webhook", "gap"),
-        Waiver("bandit", "B103", "kvoffload/sidecar/__main__.py:*", "sticky dir"),
+        Waiver("bandit", "B103", "sidecar/src/kvoffload/sidecar/__main__.py:*", "sticky dir"),
         Waiver("bandit", "B108", "kvoffload/*", "fixed since"),
     ]
     unwaived, stale = judge([webhook_role, chmod, shell], waivers)

@@ -26,7 +26,7 @@ def main(reps: int, queued: int, warmup: int = 5) -> None:
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.wire import TransferOp
 
     shape = cb.OVERHEAD_SHAPE
     chunk, bpc = shape.chunk, shape.chunk // shape.tokens_per_block

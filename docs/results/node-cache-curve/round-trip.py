@@ -20,7 +20,7 @@ from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
 from kvoffload import contract
 from kvoffload.cache_keys import read_client_keys
-from kvoffload.connector.backends.lmcache_mp import authenticate_as_client
+from kvoffload.connector.backends.connection import authenticate_as_client
 from tests.support.cache_keys import policy_keys
 
 ROUND_TRIPS = 2000

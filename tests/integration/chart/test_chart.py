@@ -18,7 +18,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract
-from kvoffload.operator.webhook_tls import webhook_configuration
+from kvoffload.operator.admission.webhook_tls import webhook_configuration
 from tests.support.operator_support import OperatorProcess, admission_args, is_injected, wait_injected
 from tests.support.promtool import run_token_source_tests
 
@@ -225,7 +225,7 @@ def test_the_operator_posts_warning_events_only_unless_all_are_asked_for() -> No
 
 
 def test_kv_events_are_off_in_the_default_values_and_the_switch_reaches_the_operators_defaults() -> None:
-    from kvoffload.operator.settings import OperatorDefaults, resolve_settings
+    from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
 
     def default_spec(*set_args: str) -> dict[str, Any]:
         cm = next(

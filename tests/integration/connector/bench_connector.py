@@ -127,8 +127,9 @@ def bench_transfer(argv: list[str] | None = None) -> None:
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.planning import TransferOp
+    from kvoffload.connector.runtime import ENGINE_PROCESS
     from kvoffload.connector.settings import parse_settings
+    from kvoffload.connector.wire import TransferOp
     from tests.support.lmcache_server import LMCacheServer
     from tests.support.trtllm_executor import connector_llm_args, make_prompt
 
@@ -163,7 +164,7 @@ def bench_transfer(argv: list[str] | None = None) -> None:
         pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16, device=args.device)
         pool = pool.view(dtype)
         off = ConnectorMetrics("x", "sidecar", enabled=False)
-        sched = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off)
+        sched = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
         toks = tuple(make_prompt(99, tokens))
         nbytes = tokens // block * pool[0].numel() * pool.element_size()
         print(f"pool {tuple(pool.shape)} {dtype} on {pool.device}; block = {pool[0].numel() * pool.element_size() / 2**20:.1f} MiB; "
@@ -180,7 +181,9 @@ def bench_transfer(argv: list[str] | None = None) -> None:
             del host, dev
         for rep in range(2 * args.reps):
             fast = rep % 2 == 1
-            backend = CacheServerBackend(settings, rank=0, role="worker", metrics=off, use_fast_copies=fast)
+            backend = CacheServerBackend(
+                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=fast
+            )
             backend.register(pool, KvGeometry(heads, block, hd))
             sid = f"s{rep}"
             blocks = tuple(range(tokens // block))

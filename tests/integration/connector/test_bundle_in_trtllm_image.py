@@ -24,8 +24,8 @@ from hack.journey import shared_prefix_prompts
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.connector.bundle import LMCACHE_COMPILED
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from tests.support.lmcache_server import LMCacheServer
 
 pytestmark = [pytest.mark.connector, pytest.mark.chart]
@@ -125,8 +125,12 @@ def test_bundle_stores_and_loads_bit_exact_in_a_trtllm_image(
 
     origins = report["modules"]
     image_site = str(trtllm_image.IMAGE_ENV)
-    for ours in ("kvoffload", "lmcache"):
-        assert str(bundle / c.BUNDLE_PYTHON_DIR) in origins[ours], (ours, origins[ours])
+    for ours in ("kvoffload.connector", "kvoffload.contract", "lmcache"):
+        assert origins[ours].startswith(str(bundle / c.BUNDLE_PYTHON_DIR)), (ours, origins[ours])
+    # The bundle is the connector's distribution and the floor: no operator, no sidecar.
+    assert sorted(
+        p.name for p in (bundle / c.BUNDLE_PYTHON_DIR / "kvoffload").iterdir() if p.is_dir() and p.name != "__pycache__"
+    ) == ["connector"]
     for missing_from_image in ("cachetools", "numba"):
         assert str(bundle / c.BUNDLE_DEPS_DIR) in origins[missing_from_image], origins[missing_from_image]
     for pinned_by_image in ("torch", "numpy", "zmq", "pydantic", "fastapi", "prometheus_client"):

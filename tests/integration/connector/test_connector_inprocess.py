@@ -22,9 +22,9 @@ def inprocess_env(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(contract.ENV_CHUNK_SIZE, str(CHUNK))
     monkeypatch.setenv(contract.ENV_L1_SIZE, "128Mi")
     yield
-    from kvoffload.connector.backends.inprocess import stop_engine
+    from kvoffload.connector.runtime import ENGINE_PROCESS
 
-    stop_engine()
+    ENGINE_PROCESS.inprocess.stop()
 
 
 @pytest.mark.usefixtures("inprocess_env")
@@ -69,10 +69,10 @@ def _endpoint_port() -> int:
 
 def test_inprocess_rejects_tensor_parallel(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """TP>1 needs one store shared by all ranks: the in-process backend refuses with a precise error."""
-    from kvoffload.connector.backends.inprocess import start_engine
+    from kvoffload.connector.backends.inprocess import InProcessServer
     from kvoffload.connector.settings import SettingsError, parse_settings
 
     monkeypatch.setenv(contract.ENV_BACKEND, contract.BACKEND_INPROCESS)
     settings = parse_settings(dict(os.environ), connector_llm_args("m", None, tp=2))
     with pytest.raises(SettingsError, match="tensor_parallel_size=1"):
-        start_engine(settings)
+        InProcessServer().start(settings)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.wire import TransferOp
 from tests.support.direct_backend import backend_pair, hold_store_commits
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
@@ -54,7 +53,7 @@ def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
         assert answers["stored"] == tokens, "the lookup ran before the COMMIT it waited for"
     finally:
         release.set()
-        assert PENDING_COMMITS.wait_idle(10.0)
+        assert worker.wait_commits(10.0)
         for session in ("other", "again"):
             scheduler.end_session(session)
         scheduler.close()

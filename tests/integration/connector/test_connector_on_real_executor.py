@@ -260,15 +260,15 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
 
     def lookup_then_restart(request: Any, computed: int) -> tuple[int, bool]:
         result = lookup(request, computed)
-        segments.append(worker._shm_identity)
+        segments.append(worker.segment)
         doomed_server.kill()
         doomed_server.start()
         deadline = time.monotonic() + 60
-        while worker._shm_identity in (segments[0], None) and time.monotonic() < deadline:
+        while worker.segment in (segments[0], None) and time.monotonic() < deadline:
             worker.heartbeat_once()
             time.sleep(0.05)
-        segments.append(worker._shm_identity)
-        worker._close_retired(0.0)  # the heartbeat's sweep once a slow restart outlasted its grace
+        segments.append(worker.segment)
+        worker.segments.close_retired(0.0)  # the heartbeat's sweep once a slow restart outlasted its grace
         return result
 
     ex.scheduler.get_num_new_matched_tokens = lookup_then_restart
@@ -276,7 +276,7 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     assert segments[0] is not None and segments[1] not in (None, segments[0]), segments
     assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK) and not again.failed
     assert again.output_tokens == first.output_tokens and ex.kv_mismatches == 0
-    assert worker._retired == []
+    assert not worker.segments.any_retired
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
@@ -340,7 +340,7 @@ def test_asynchronous_loads_park_the_request_and_give_the_same_outputs_and_exact
                               llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
         outputs[mode] = outputs_of_stream(ex, seed=41, rounds=16, cancel_share=0.4)
         assert ex.kv_mismatches == 0
-        assert ex.scheduler._requests == {} and ex.scheduler._parked == set()
+        assert ex.scheduler._requests == {} and ex.scheduler.parked_request_ids == set()
         assert ex.rank0.worker._loading_started == set() and ex.rank0.worker._loaded_async == set()
         parked[mode] = ex.async_loads
     assert outputs["async"] == outputs["sync"] and len(outputs["sync"]) >= 20

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.wire import TransferOp
 from tests.support.direct_backend import backend_pair, direct_backend, hold_store_commits, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
@@ -39,12 +38,12 @@ def test_a_store_prepared_before_a_reconnect_to_the_same_server_is_still_committ
     try:
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert held.wait(10)
-        segment = worker._shm_identity
-        worker._fail("heartbeat", "unavailable", "a reconnect with the server still there")
+        segment = worker.segment
+        worker.connection.fail("heartbeat", "unavailable", "a reconnect with the server still there")
         worker.heartbeat_once()  # a fresh socket, the pool registered again: the same server, the same segment
-        assert worker.is_up() and worker._shm_identity == segment
+        assert worker.is_up() and worker.segment == segment
         release.set()
-        assert PENDING_COMMITS.wait_idle(10)
+        assert worker.wait_commits(10)
         assert scheduler.lookup("found", prompt, tokens, "t") == tokens, "the store's COMMITs were dropped"
     finally:
         release.set()
@@ -59,14 +58,14 @@ def test_a_late_failure_on_the_replaced_connection_does_not_take_the_new_one_dow
     worker = direct_backend(lmcache_server, "late-failure", "worker", ENV, pool_for(CHUNK // BLOCK + 1))
     stop_heartbeat(worker)  # the test reconnects by hand
     try:
-        dead = worker._client
-        worker._fail("heartbeat", "unavailable", "the connection dropped", dead)
+        dead = worker.connection.client
+        worker.connection.fail("heartbeat", "unavailable", "the connection dropped", dead)
         worker.heartbeat_once()
-        transfer = worker._transfer
-        assert worker.is_up() and worker._client is not dead
-        worker._fail("retrieve", "unavailable", "a request on the dropped connection fails late", dead)
-        assert worker.is_up() and not worker._needs_reset
+        registered = worker.registration_generation
+        assert worker.is_up() and worker.connection.client is not dead
+        worker.connection.fail("retrieve", "unavailable", "a request on the dropped connection fails late", dead)
+        assert worker.is_up() and not worker.connection.needs_reset
         worker.heartbeat_once()
-        assert worker._transfer is transfer, "reconnected and registered again for a stale failure"
+        assert worker.registration_generation == registered, "reconnected and registered again for a stale failure"
     finally:
         worker.close()

@@ -9,8 +9,7 @@ import time
 import pytest
 
 from kvoffload.connector.backends.base import BackendError
-from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.wire import TransferOp
 from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
 from tests.support.direct_backend import backend_pair, direct_backend, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
@@ -38,8 +37,8 @@ def test_a_lookup_that_outlives_its_deadline_on_a_stalled_server_misses_once_and
     prompt = tuple(make_prompt(51, tokens))
     try:
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
-        assert PENDING_COMMITS.wait_idle(10.0)
-        client, segment, stalled = scheduler._client, worker._shm_identity, threading.Event()
+        assert worker.wait_commits(10.0)
+        connection, segment, stalled = scheduler.connection_generation, worker.segment, threading.Event()
         with lmcache_server.paused():
             with pytest.raises(BackendError) as timed_out:
                 scheduler.lookup("stalled", prompt, tokens, "t")
@@ -47,7 +46,9 @@ def test_a_lookup_that_outlives_its_deadline_on_a_stalled_server_misses_once_and
             assert scheduler.is_up(), "one slow answer took the backend down"
             stalled.wait(STALL_S - LOOKUP_DEADLINE_S)
         assert scheduler.lookup("after", prompt, tokens, "t") == tokens
-        assert scheduler._client is client and worker._shm_identity == segment, "reconnected or registered again"
+        assert scheduler.connection_generation == connection and worker.segment == segment, (
+            "reconnected or registered again"
+        )
         assert scheduler.is_up() and worker.is_up()
     finally:
         for session in ("stalled", "after"):
@@ -66,7 +67,7 @@ def test_a_transfer_that_waits_out_its_deadline_behind_another_leaves_the_backen
     holding, release = threading.Event(), threading.Event()
 
     def hold_the_context() -> None:
-        with worker._lock:
+        with worker.segments.lock:
             holding.set()
             release.wait(10.0)
 
@@ -117,8 +118,8 @@ def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(l
     connection and register the pool again); one that misses the next PING too is."""
     scheduler = direct_backend(lmcache_server, "missed-ping", "scheduler", ENV)
     stop_heartbeat(scheduler)  # this test PINGs by hand
-    scheduler._ping_timeout_s = 0.5
-    client = scheduler._client
+    scheduler.connection.ping_timeout_s = 0.5
+    connection = scheduler.connection_generation
     try:
         with lmcache_server.paused():
             scheduler.heartbeat_once()
@@ -126,12 +127,12 @@ def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(l
         scheduler.heartbeat_once()  # answered: the count starts again
         with lmcache_server.paused():
             scheduler.heartbeat_once()
-            assert scheduler.is_up() and scheduler._client is client
+            assert scheduler.is_up() and scheduler.connection_generation == connection
             scheduler.heartbeat_once()
             assert not scheduler.is_up(), (
                 f"two missed PINGs in a row left the backend up (server {lmcache_server.process_state()})"
             )
         scheduler.heartbeat_once()  # a fresh socket; the server answers again
-        assert scheduler.is_up() and scheduler._client is not client
+        assert scheduler.is_up() and scheduler.connection_generation > connection
     finally:
         scheduler.close()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvoffload.connector.backends.cache_server import CacheServerBackend
-from kvoffload.connector.backends.commits import PENDING_COMMITS
-from kvoffload.connector.planning import TransferOp
+from kvoffload.connector.backends.engine_process import EngineProcess
+from kvoffload.connector.wire import TransferOp
 from tests.support.direct_backend import direct_backend, pool_for
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
@@ -26,8 +26,12 @@ ENV = {
 }
 
 
+PROCESS = EngineProcess()
+"""The test's engine process: its scheduler looks up with the layout of the pool its worker registered."""
+
+
 def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
-    return direct_backend(server, "store-across-restart", role, ENV, pool)
+    return direct_backend(server, "store-across-restart", role, ENV, pool, PROCESS)
 
 
 def _wait(condition: Any, what: str, timeout_s: float = 30.0) -> None:
@@ -45,22 +49,23 @@ def test_a_store_whose_server_restarted_before_its_commit_is_dropped_not_committ
     pool = pool_for(2 * blocks + 1)
     worker = _backend(doomed_server, "worker", pool)
     assert worker.is_up()
-    prepared_on = worker._transfer
-    finish = worker._finish_store
+    assert worker.transfers is not None
+    prepared_on = worker.registration_generation
+    finish = worker.transfers.finish_store
 
     def restart_then_finish(issued: Any, commit: bool) -> None:
         # Between the PREPAREs and the copy wait: the server restarts and the heartbeat re-registers.
         doomed_server.kill()
         doomed_server.start()
-        _wait(lambda: worker.is_up() and worker._transfer is not prepared_on, "the re-registration")
+        _wait(lambda: worker.is_up() and worker.registration_generation > prepared_on, "the re-registration")
         finish(issued, commit)
 
-    worker._finish_store = restart_then_finish  # type: ignore[method-assign]
+    worker.transfers.finish_store = restart_then_finish  # type: ignore[method-assign]
     token_ids = tuple(make_prompt(7, tokens))
     caplog.set_level(logging.WARNING, logger="kvoffload.connector")
     try:
         worker.store(TransferOp(0, "restarted-store", token_ids, 0, tokens, tuple(range(blocks)), 0, "t"))
-        assert PENDING_COMMITS.wait_idle(10.0), "the store's COMMITs were never sent or dropped"
+        assert worker.wait_commits(10.0), "the store's COMMITs were never sent or dropped"
         logged = caplog.text
         assert "event=commit_dropped operation=store" in logged
         assert "commit_refused" not in logged and "operation=store reason=" not in logged, logged

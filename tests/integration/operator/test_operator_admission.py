@@ -226,9 +226,9 @@ def test_a_webhook_pod_equals_the_template_modes_injection(
 ) -> None:
     """The webhook renders the same injection template mode writes (same renderer, applied to the
     pod); only the files come from the pod's own annotations instead of a generated ConfigMap."""
-    from kvoffload.operator.fragment import render_injection_fragment
-    from kvoffload.operator.injection_plan import ClusterInfo
-    from kvoffload.operator.settings import resolve_settings
+    from kvoffload.operator.intent.settings import resolve_settings
+    from kvoffload.operator.plan.fragment import render_injection_fragment
+    from kvoffload.operator.plan.injection_plan import ClusterInfo
     from tests.support.operator_support import operator_defaults
 
     name = "same-as-template"

@@ -13,7 +13,7 @@ import pytest
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from kvoffload.operator.leadership import lease_path
+from kvoffload.operator.control.leadership import lease_path
 from tests.support.operator_support import OPERATOR_NAMESPACE, OperatorProcess, all_containers, wait_injected
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvoffload.operator.https_server import HANDLER_THREADS, REQUEST_DEADLINE_S
+from kvoffload.operator.admission.https_server import HANDLER_THREADS, REQUEST_DEADLINE_S
 from tests.support.webhook_process import HUNG_WORKLOAD, WebhookProcess, pod_review, post, webhook_process
 
 pytestmark = [pytest.mark.operator, pytest.mark.reliability]

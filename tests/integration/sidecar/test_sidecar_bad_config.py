@@ -132,7 +132,7 @@ def test_bad_config_exits_2_with_one_line(
 
 def test_missing_explicit_policy_file_via_console_script(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("kvoffload-sidecar")
-    assert script.exists(), f"console script missing: {script} (pip install -e .)"
+    assert script.exists(), f"console script missing: {script} (hack/setup.sh installs the sidecar distribution)"
     env = sidecar_env(tmp_path)
     env[contract.ENV_POLICY_FILE] = str(tmp_path / "nope.json")
     result = _run(env, [str(script)])

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.chart]
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+COMPONENTS = ("common", "operator", "sidecar", "connector")
+PYPROJECTS = {name: tomllib.loads((ROOT / name / "pyproject.toml").read_text()) for name in COMPONENTS}
 
 
 def _instructions(keyword: str) -> list[str]:
@@ -46,20 +47,31 @@ def test_every_copy_from_the_build_context_names_an_existing_path() -> None:
     assert missing == []
 
 
-def test_pip_extras_named_in_the_dockerfile_exist_in_pyproject() -> None:
-    extras = set(re.findall(r"kvoffload-\*\.whl'\)\[(\w+)\]", DOCKERFILE))
-    assert extras == {"operator", "sidecar"}
-    assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
+def test_the_wheels_stage_builds_each_component_folder_as_its_own_distribution() -> None:
+    stage = re.sub(r"\\\n\s*", " ", _stage("wheels"))
+    assert "pip wheel --no-cache-dir --no-deps --wheel-dir /wheels ./common ./operator ./sidecar ./connector" in stage
+    names = {PYPROJECTS[name]["project"]["name"] for name in COMPONENTS}
+    assert names == {f"kvoffload-{name}" for name in COMPONENTS}
 
 
-def test_operator_extra_pulls_neither_torch_nor_lmcache() -> None:
-    operator_deps = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"]).lower()
-    assert "torch" not in operator_deps
-    assert "lmcache" not in operator_deps
+@pytest.mark.parametrize(("stage", "component"), [("operator-venv", "operator"), ("sidecar-venv", "sidecar"),
+                                                  ("bundle-build", "connector")])  # fmt: skip
+def test_each_image_installs_the_floor_and_its_own_distribution_only(stage: str, component: str) -> None:
+    installed = set(re.findall(r"/wheels/kvoffload_(\w+)-\*\.whl", _stage(stage)))
+    assert installed == {"common", component}
+    wants = {d.split("==")[0] for d in PYPROJECTS[component]["project"]["dependencies"] if d.startswith("kvoffload-")}
+    assert wants == {"kvoffload-common"}
+
+
+def test_the_operator_distribution_pulls_neither_torch_nor_lmcache() -> None:
+    for name in ("common", "operator"):
+        deps = " ".join(PYPROJECTS[name]["project"]["dependencies"]).lower()
+        assert "torch" not in deps, name
+        assert "lmcache" not in deps, name
 
 
 def test_entrypoints_are_declared_console_scripts() -> None:
-    scripts = PYPROJECT["project"]["scripts"]
+    scripts = PYPROJECTS["operator"]["project"]["scripts"] | PYPROJECTS["sidecar"]["project"]["scripts"]
     entrypoints = [re.findall(r'"([^"]+)"', e)[0] for e in _instructions("ENTRYPOINT")]
     assert {"kvoffload-operator", "kvoffload-sidecar"} <= set(entrypoints)
     assert {"kvoffload-operator", "kvoffload-sidecar"} <= set(scripts)
@@ -101,4 +113,5 @@ def test_sidecar_stage_imports_lmcache_cuda_ops_against_its_torch() -> None:
 def test_sidecar_image_pins_lmcache_to_the_package_pin() -> None:
     pinned = re.search(r"ARG LMCACHE_VERSION=(\S+)", DOCKERFILE)
     assert pinned
-    assert f"lmcache=={pinned.group(1)}" in PYPROJECT["project"]["optional-dependencies"]["sidecar"]
+    for name in ("sidecar", "connector"):
+        assert f"lmcache=={pinned.group(1)}" in PYPROJECTS[name]["project"]["dependencies"], name

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract
-from kvoffload.connector import planning
+from kvoffload.connector import wire
 from kvoffload.connector.backends.base import BackendError, LoadResult
 
 pytestmark = pytest.mark.connector
@@ -27,7 +27,7 @@ class FakeBackend:
         self.hit = 0
         self.fail: str | None = None
         self.freed: list[tuple[tuple[int, int], ...]] = []
-        self.stored: list[planning.TransferOp] = []
+        self.stored: list[wire.TransferOp] = []
         self.sessions_ended: list[str] = []
         self.secured: list[tuple[int, int]] = []
         self.released: list[tuple[int, int]] = []
@@ -44,7 +44,7 @@ class FakeBackend:
     def end_session(self, session_id: str) -> None:
         self.sessions_ended.append(session_id)
 
-    def retrieve(self, op: planning.TransferOp) -> int:
+    def retrieve(self, op: wire.TransferOp) -> int:
         if self.fail:
             raise BackendError("retrieve", self.fail)
         return 1
@@ -53,7 +53,7 @@ class FakeBackend:
         if self.fail:
             return None
         self.secured.append((start, end))
-        return planning.SecuredLoad(("seg", 1), ((),))
+        return wire.SecuredLoad(("seg", 1), ((),))
 
     def release_secured(self, session_id: str, token_ids: Any, start: int, end: int, salt: str, secured: Any) -> None:
         self.released.append((start, end))
@@ -70,13 +70,13 @@ class FakeBackend:
     def release_loaded(self) -> None:
         pass
 
-    def finished_async_loads(self) -> list[tuple[planning.TransferOp, LoadResult]]:
+    def finished_async_loads(self) -> list[tuple[wire.TransferOp, LoadResult]]:
         return []
 
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
         pass
 
-    def store(self, op: planning.TransferOp) -> int:
+    def store(self, op: wire.TransferOp) -> int:
         if self.fail:
             raise BackendError("store", self.fail)
         self.stored.append(op)
@@ -171,14 +171,14 @@ def test_a_failed_load_never_raises_from_start_load_kv_but_stops_the_forward(fak
     """start_load_kv runs outside any try in TensorRT-LLM (an exception stops the engine); the first
     layer hook, inside ``_forward_step``'s try, refuses to run the forward on the missing KV."""
     worker = trtllm.KvoffloadConnectorWorker(_args())
-    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    op = wire.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
     fake.fail = "timeout"
-    worker.bind_connector_meta(planning.ConnectorMetadata(loads=(op,)))
+    worker.bind_connector_meta(wire.ConnectorMetadata(loads=(op,)))
     worker.start_load_kv(None)
     with pytest.raises(trtllm.KvoffloadLoadError, match=r"\[1\]"):
         worker.wait_for_layer_load(0, None)
     worker.wait_for_layer_load(1, None)  # raised once
-    worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+    worker.bind_connector_meta(wire.ConnectorMetadata(saves=(op,)))
     worker.wait_for_save(None)  # logged and counted, never raised
     assert worker.get_finished([1], []) == ([1], [])  # nothing to publish: its blocks go back
 
@@ -211,14 +211,14 @@ def test_an_async_save_is_reported_done_only_once_its_commits_are_answered(
     report) when lookups would find it, so under TP a prompt sent after it hits on every rank."""
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "true")
     worker = trtllm.KvoffloadConnectorWorker(_args())
-    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    op = wire.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
     fake.publishing.add("s-1")
-    worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+    worker.bind_connector_meta(wire.ConnectorMetadata(saves=(op,)))
     worker.wait_for_save(None)
     deadline = time.monotonic() + 10
-    while (not fake.stored or worker._saving) and time.monotonic() < deadline:
+    while (not fake.stored or worker.saving_request_ids) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert fake.stored == [op] and not worker._saving
+    assert fake.stored == [op] and not worker.saving_request_ids
     assert worker.get_finished([1], []) == ([], [])
     fake.publishing.clear()
     assert worker.get_finished([], []) == ([1], [])
@@ -250,13 +250,13 @@ def test_off_thread_copies_wait_on_the_device_for_the_stream_passed_to_the_hook(
     monkeypatch.setattr(fake, "store", lambda op: steps.append("save copies") or 1)
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "true")
     worker = trtllm.KvoffloadConnectorWorker(_args())
-    op = planning.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
+    op = wire.TransferOp(1, "s-1", tuple(range(64)), 0, 64, (0, 1, 2, 3), 0, "")
     stream = _EngineStream()
     if path == "async_load":
-        worker.bind_connector_meta(planning.ConnectorMetadata(async_loads=(op,)))
+        worker.bind_connector_meta(wire.ConnectorMetadata(async_loads=(op,)))
         worker.start_load_kv(stream)
     else:
-        worker.bind_connector_meta(planning.ConnectorMetadata(saves=(op,)))
+        worker.bind_connector_meta(wire.ConnectorMetadata(saves=(op,)))
         worker.wait_for_save(stream)
     deadline = time.monotonic() + 10
     while len(steps) < 2 and time.monotonic() < deadline:

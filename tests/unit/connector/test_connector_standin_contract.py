@@ -97,7 +97,7 @@ def test_shipped_connector_declares_attention_dp_on_both_classes() -> None:
 
 
 def test_connector_never_imports_kubernetes_or_kopf() -> None:
-    root = Path(__file__).resolve().parents[3] / "kvoffload" / "connector"
+    root = Path(__file__).resolve().parents[3] / "connector" / "src" / "kvoffload" / "connector"
     for path in root.rglob("*.py"):
         text = path.read_text()
         for banned in ("import kopf", "import kubernetes", "from kopf", "from kubernetes"):

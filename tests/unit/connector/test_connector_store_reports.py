@@ -95,10 +95,10 @@ def test_a_server_that_never_answers_bounds_the_reports_in_flight() -> None:
 def test_the_in_process_backend_never_reports_its_server_loads_no_event_module(monkeypatch: pytest.MonkeyPatch) -> None:
     import dataclasses
 
-    from kvoffload.connector.backends import inprocess
+    from kvoffload.connector.backends.inprocess import InProcessServer
     from kvoffload.connector.settings import ConnectorSettings
 
-    monkeypatch.setattr(inprocess, "start_engine", lambda settings: "tcp://127.0.0.1:1")
+    monkeypatch.setattr(InProcessServer, "start", lambda self, settings: "tcp://127.0.0.1:1")
     fields = {f.name: None for f in dataclasses.fields(ConnectorSettings) if f.default is dataclasses.MISSING}
     settings = ConnectorSettings(**{**fields, "kv_events": True})  # type: ignore[arg-type]
-    assert inprocess.inprocess_settings(settings).kv_events is False
+    assert InProcessServer().settings_for(settings).kv_events is False

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.operator.admission_review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
-from kvoffload.operator.https_server import Reply, RequestHead, parse_head
+from kvoffload.operator.admission.https_server import Reply, RequestHead, parse_head
+from kvoffload.operator.admission.review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "llm-", "namespace": "ns"}, "spec": {}}
 REVIEW: dict[str, Any] = {

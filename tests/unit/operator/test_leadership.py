@@ -1,4 +1,4 @@
-"""Leader election decisions (kvoffload.operator.leadership): who may take the operator's Lease."""
+"""Leader election decisions (kvoffload.operator.control.leadership): who may take the operator's Lease."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from kvoffload.operator.leadership import LEASE_DURATION_S, MICROTIME, keep_renewing, lease_body, lease_state
+from kvoffload.operator.control.leadership import LEASE_DURATION_S, MICROTIME, keep_renewing, lease_body, lease_state
 
 pytestmark = pytest.mark.operator
 NOW = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)

@@ -1,4 +1,4 @@
-"""Will the injected pod fit a GPU node (kvoffload.operator.node_fit)? Decided before injecting."""
+"""Will the injected pod fit a GPU node (kvoffload.operator.plan.node_fit)? Decided before injecting."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from hack.localcluster import fake_gpu_node
 from kvoffload import contract as c
-from kvoffload.operator.node_fit import largest_gpu_node_memory, node_fit_problem
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.plan.node_fit import largest_gpu_node_memory, node_fit_problem
 from kvoffload.quantity import kubernetes_bytes
 from tests.unit.operator.operator_fixtures import deployment
 

@@ -11,29 +11,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.containers import CACHE_KEYS_MOUNT, CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.node_caches import new_cache_keys
-from kvoffload.operator.node_mode import (
+from kvoffload.operator.control.policy_status import desired_policy_status
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.node.cache_objects import (
     cache_keys_secret_name,
     cache_pod_name,
     cache_pod_selector,
     cache_server_url,
     cache_service_name,
     cache_settings,
-    desired_cache_pods,
-    engine_nodes,
-    node_cache_status,
     node_shm_host_path,
-    plan_cache_pods,
     render_cache_keys_secret,
     render_cache_network_policy,
     render_cache_pod,
     render_cache_service,
     render_node_mode_fragment,
 )
-from kvoffload.operator.policy_status import desired_policy_status
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.node.caches import new_cache_keys
+from kvoffload.operator.node.placement import (
+    desired_cache_pods,
+    engine_nodes,
+    node_cache_status,
+    plan_cache_pods,
+)
+from kvoffload.operator.plan.containers import CACHE_KEYS_MOUNT, CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.policy import PolicyError
 from tests.unit.operator.operator_fixtures import applied, container, deployment
 
@@ -457,9 +459,9 @@ def test_status_lists_each_nodes_cache_pod_and_readiness() -> None:
         {"node": "a", "pod": "shared-cache-a", "ready": False},
         {"node": "b", "pod": "shared-cache-b", "ready": True},
     ]
-    status = desired_policy_status(policy(), DEFAULTS, [], rows)
+    status = desired_policy_status(policy(), DEFAULTS, [], rows, now="2026-12-03T00:00:00Z")
     assert status["nodeCaches"] == rows and status["conditions"][0]["status"] == "True"
-    assert "nodeCaches" not in desired_policy_status(policy(), DEFAULTS, [])
+    assert "nodeCaches" not in desired_policy_status(policy(), DEFAULTS, [], now="2026-12-03T00:00:00Z")
 
 
 def test_kv_events_in_node_mode_publish_from_the_nodes_cache_pod_to_routers_anywhere() -> None:

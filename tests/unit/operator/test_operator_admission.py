@@ -12,7 +12,9 @@ import pytest
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.admission import (
+from kvoffload.operator.admission.new_workloads import label_for_new_workload, record_before_the_operator
+from kvoffload.operator.admission.pod_alignment import next_eviction, start_failure
+from kvoffload.operator.admission.records import (
     InjectionRecord,
     admission_response,
     admit,
@@ -22,13 +24,11 @@ from kvoffload.operator.admission import (
     record_from_workload,
     render_admission,
 )
-from kvoffload.operator.fragment import render
-from kvoffload.operator.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.operator.new_workloads import label_for_new_workload, record_before_the_operator
-from kvoffload.operator.pod_alignment import next_eviction, start_failure
-from kvoffload.operator.pod_owners import Owner, resolve_owner
-from kvoffload.operator.settings import InjectionSettings
-from kvoffload.operator.webhook_tls import ca_bundle_patch, webhook_configuration
+from kvoffload.operator.admission.webhook_tls import ca_bundle_patch, webhook_configuration
+from kvoffload.operator.api.pod_owners import Owner, resolve_owner
+from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.plan.fragment import render
+from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
 from kvoffload.policy import FsTier, PolicyError, RedisTier
 
 

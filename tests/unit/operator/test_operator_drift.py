@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from kvoffload import contract as c
-from kvoffload.operator.drift import carries, object_carries
-from kvoffload.operator.fragment import ClusterInfo, render_injection_fragment
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.plan.drift import carries, object_carries
+from kvoffload.operator.plan.fragment import ClusterInfo, render_injection_fragment
 from tests.unit.operator.operator_fixtures import applied, deployment
 
 pytestmark = pytest.mark.operator
@@ -94,8 +94,8 @@ def test_a_missing_object_or_a_missing_key_never_carries() -> None:
 
 
 def test_a_resync_or_a_restart_without_drift_sends_no_write_and_one_with_drift_applies() -> None:
-    from kvoffload.operator.fragment import configmap_name
-    from kvoffload.operator.kube import configmap_path
+    from kvoffload.operator.api.kube import configmap_path
+    from kvoffload.operator.plan.fragment import configmap_name
     from tests.unit.operator.test_operator_reconcile import FakeKube, reconciler, workload_applies
 
     kube = FakeKube()

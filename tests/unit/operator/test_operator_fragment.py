@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.fragment import (
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.trtllm_options import OPTIONS_PATH
+from kvoffload.operator.plan.fragment import (
     ClusterInfo,
     RenderedInjection,
     render_injection_fragment,
     render_removal,
 )
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
-from kvoffload.operator.trtllm_options import OPTIONS_PATH
 from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live

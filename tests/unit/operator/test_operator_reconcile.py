@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from kvoffload import contract as c
-from kvoffload.operator.events import EventRecorder
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.kube import KubeApiError, workload_path
+from kvoffload.operator.api.events import EventRecorder
+from kvoffload.operator.api.kube import KubeApiError, workload_path
+from kvoffload.operator.control.reconcile import Reconciler
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.metrics import OperatorMetrics
-from kvoffload.operator.reconcile import Reconciler
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from tests.unit.operator.operator_fixtures import applied, deployment
 
 pytestmark = pytest.mark.operator
@@ -168,7 +168,7 @@ def test_an_api_failure_is_retried_from_the_current_object_until_it_succeeds(
     obj = enabled()
     kube.objects[workload_path("Deployment", "ns", "llama")] = obj
     clock = [1000.0]
-    monkeypatch.setattr("kvoffload.operator.reconcile.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("kvoffload.operator.control.reconcile.time.monotonic", lambda: clock[0])
     assert r.reconcile(obj) == "error"
     (event,) = kube.events
     assert event["reason"] == "KvoffloadRetrying" and "etcd leader changed" in event["message"]
@@ -188,7 +188,7 @@ def test_a_retry_of_a_deleted_workload_is_dropped(monkeypatch: pytest.MonkeyPatc
     kube = FakeKube(apply_errors=[KubeApiError(500, {"message": "boom"}, "PATCH", "/x")])
     r, _ = reconciler(kube)
     clock = [0.0]
-    monkeypatch.setattr("kvoffload.operator.reconcile.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("kvoffload.operator.control.reconcile.time.monotonic", lambda: clock[0])
     assert r.reconcile(enabled()) == "error"
     clock[0] += 5
     assert r.run_due_retries() == 1
@@ -283,7 +283,7 @@ def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_m
 )  # fmt: skip
 def test_native_sidecars_follow_the_apiserver_version(info: dict[str, str], native: bool) -> None:
     from kvoffload.operator.__main__ import NATIVE_SIDECAR_MIN
-    from kvoffload.operator.kube import parse_version
+    from kvoffload.operator.api.kube import parse_version
 
     assert (parse_version(info) >= NATIVE_SIDECAR_MIN) is native
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.operator.retry import RETRY_MAX_DELAY_S, RetryQueue, retry_delay
+from kvoffload.operator.api.retry import RETRY_MAX_DELAY_S, RetryQueue, retry_delay
 
 
 def test_backoff_doubles_from_one_second_and_is_capped() -> None:

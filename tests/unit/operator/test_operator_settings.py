@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.settings import (
+from kvoffload.operator.intent.settings import (
     InjectionSettings,
     OperatorDefaults,
     base_settings,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.trtllm_options import (
+from kvoffload.operator.intent.trtllm_options import (
     OPTIONS_PATH,
     AlreadyOurs,
     AppendFlag,

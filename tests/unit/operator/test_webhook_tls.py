@@ -10,8 +10,8 @@ import pytest
 from cryptography import x509
 
 from kvoffload import contract as c
-from kvoffload.operator.kube import KubeApiError
-from kvoffload.operator.webhook_tls import ensure_tls, issue
+from kvoffload.operator.admission.webhook_tls import ensure_tls, issue
+from kvoffload.operator.api.kube import KubeApiError
 
 pytestmark = pytest.mark.operator
 NS = "kvoffload-system"

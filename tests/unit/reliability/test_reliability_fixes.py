@@ -8,8 +8,8 @@ import pytest
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.operator.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
 from kvoffload.policy import PolicyError
 
 pytestmark = pytest.mark.reliability

@@ -19,12 +19,12 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvoffload import contract as c
-from kvoffload.operator.fragment import ClusterInfo, RenderedInjection, render_injection_fragment, render_removal
-from kvoffload.operator.settings import (
+from kvoffload.operator.intent.settings import (
     InjectionSettings,
     enabled_state,
     resolve_settings,
 )
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment, render_removal
 from kvoffload.policy import PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
 from tests.support.fuzz_strategies import (

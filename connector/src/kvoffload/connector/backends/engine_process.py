@@ -1,0 +1,59 @@
+"""What the scheduler and the workers of one engine process share.
+
+TensorRT-LLM builds the connector's scheduler and its workers apart, with no handle on each other,
+and runs the scheduler in rank 0's process. The scheduler secures loads through rank 0's worker
+backend (PREPARE_RETRIEVE must come from a registered worker instance) and keys its lookups with the
+chunk layout of the pool that worker registered; its lookups wait for the store COMMITs this
+process has pending on their chain. The in-process backend's cache server is one per process too. The connector's entry point (``runtime``) makes one
+:class:`EngineProcess` and hands it to every backend it builds.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from kvoffload.connector.backends.commits import PendingCommits
+from kvoffload.connector.backends.inprocess import InProcessServer
+from kvoffload.connector.wire import SecuredLoad
+
+
+class LocalWorker(Protocol):
+    """What the scheduler needs of rank 0's worker backend in its process."""
+
+    @property
+    def cache_model(self) -> str | None: ...
+
+    def prepare_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+    ) -> SecuredLoad | None: ...  # fmt: skip
+
+    def commit_secured(
+        self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, segment: tuple[str, int]
+    ) -> None: ...  # fmt: skip
+
+
+class EngineProcess:
+    """Rank 0's worker backend per server URL, the COMMITs pending in this process, and the cache
+    server the in-process backend hosts here."""
+
+    def __init__(self) -> None:
+        self.pending = PendingCommits()
+        self.inprocess = InProcessServer()
+        self._workers: dict[str, LocalWorker] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, url: str, worker: LocalWorker) -> None:
+        """Rank 0's worker for ``url`` registered its pool in this process."""
+        with self._lock:
+            self._workers[url] = worker
+
+    def detach(self, url: str, worker: LocalWorker) -> None:
+        with self._lock:
+            if self._workers.get(url) is worker:
+                del self._workers[url]
+
+    def worker(self, url: str) -> LocalWorker | None:
+        """Rank 0's worker for ``url`` in this process, if one registered."""
+        with self._lock:
+            return self._workers.get(url)

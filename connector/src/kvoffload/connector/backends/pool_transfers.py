@@ -1,0 +1,335 @@
+"""A worker's transfers between its registered KV pool and the server's L1: secured loads (sync and
+asynchronous), stores, and LMCache's own retrieve where our copies do not apply.
+
+Our copies (``blockcopy``) run inside LMCache's PREPARE/COMMIT on two streams: loads on one, stores
+on another (a store may wait for a forward pass). A store's chunks go in groups, each PREPAREd while
+the previous group copies; COMMITs go to the committer once the copies are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvoffload.connector import planning
+from kvoffload.connector.backends.base import BackendError, LoadResult
+from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream, gather_chunks, scatter_chunks
+from kvoffload.connector.backends.commits import chain_of
+from kvoffload.connector.backends.committer import Committer
+from kvoffload.connector.backends.connection import ServerConnection, failure_reason
+from kvoffload.connector.backends.securing import Securing
+from kvoffload.connector.backends.segments import Segment, Segments
+from kvoffload.connector.backends.server_keys import ServerKeys
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, slot_view
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.wire import TransferOp
+
+logger = logging.getLogger("kvoffload.connector")
+
+KV_POOL_NAME = "trtllm_kv_pool"
+STORE_PIPELINE_GROUPS = 4
+"""A store's chunks go in up to this many groups, each PREPAREd while the previous one copies."""
+
+
+@dataclasses.dataclass
+class AsyncLoad:
+    """One asynchronous load in flight: its op, when it was issued, and the mark after its copies."""
+
+    op: TransferOp
+    started: float
+    copied: CopyMark
+    nbytes: int
+
+
+@dataclasses.dataclass
+class IssuedStore:
+    """A store whose PREPAREs went and whose copies are queued: what its COMMITs need."""
+
+    prepared_on: tuple[Any, Segment | None]
+    """The transfer context and server segment that prepared it (its COMMITs go to that server)."""
+    keys: list[IPCCacheServerKey] = dataclasses.field(default_factory=list)
+    blocks: int = 0
+    prepare_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Per-call deadlines (seconds)."""
+
+    retrieve_s: float
+    store_s: float
+
+
+class PoolTransfers:
+    """Loads into and stores from one registered KV pool, for one rank."""
+
+    def __init__(self, kv_pool: Any, *, rank: int, instance_id: int, tokens_per_block: int, chunk_size: int,
+                 timeouts: Timeouts, use_fast_copies: bool, connection: ServerConnection, segments: Segments,
+                 keys: ServerKeys, committer: Committer, securing: Securing | None,
+                 metrics: ConnectorMetrics) -> None:  # fmt: skip
+        self.pool = kv_pool
+        self.block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
+        self.load_copies = TransferStream(kv_pool.device)
+        self.store_copies = TransferStream(kv_pool.device)
+        self._rank = rank
+        self._instance_id = instance_id
+        self._tokens_per_block = tokens_per_block
+        self._chunk_size = chunk_size
+        self._blocks_per_chunk = chunk_size // tokens_per_block
+        self._timeouts = timeouts
+        self._use_fast_copies = use_fast_copies
+        self._connection = connection
+        self._segments = segments
+        self._keys = keys
+        self._committer = committer
+        self._securing = securing
+        """Rank 0's: gives loaded chunks back to the server (None on other ranks: nothing to give back)."""
+        self._metrics = metrics
+        self._loaded: list[TransferOp] = []
+        self._async_loads: list[AsyncLoad] = []
+        """Asynchronous loads whose copies were issued and not yet reported finished."""
+        self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
+
+    # --- secured loads -------------------------------------------------------------------
+    def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
+        """Copy each op's secured chunks (this rank's) into its blocks: local copies, one wait for all.
+
+        Rank 0 keeps the loads, to release their chunks after the iteration (``release_loaded``):
+        by then every rank has copied, since the forward pass's collectives wait for all of them.
+        """
+        started = time.perf_counter()
+        with self.load_copies.after_caller():
+            errors = [self._scatter_secured(op) for op in ops]
+        self.load_copies.synchronize()
+        seconds = time.perf_counter() - started
+        if self._rank == 0:
+            self._loaded.extend(ops)
+        return [LoadResult(0 if e else self.loaded_bytes(op), seconds, e) for op, e in zip(ops, errors, strict=True)]
+
+    def _scatter_secured(self, op: TransferOp) -> BackendError | None:
+        """Issue the copies of ``op``'s secured chunks (this rank's) into its blocks; the error, if any."""
+        try:
+            self._scatter(op, self._secured_views(op))
+        except (BackendError, ValueError, RuntimeError) as exc:
+            error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
+            self._metrics.error("retrieve", error.reason)
+            return error
+        return None
+
+    def _scatter(self, op: TransferOp, chunks: Any) -> None:
+        scatter_chunks(self.pool, op.block_ids, chunks, op.skip_tokens // self._tokens_per_block,
+                       self._blocks_per_chunk)  # fmt: skip
+
+    def _secured_views(self, op: TransferOp) -> list[Any]:
+        secured = op.secured
+        if secured is None:
+            raise BackendError("retrieve", "error", "load was not secured at lookup")
+        transfer = self._segments.mapping(secured.segment)
+        if transfer is None:
+            raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
+        edc = transfer.engine_driven_context
+        return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in secured.slots[self._rank]]
+
+    def expect_async_load(self) -> None:
+        """An asynchronous load will be issued (or dropped): until then its segment stays mapped."""
+        self._segments.copies_started()
+
+    def start_async_load(self, op: TransferOp) -> BackendError | None:
+        """Issue an expected asynchronous load's copies without waiting for them (the loader thread):
+        the engine goes on computing while they run; ``finished_async_loads`` reports it once its KV
+        is in the pool."""
+        started = time.perf_counter()
+        with self.load_copies.after_caller():
+            error = self._scatter_secured(op)
+            copied = self.load_copies.mark()
+        if error is None:
+            with self._async_lock:
+                self._async_loads.append(AsyncLoad(op, started, copied, self.loaded_bytes(op)))
+        else:
+            self._segments.copies_finished()
+        return error
+
+    def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
+        """The asynchronous loads whose copies finished since the last call; their chunks go back to
+        the server (one rank: nobody else copies them)."""
+        with self._async_lock:
+            done = [load for load in self._async_loads if load.copied.done()]
+            if not done:
+                return []
+            self._async_loads = [load for load in self._async_loads if load not in done]
+        self._segments.copies_finished(len(done))
+        now = time.perf_counter()
+        for load in done:
+            self._give_back(load.op)
+        return [(load.op, LoadResult(load.nbytes, now - load.started)) for load in done]
+
+    def order_after_async_loads(self, blocks: frozenset[int]) -> None:
+        """Before a forward that may write ``blocks``: it runs after any asynchronous load still
+        copying into one of them (a parked request that vanished); device-side, no CPU wait."""
+        with self._async_lock:
+            touching = [load for load in self._async_loads if not blocks.isdisjoint(load.op.block_ids)]
+        for load in touching:
+            load.copied.order_current_stream_after()
+
+    def release_loaded(self) -> None:
+        """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank
+        unmaps replaced segments (a synchronous load is secured and copied in the same iteration, so
+        none is still needed, unless an asynchronous load still copies: the restarted server's L1 and
+        the old one share the pod's /dev/shm)."""
+        loaded, self._loaded = self._loaded, []
+        for op in loaded:
+            self._give_back(op)
+        if self._segments.any_retired:
+            self._segments.close_retired(0.0)
+
+    def _give_back(self, op: TransferOp) -> None:
+        """Give a load's secured chunks back to the server (every rank's keys)."""
+        if op.secured is not None and self._securing is not None:
+            self._securing.commit(op.session_id, op.token_ids, op.start, op.end, op.salt, op.secured.segment)
+
+    def loaded_bytes(self, op: TransferOp) -> int:
+        """Bytes a finished load of ``op`` wrote into the pool (its blocks after the skipped ones)."""
+        return (len(op.block_ids) - op.skip_tokens // self._tokens_per_block) * self.block_bytes
+
+    # --- stores and LMCache's retrieve ------------------------------------------------------
+    def _fast_copies(self) -> bool:
+        """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
+        return self._use_fast_copies and self._segments.segment is not None and int(self.pool.shape[2]) == 2
+
+    def _acquire(self, operation: str, timeout_s: float) -> Any:
+        if not self._connection.is_up():
+            raise BackendError(operation, "unavailable")
+        if not self._segments.lock.acquire(timeout=timeout_s):
+            raise self._connection.slow(operation, "transfer context busy")  # another transfer holds it
+        transfer = self._segments.transfer
+        if transfer is None:
+            self._segments.lock.release()
+            raise BackendError(operation, "unavailable", "KV pool not registered")
+        return transfer
+
+    def _run_transfer(self, operation: str, timeout_s: float, op: TransferOp, fast: Any,
+                      submit: Callable[[Any, Any], Any]) -> Any:  # fmt: skip
+        """One store or retrieve: our own copies inside PREPARE/COMMIT where they apply (``fast``, its
+        answer as it gives it), else LMCache's ``submit`` (gather/scatter, whether it succeeded); a
+        failed call marks the connection down."""
+        transfer = self._acquire(operation, timeout_s)
+        try:
+            transfer.engine_driven_context.mq_timeout = timeout_s
+            key = self._keys.key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
+            if self._fast_copies():
+                return fast(transfer.engine_driven_context, key, op)
+            return bool(submit(transfer, key).result(timeout=timeout_s))
+        except Exception as exc:
+            raise self._connection.fail(
+                operation, failure_reason(exc), repr(exc), transfer.engine_driven_context.req_client
+            ) from exc
+        finally:
+            self._segments.lock.release()
+
+    def retrieve(self, op: TransferOp) -> int:
+        """Copy ``op``'s chunks from the server into its blocks (skipping ``op.skip_tokens``)."""
+        start = time.monotonic()
+        ok = self._run_transfer("retrieve", self._timeouts.retrieve_s, op, self._retrieve_fast, lambda transfer, key: (
+            transfer.submit_retrieve(
+                op.session_id, key, {KV_POOL_NAME: self.pool}, [list(op.block_ids)],
+                transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                self._blocks_per_chunk, skip_first_n_tokens=op.skip_tokens,
+            )
+        ))  # fmt: skip
+        if not ok:
+            timed_out = time.monotonic() - start >= self._timeouts.retrieve_s
+            raise self._connection.fail("retrieve", "timeout" if timed_out else "miss", f"session={op.session_id}")
+        return self.loaded_bytes(op)
+
+    def _retrieve_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> bool:
+        t0 = time.perf_counter()
+        chunks = edc.prepare_retrieve(key, self._instance_id)
+        t1 = time.perf_counter()
+        ok = chunks is not None and len(chunks) * self._blocks_per_chunk == len(op.block_ids)
+        try:
+            if ok:
+                with self.load_copies.after_caller():
+                    self._scatter(op, chunks)
+                self.load_copies.synchronize()  # the KV is in before the forward; the server may reuse the slots
+        finally:
+            t2 = time.perf_counter()
+            # the slots go back to the server after the copy
+            self._committer.later("retrieve", key, None, (self._segments.transfer, self._segments.segment))
+        logger.debug(
+            "event=transfer_timing op=retrieve blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
+            len(op.block_ids),
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            (time.perf_counter() - t2) * 1e3,
+        )
+        return ok
+
+    def store(self, op: TransferOp) -> int:
+        """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache)."""
+        issued = self._run_transfer("store", self._timeouts.store_s, op, self._store_fast, lambda transfer, key: (
+            transfer.submit_store(
+                op.session_id, key, {KV_POOL_NAME: self.pool}, [list(op.block_ids)],
+                transfer.create_recorded_event(),  # None on CPU; CUDA orders on it
+                self._blocks_per_chunk,
+            )
+        ))  # fmt: skip
+        if not issued:
+            raise self._connection.fail("store", "server_error", f"session={op.session_id}")
+        if isinstance(issued, IssuedStore):
+            self.finish_store(issued, commit=True)
+        return len(op.block_ids) * self.block_bytes
+
+    def _store_fast(self, edc: Any, key: IPCCacheServerKey, op: TransferOp) -> IssuedStore:
+        """PREPARE and queue the copies, one group of chunks at a time: each group's PREPARE_STORE is
+        sent while the previous group's copies run (``key`` is the whole op's). The copies wait on
+        the device for the caller's stream (the forward pass that writes the KV), so the PREPAREs
+        overlap it; ``store`` waits for the copies after the transfer context is free again."""
+        bpc, block = self._blocks_per_chunk, self._tokens_per_block
+        issued = IssuedStore((self._segments.transfer, self._segments.segment))
+        self._segments.copies_started()  # the segment stays mapped until these copies finished
+        try:
+            for a, b in planning.pipeline_groups(op.start, op.end, self._chunk_size, STORE_PIPELINE_GROUPS):
+                group_key = key if (a, b) == (op.start, op.end) else self._keys.key(
+                    op.session_id, op.token_ids[:b], a, b, op.salt, worker=True
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                prepared = edc.prepare_store(group_key, self._instance_id)
+                issued.prepare_s += time.perf_counter() - t0
+                if prepared is None:
+                    raise RuntimeError("server answered PREPARE_STORE without SHM slots")
+                slots, indices = prepared
+                if not indices:
+                    continue  # LMCache already holds every chunk of this group
+                blocks = op.block_ids[(a - op.start) // block : (b - op.start) // block]
+                with self.store_copies.after_caller():
+                    gather_chunks(self.pool, blocks, slots, indices, bpc)
+                issued.keys.append(group_key)
+                issued.blocks += len(indices) * bpc
+        except BaseException:
+            self.finish_store(issued, commit=False)
+            raise
+        return issued
+
+    def finish_store(self, issued: IssuedStore, commit: bool) -> None:
+        """The last step of a store (``store`` calls it once the transfer context is free): wait for a store's copies (the slots hold the KV before COMMIT publishes them), then queue
+        its COMMITs for the context that prepared them (a refused COMMIT is counted by the committer)."""
+        t0 = time.perf_counter()
+        try:
+            self.store_copies.synchronize()
+        finally:
+            self._segments.copies_finished()
+        t1 = time.perf_counter()
+        if commit:
+            for group_key in issued.keys:
+                self._committer.later("store", group_key, chain_of(group_key, self._chunk_size), issued.prepared_on)
+        logger.debug(
+            "event=transfer_timing op=store blocks=%d prepare_ms=%.3f copy_ms=%.3f commit_ms=%.3f",
+            issued.blocks,
+            issued.prepare_s * 1e3,
+            (t1 - t0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
+        )

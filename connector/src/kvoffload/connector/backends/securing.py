@@ -1,0 +1,92 @@
+"""Secured loads: the server hands out and read-locks a load's chunks for every rank before the
+load is promised to TensorRT-LLM, and gets them back once every rank copied them (or never will)."""
+
+from __future__ import annotations
+
+import time
+
+from kvoffload.connector.backends.committer import Committer
+from kvoffload.connector.backends.connection import ServerConnection
+from kvoffload.connector.backends.segments import Segment, Segments
+from kvoffload.connector.backends.server_keys import ServerKeys
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.wire import SecuredLoad, SlotRef
+
+
+class _Unsecured(Exception):
+    """PREPARE_RETRIEVE handed out fewer chunks than the load needs (a miss, not a failure)."""
+
+
+class Securing:
+    """PREPARE_RETRIEVE and COMMIT_RETRIEVE of secured loads, under one worker instance (rank 0's)."""
+
+    def __init__(self, *, instance_id: int, world_size: int, chunk_size: int, retrieve_timeout_s: float,
+                 connection: ServerConnection, segments: Segments, keys: ServerKeys, committer: Committer,
+                 metrics: ConnectorMetrics) -> None:  # fmt: skip
+        self._instance_id = instance_id
+        self._world_size = world_size
+        self._chunk_size = chunk_size
+        self._timeout_s = retrieve_timeout_s
+        self._connection = connection
+        self._segments = segments
+        self._keys = keys
+        self._committer = committer
+        self._metrics = metrics
+
+    def prepare(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
+                ) -> SecuredLoad | None:  # fmt: skip
+        """PREPARE_RETRIEVE ``[start, end)`` for every rank.
+
+        The server hands out the chunks' L1 slots and keeps them read-locked until COMMIT_RETRIEVE;
+        the slots live in the shared-memory segment every worker maps, so from here on the load is
+        a local copy even if the server dies. None, with nothing left held, unless every chunk of
+        every rank was handed out within the retrieve timeout: the time a load may take, spent here
+        instead of in ``start_load_kv`` (also waiting for a store that holds the transfer context).
+        """
+        if not self._connection.is_up() or self._segments.segment is None:
+            return None
+        deadline = time.monotonic() + self._timeout_s
+        if not self._segments.lock.acquire(timeout=self._timeout_s):
+            return None
+        asked: list[IPCCacheServerKey] = []
+        transfer, segment = self._segments.transfer, self._segments.segment
+        try:
+            if transfer is None or segment is None:
+                return None
+            client = transfer.engine_driven_context.req_client
+            chunks = (end - start) // self._chunk_size
+            per_rank = []
+            # Every rank is asked even after a miss: each PREPARE takes over that rank's lookup locks
+            # (released by the server on a miss, by our COMMIT otherwise), so none is left behind.
+            for key in self._keys.of_every_rank(session_id, token_ids, start, end, salt):
+                asked.append(key)
+                response = client.prepare_retrieve(key, self._instance_id).result(
+                    timeout=max(0.0, deadline - time.monotonic()) + 0.05
+                )
+                slots = response.context.get("slots") if response.success else None
+                if slots and len(slots) == chunks:
+                    per_rank.append(tuple(
+                        SlotRef(int(d["offset"]), int(d["length"]), tuple(d["shape"]), str(d["dtype"])) for d in slots
+                    ))  # fmt: skip
+            if len(per_rank) != self._world_size:
+                raise _Unsecured
+            self._segments.secured_opened(segment)  # its segment stays mapped until commit
+            return SecuredLoad(segment, tuple(per_rank))
+        except _Unsecured:
+            self._metrics.error("retrieve", "miss")
+        except Exception as exc:
+            self._connection.request_failed("retrieve", exc, transfer.engine_driven_context.req_client)
+        finally:
+            self._segments.lock.release()
+        for key in asked:  # whatever was handed out goes back
+            self._committer.later("retrieve", key, None, (transfer, segment))
+        return None
+
+    def commit(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str,
+               segment: Segment) -> None:  # fmt: skip
+        """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
+        segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
+        for key in self._keys.of_every_rank(session_id, token_ids, start, end, salt):
+            self._committer.later("retrieve", key, None, (None, segment))
+        self._segments.secured_closed(segment)

@@ -1,0 +1,128 @@
+"""What the scheduler and worker hooks share: TensorRT-LLM's connector API, this process's rank,
+the backend they act through, and the error a failed promised load raises."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from kvoffload import contract
+from kvoffload.connector import bundle
+from kvoffload.connector.backends.base import BackendError, KVBackend
+from kvoffload.connector.backends.engine_process import EngineProcess
+from kvoffload.connector.metrics import ConnectorMetrics
+from kvoffload.connector.settings import ConnectorSettings
+
+try:
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+except ImportError:  # TensorRT-LLM 1.1/1.2 module path
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        SchedulerOutput,
+    )
+
+__all__ = [
+    "KvCacheConnectorScheduler",
+    "KvCacheConnectorWorker",
+    "KvoffloadLoadError",
+    "SchedulerOutput",
+    "count_skip",
+    "kv_rank",
+    "make_backend",
+    "on_stream",
+    "prompt_tokens",
+    "stream_event",
+    "use_private_stream",
+]
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadLoadError(RuntimeError):
+    """KV promised to TensorRT-LLM could not be loaded; the affected requests must fail, never run on garbage."""
+
+
+def kv_rank(settings: ConnectorSettings) -> int:
+    """Which share of a request's KV heads this process holds: its MPI rank under tensor
+    parallelism; 0 under attention DP, where every rank holds whole heads and shares the cache."""
+    if settings.attention_dp:
+        return 0
+    try:
+        import tensorrt_llm
+
+        return int(tensorrt_llm.mpi_rank())
+    except (ImportError, AttributeError):
+        return 0
+
+
+ENGINE_PROCESS = EngineProcess()
+"""This engine process's meeting point of the connector's scheduler and workers (TensorRT-LLM builds
+them apart): every backend ``make_backend`` builds is handed it."""
+
+
+def make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
+    """The backend of one scheduler or worker, over the pod's sidecar or this process's own server."""
+    bundle.prepare()  # the bundle's deps on sys.path, lmcache loadable here, or one clear error
+    from kvoffload.connector.backends.cache_server import CacheServerBackend
+
+    if settings.backend == contract.BACKEND_INPROCESS:
+        settings = ENGINE_PROCESS.inprocess.settings_for(settings)
+    return CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS)
+
+
+def count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
+    """Count operations skipped because the backend is down (failures themselves are counted where they happen)."""
+    if exc.reason == "unavailable":
+        metrics.error(exc.operation, "unavailable")
+
+
+def use_private_stream(device: Any) -> None:
+    """Make this thread's current CUDA stream its own (no-op off CUDA).
+
+    The saver orders this stream after the forward pass's event (``order_after``); a backend then
+    orders its copies after this thread's current stream, which must not be one the engine keeps
+    queueing work on.
+    """
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_stream(torch.cuda.Stream(device=device))
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Run the block with ``stream`` (the one TensorRT-LLM passes a hook: its forward pass's) as this
+    thread's current CUDA stream, so what a backend orders after the caller's stream is ordered after
+    that pass; no-op without a CUDA stream (CPU, the stand-in's ``None``)."""
+    if stream is None or not hasattr(stream, "record_event"):
+        yield
+        return
+    import torch
+
+    with torch.cuda.stream(stream):
+        yield
+
+
+def stream_event(stream: Any) -> Any:
+    """A CUDA event recorded now on ``stream`` (the engine's work queued so far), or None without one."""
+    return stream.record_event() if stream is not None and hasattr(stream, "record_event") else None
+
+
+def order_after(event: Any) -> None:
+    """This thread's current CUDA stream runs its later work after ``event`` (a CUDA event recorded
+    on the engine's stream): ordered on the device, the thread does not wait."""
+    import torch
+
+    torch.cuda.current_stream().wait_event(event)
+
+
+def prompt_tokens(request: Any) -> list[int]:
+    tokens = request.get_tokens(0)
+    return list(tokens)

@@ -1,0 +1,384 @@
+"""The connector's scheduler hooks (TensorRT-LLM's ``KvCacheConnectorScheduler``): what to load, what to save.
+
+Each hook gathers its inputs, calls a pure function in ``planning`` and acts through a backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+from kvoffload.connector import planning, wire
+from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.keys import key_salt
+from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.runtime import (
+    KvCacheConnectorScheduler,
+    SchedulerOutput,
+    count_skip,
+    make_backend,
+    prompt_tokens,
+)
+from kvoffload.connector.scheduler_state import BlockClaims, RequestState, StepPlan
+from kvoffload.connector.settings import parse_settings
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
+    """Rank 0 (every rank under attention DP): lookups, and which blocks to load and save each iteration."""
+
+    supports_attention_dp = True
+    """Under attention DP each rank has its own scheduler over its own requests and blocks; its
+    loads are secured for the worker in its own process (world size 1, whole KV heads)."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._metrics = metrics_for(self._settings)
+        self._backend = make_backend(self._settings, "scheduler", 0, self._metrics)
+        self._block = self._settings.tokens_per_block
+        self._chunk = self._backend.chunk_size
+        # Session ids are unique per engine start: LMCache caches chunk hashes per session,
+        # and TensorRT-LLM request ids repeat after a restart.
+        self._session_prefix = uuid.uuid4().hex[:12]
+        self._requests: dict[int, RequestState] = {}
+        self._claims = BlockClaims()
+        self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
+        logger.info(
+            "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
+            self._settings.backend,
+            self._settings.server_url,
+            self._settings.model_name,
+            self._chunk,
+            self._block,
+        )
+
+    @property
+    def tracked_request_ids(self) -> frozenset[int]:
+        """Requests whose state the scheduler holds (live ones, until they end or vanish)."""
+        return frozenset(self._requests)
+
+    @property
+    def parked_request_ids(self) -> frozenset[int]:
+        """Parked requests whose asynchronous loads were issued, not yet back in ``new_requests``."""
+        return self._claims.parked_request_ids
+
+    def _state_for(self, request: Any, num_prompt_tokens: int) -> RequestState:
+        rid = int(request.request_id)
+        state = self._requests.get(rid)
+        if state is None:
+            salt = key_salt(request)
+            state = RequestState(
+                request_id=rid,
+                session_id=f"{self._session_prefix}-{rid}",
+                salt=salt or "",
+                num_prompt_tokens=num_prompt_tokens,
+                cacheable=salt is not None,
+            )
+            self._requests[rid] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Step 2 (first context chunk, after device prefix reuse): tokens loadable beyond the device's.
+
+        Returns ``(n, False)`` for a load copied in ``start_load_kv`` before the forward, or
+        ``(n, True)`` for a long one (``planning.load_is_async``): TensorRT-LLM parks the request
+        while the load runs and the batch goes on. A failed or slow lookup answers 0, so the
+        engine simply computes.
+        """
+        tokens = prompt_tokens(request)
+        state = self._state_for(request, len(tokens))
+        if state.block_ids or state.secured is not None:
+            self._start_over(state)  # asked again: its allocation was destroyed (a replay)
+        state.llm_request = request
+        state.tokens = tokens
+        state.load = planning.NO_LOAD  # only this call's promise may turn into a load
+        state.device_tokens = num_computed_tokens
+        state.lookup_hit, state.lookup_failure = None, None
+        if not state.cacheable:
+            state.lookup_failure = "uncacheable"
+            return 0, False
+        end = planning.lookup_end(len(tokens), num_computed_tokens, self._chunk)
+        if end == 0:
+            state.lookup_hit = 0  # nothing past the device's prefix fills a whole chunk
+            return 0, False
+        token_ids = tuple(tokens)
+        m = self._metrics
+        t0 = time.perf_counter()
+        try:
+            hit = self._backend.lookup(state.session_id, token_ids, end, state.salt)
+        except BackendError as exc:
+            state.lookup_failure = "lookup_timeout" if exc.reason == "timeout" else "cache_unavailable"
+            count_skip(self._metrics, exc)
+            logger.debug("event=lookup_failed request=%d reason=%s", state.request_id, exc.reason)
+            return 0, False
+        m.record_lookup(time.perf_counter() - t0, end, hit)
+        state.lookup_hit = hit
+        decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
+        if decision.loads:
+            # Promise only what is secured: once the server handed out and locked the chunks, the
+            # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
+            state.secured = self._backend.secure(
+                state.session_id,
+                token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
+                decision.retrieve_start,
+                decision.retrieve_end,
+                state.salt,
+            )
+            if state.secured is None:
+                decision = planning.decline(decision)
+        if decision.free_ranges:
+            self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
+        state.load = decision
+        state.stored_upto = max(state.stored_upto, hit)
+        logger.debug(
+            "event=lookup request=%d prompt=%d device=%d queried=%d hit=%d matched=%d",
+            state.request_id,
+            len(tokens),
+            num_computed_tokens,
+            end,
+            hit,
+            decision.matched_tokens,
+        )
+        asynchronous = decision.loads and planning.load_is_async(
+            decision.matched_tokens,
+            self._settings.async_load_min_tokens,
+            self._settings.world_size,
+            self._settings.attention_dp,
+        )
+        if asynchronous:
+            self._parking.append(state.request_id)
+        return decision.matched_tokens, asynchronous
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Step 2, right after allocation: remember the request's blocks (loads target them)."""
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            self._claims.unhold(state.request_id, state.block_ids)  # a second allocation replaces the first
+            state.block_ids = list(block_ids)
+            self._claims.hold(state.request_id, block_ids)
+
+    def _start_over(self, state: RequestState) -> None:
+        """A request asked again after its allocation was destroyed (MAX_UTILIZATION replay,
+        ``reset_request_state``): its old blocks are no longer its own, an unused promise goes back."""
+        self._claims.unhold(state.request_id, state.block_ids)
+        state.block_ids, state.tokens_with_kv = [], 0
+        self._release_promise(state)
+        self._parking = [rid for rid in self._parking if rid != state.request_id]
+
+    def _release_promise(self, state: RequestState) -> None:
+        if state.secured is not None:  # promised, never loaded
+            load = state.load
+            token_ids = tuple(state.tokens[: load.retrieve_end])
+            self._backend.release_secured(
+                state.session_id, token_ids, load.retrieve_start, load.retrieve_end, state.salt, state.secured
+            )
+            state.secured = None
+
+    def _forget(self, request_id: int) -> RequestState | None:
+        """Drop a request's state and its claim on blocks; end its LMCache session."""
+        self._claims.unpark(request_id)
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self._claims.unhold(request_id, state.block_ids)
+        self._release_promise(state)  # promised, never loaded (the request ended first)
+        self._backend.end_session(state.session_id)
+        return state
+
+    def _reap_vanished(self, fresh: list[int], reused: list[int], owner: int) -> None:
+        for rid in self._claims.vanished(fresh, reused, owner):
+            self._forget(rid)
+            logger.debug("event=request_vanished request=%d", rid)
+
+    def _reap_finished(self) -> list[int]:
+        """Requests TensorRT-LLM finished without ``request_finished`` (1.2 and main free a cancelled
+        or failed request at once, a parked one included): their state goes, and their blocks are
+        returned: free now, this iteration's forward may write them unseen (an idle attention-DP
+        rank's dummy request), so no queued save of them may outlive it and a parked one's load lands
+        first. A request that finished normally was forgotten in ``request_finished`` before this runs."""
+        freed: list[int] = []
+        for rid, state in list(self._requests.items()):
+            if getattr(state.llm_request, "is_finished", False) is True:
+                self._forget(rid)
+                freed.extend(state.block_ids)
+                logger.debug("event=request_vanished request=%d reason=finished", rid)
+        return freed
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> wire.ConnectorMetadata:
+        """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
+        step = StepPlan()
+        step.fresh.update(self._reap_finished())
+        parking, self._parking = self._parking, []
+        for parked in [self._requests[rid] for rid in parking if rid in self._requests]:
+            self._plan_parked(parked, step)
+        for req in scheduler_output.new_requests:
+            self._plan_new(req, step)
+        for req in scheduler_output.cached_requests:
+            self._plan_cached(req, step)
+        reported = len(scheduler_output.new_requests) + len(scheduler_output.cached_requests) + self._claims.num_parked
+        if planning.unseen_forward_may_write(self._settings.attention_dp, reported):
+            step.fresh.update(self._forget_all_on_idle_rank())
+        return step.metadata()
+
+    def _first_report(self, step: StepPlan, block_ids: list[int], computed: int, request_id: int) -> None:
+        """A request's blocks as first reported: the fresh and the device-reused ones go into ``step``,
+        and other requests still naming them have vanished."""
+        new_fresh = planning.fresh_blocks(block_ids, computed, self._block, True)
+        new_reused = planning.reused_blocks(block_ids, computed, self._block)
+        self._reap_vanished(new_fresh, new_reused, request_id)
+        step.fresh.update(new_fresh)
+        step.reused.update(new_reused)
+
+    def _plan_parked(self, parked: RequestState, step: StepPlan) -> None:
+        """A request parked this iteration (TensorRT-LLM leaves it out of scheduler_output): its load starts now."""
+        self._first_report(step, parked.block_ids, parked.device_tokens, parked.request_id)
+        # Parked, it is reported finished only through this op: issued even when TensorRT-LLM
+        # honoured nothing (its copies are then none, its chunks go back when it "lands").
+        load = self._honoured(parked)
+        op = self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
+        step.async_loads.append(op)
+        parked.secured = None
+        self._claims.park(parked.request_id, op.block_ids)
+        self._count_sources(parked, parked.device_tokens)
+        parked.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
+
+    def _plan_new(self, req: Any, step: StepPlan) -> None:
+        """A request scheduled for the first time (or back from parking): its load, its first save."""
+        rid = int(req.request_id)
+        self._first_report(step, req.new_block_ids, req.computed_position, rid)
+        state = self._requests.get(rid)
+        if state is None:  # never looked up (e.g. dummy request): still save it
+            state = self._state_for(req, len(req.new_tokens))
+        self._claims.unpark(rid)  # back from an asynchronous load: computed_position counts it
+        state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
+        if not state.block_ids:
+            state.block_ids = list(req.new_block_ids)
+            self._claims.hold(rid, state.block_ids)
+        load = self._honoured(state)
+        before = req.computed_position + load.matched_tokens
+        if load.loads:
+            step.loads.append(self._op(state, load.retrieve_start, load.retrieve_end, load.skip_tokens, state.secured))
+            state.secured = None  # the workers copy it; rank 0 releases it after the iteration
+        else:
+            self._release_promise(state)  # promised, honoured for nothing
+        self._count_sources(state, req.computed_position)
+        state.computed_why = planning.computed_reasons(
+            state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
+        )
+        self._step_computed(state, before, req.num_scheduled_tokens)
+        self._plan_save(state, step.saves)
+
+    def _plan_cached(self, req: Any, step: StepPlan) -> None:
+        """A running request: its new tokens and blocks, and a save when they fill new chunks."""
+        rid = int(req.request_id)
+        self._reap_vanished(list(req.new_block_ids), [], rid)
+        step.fresh.update(req.new_block_ids)
+        state = self._requests.get(rid)
+        if state is None:
+            return
+        state.tokens.extend(req.new_tokens)
+        state.block_ids.extend(req.new_block_ids)
+        self._claims.hold(rid, list(req.new_block_ids))
+        self._step_computed(state, state.tokens_with_kv, req.num_scheduled_tokens)
+        self._plan_save(state, step.saves)
+
+    def _forget_all_on_idle_rank(self) -> list[int]:
+        """An idle attention-DP rank's forward may write any free block unseen: every request still
+        tracked ended without ``request_finished``; forget them all and return their blocks."""
+        freed: list[int] = []
+        for rid in list(self._requests):
+            vanished = self._forget(rid)
+            if vanished is not None:
+                freed.extend(vanished.block_ids)
+                logger.debug("event=request_vanished request=%d reason=idle_dp_rank", rid)
+        return freed
+
+    def _honoured(self, state: RequestState) -> planning.LoadDecision:
+        """The request's load as TensorRT-LLM took it: ``commit_new_matched_tokens`` records the
+        honoured count on the ``LlmRequest`` (main; KVCacheManagerV2 may honour less than offered);
+        TensorRT-LLM 1.2 has no such record and honours the whole offer."""
+        honoured = getattr(state.llm_request, "py_num_connector_matched_tokens", None)
+        if state.load.loads and isinstance(honoured, int) and honoured < state.load.matched_tokens:
+            logger.debug(
+                "event=load_honoured request=%d offered=%d honoured=%d",
+                state.request_id,
+                state.load.matched_tokens,
+                honoured,
+            )
+            state.load = planning.honour(state.load, honoured, state.device_tokens)
+        return state.load
+
+    def _count_sources(self, state: RequestState, device_tokens: int) -> None:
+        """Count a request's prompt tokens from the device and from the cache, once."""
+        if state.sources_counted:
+            return
+        state.sources_counted = True
+        self._metrics.record_prompt_tokens("device", "none", device_tokens)
+        self._metrics.record_prompt_tokens("cache", "none", state.load.matched_tokens)
+
+    def _step_computed(self, state: RequestState, before: int, num_scheduled_tokens: int) -> None:
+        """Advance the request's KV by this step's forward pass; count the prompt tokens it computes."""
+        state.tokens_with_kv = planning.tokens_with_kv_after_step(before, num_scheduled_tokens, len(state.tokens))
+        if before < state.num_prompt_tokens:
+            end = min(state.tokens_with_kv, state.num_prompt_tokens)
+            for reason, tokens in planning.split_computed(state.computed_why, before, end):
+                self._metrics.record_prompt_tokens("computed", reason, tokens)
+
+    def _plan_save(self, state: RequestState, saves: list[wire.TransferOp]) -> None:
+        if not state.cacheable:
+            return
+        span = planning.plan_save(
+            state.stored_upto,
+            state.tokens_with_kv,
+            len(state.block_ids) * self._block,
+            state.num_prompt_tokens,
+            self._chunk,
+            self._settings.save_decode_tokens,
+        )
+        if span is None:
+            return
+        saves.append(self._op(state, span[0], span[1], 0))
+        state.stored_upto = span[1]
+        state.saves_issued += 1
+
+    def _op(
+        self,
+        state: RequestState,
+        start: int,
+        end: int,
+        skip: int,
+        secured: wire.SecuredLoad | None = None,
+    ) -> wire.TransferOp:
+        copy_end = state.load.copy_end if secured is not None else None
+        return wire.TransferOp(
+            request_id=state.request_id,
+            session_id=state.session_id,
+            token_ids=tuple(state.tokens[:end]),
+            start=start,
+            end=end,
+            block_ids=planning.block_slice(state.block_ids, start, end if copy_end is None else copy_end, self._block),
+            skip_tokens=skip,
+            salt=state.salt,
+            secured=secured,
+            copy_end=copy_end,
+        )
+
+    def request_reset(self, request: Any) -> None:
+        """KVCacheManagerV2 destroyed the request's allocation (MAX_UTILIZATION) and will replay it:
+        its blocks are no longer its own and an unused promise goes back; it is asked again."""
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            self._start_over(state)
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Step 5: forget the request; True (hold its blocks) when it had saves: ``get_finished``
+        reports it once they are copied and their COMMITs answered, on every rank (async or not)."""
+        state = self._forget(int(request.request_id))
+        if state is None:
+            return False
+        return state.saves_issued > 0

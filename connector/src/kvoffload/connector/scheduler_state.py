@@ -1,0 +1,109 @@
+"""The scheduler's bookkeeping: each live request from its lookup until it ends, who claims which
+block, and what one ``build_connector_meta`` gathers for the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.connector.planning import NO_LOAD, LoadDecision, vanished_holders
+from kvoffload.connector.wire import ConnectorMetadata, SecuredLoad, TransferOp
+
+
+@dataclass
+class RequestState:
+    """Scheduler-side bookkeeping for one live request."""
+
+    request_id: int
+    session_id: str
+    salt: str
+    num_prompt_tokens: int
+    cacheable: bool = True
+    """False: its keys cannot name what its KV depends on (``keys.key_salt``); never looked up or saved."""
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    tokens_with_kv: int = 0
+    stored_upto: int = 0
+    load: LoadDecision = NO_LOAD
+    secured: SecuredLoad | None = None
+    """The promised load's chunks until ``build_connector_meta`` hands them to the workers."""
+    saves_issued: int = 0
+    device_tokens: int = 0
+    """Tokens TensorRT-LLM had on the device at the lookup."""
+    sources_counted: bool = False
+    """Its device and cache prompt tokens were counted (once per request)."""
+    lookup_hit: int | None = None
+    """LMCache's hit at the lookup (None: not looked up, or the lookup failed)."""
+    lookup_failure: str | None = None
+    """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``) or was not made
+    (``uncacheable``), if so."""
+    computed_why: tuple[tuple[int, int, str], ...] = ()
+    """``planning.computed_reasons`` of the scheduled prompt, set when the engine first schedules it."""
+    llm_request: Any = None
+    """TensorRT-LLM's ``LlmRequest`` of the lookup (its ``is_finished`` tells a cancelled parked request)."""
+
+
+class BlockClaims:
+    """Which live requests list each block, and which parked request's load writes it: a block
+    handed out again names requests that ended without ``request_finished`` (cancelled, errored,
+    aborted), whose state is then reaped."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[int]] = {}  # block id -> live requests listing it
+        self._parked: set[int] = set()  # their loads issued, not yet back in new_requests
+        self._loading_into: dict[int, int] = {}  # block -> the parked request whose load writes it
+
+    @property
+    def parked_request_ids(self) -> frozenset[int]:
+        """Parked requests whose loads were issued, not yet back in ``new_requests``."""
+        return frozenset(self._parked)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def hold(self, request_id: int, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._holders.setdefault(block, set()).add(request_id)
+
+    def unhold(self, request_id: int, block_ids: list[int]) -> None:
+        for block in block_ids:
+            holders = self._holders.get(block)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self._holders[block]
+
+    def park(self, request_id: int, load_block_ids: tuple[int, ...]) -> None:
+        """``request_id``'s asynchronous load was issued into ``load_block_ids``."""
+        self._parked.add(request_id)
+        self._loading_into.update(dict.fromkeys(load_block_ids, request_id))
+
+    def unpark(self, request_id: int) -> None:
+        if request_id in self._parked:
+            self._parked.discard(request_id)
+            self._loading_into = {b: rid for b, rid in self._loading_into.items() if rid != request_id}
+
+    def vanished(self, fresh: list[int], reused: list[int], owner: int) -> set[int]:
+        """``planning.vanished_holders`` over these claims."""
+        return vanished_holders(fresh, reused, self._holders, self._loading_into, owner)
+
+
+@dataclass
+class StepPlan:
+    """What one ``build_connector_meta`` gathers, request by request, for the workers."""
+
+    loads: list[TransferOp] = field(default_factory=list)
+    async_loads: list[TransferOp] = field(default_factory=list)
+    saves: list[TransferOp] = field(default_factory=list)
+    fresh: set[int] = field(default_factory=set)
+    reused: set[int] = field(default_factory=set)
+
+    def metadata(self) -> ConnectorMetadata:
+        return ConnectorMetadata(
+            loads=tuple(self.loads),
+            async_loads=tuple(self.async_loads),
+            saves=tuple(self.saves),
+            fresh_blocks=frozenset(self.fresh),
+            reused_blocks=frozenset(self.reused),
+        )

@@ -1,0 +1,267 @@
+"""The connector's worker hooks (TensorRT-LLM's ``KvCacheConnectorWorker``): KV copies between the pool and the cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from kvoffload.connector import wire
+from kvoffload.connector.backends.base import BackendError, LoadResult, kv_geometry, read_hf_config
+from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.pipeline import OpPipeline
+from kvoffload.connector.runtime import (
+    KvCacheConnectorWorker,
+    KvoffloadLoadError,
+    count_skip,
+    kv_rank,
+    make_backend,
+    on_stream,
+    order_after,
+    stream_event,
+    use_private_stream,
+)
+from kvoffload.connector.settings import layer_groups_problem, parse_settings, pool_layout_problem
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class KvoffloadConnectorWorker(KvCacheConnectorWorker):
+    """Every rank: moves KV between TensorRT-LLM's pool and the store."""
+
+    supports_attention_dp = True
+    """Under attention DP each rank's worker serves only its own scheduler's loads and saves, with
+    its own backend client, against the pod's one cache (docs/connector.md, "Attention DP")."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._settings = parse_settings(os.environ, llm_args)
+        self._rank = kv_rank(self._settings)
+        self._metrics = metrics_for(self._settings)
+        self._backend = make_backend(self._settings, "worker", self._rank, self._metrics)
+        self._block = self._settings.tokens_per_block
+        # Async saves: one saver thread; a request is done once its stores ran and were COMMITted.
+        self._saves = OpPipeline("save", self._save_async)
+        self._saver_on_private_stream = False  # touched by the saver thread alone
+        self._session_of: dict[int, str] = {}
+        """Requests whose saves are queued, copying or not yet COMMITted, and their LMCache sessions."""
+        self._unloaded: list[int] = []  # requests whose promised KV did not arrive this iteration
+        self._finished_waiting: set[int] = set()
+        self._loading_started: set[int] = set()  # parked requests TensorRT-LLM told us about (get_finished)
+        self._loaded_async: set[int] = set()  # parked requests whose KV is in the pool, not yet reported
+        # Async loads: one loader thread issues parked requests' copies, off the engine's thread,
+        # each after an event on the engine's stream.
+        self._loads = OpPipeline("load", self._issue_async_load, on_thread_start=self._loader_stream)
+        self._failures_lock = threading.Lock()
+        self._load_failures: list[tuple[wire.TransferOp, BackendError]] = []
+        self._kv_device: Any = None
+        if self._settings.async_save:
+            self._saves.start()
+
+    @property
+    def saving_request_ids(self) -> frozenset[int]:
+        """Requests with an asynchronous save queued or copying."""
+        return self._saves.pending_requests()
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``;
+        a pool it cannot move (multi-head latent attention) is refused here, before any request."""
+        problem = pool_layout_problem(int(kv_cache_tensor.shape[2]), self._settings.model_name)
+        if problem is not None:
+            raise RuntimeError(f"kvoffload: {problem}")
+        geometry = kv_geometry(
+            int(kv_cache_tensor.shape[-1]),
+            self._block,
+            read_hf_config(self._settings.model_name),
+            self._settings.world_size,
+        )
+        self._kv_device = kv_cache_tensor.device
+        self._backend.register(kv_cache_tensor, geometry)
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one full-attention layer group is one pool
+        and goes to ``register_kv_caches`` (TensorRT-LLM's default); several groups, or a sliding window,
+        are refused here, at start, by name (``settings.layer_groups_problem``)."""
+        groups = tuple(getattr(layout, "groups", ()))
+        problem = layer_groups_problem([getattr(g, "window_size", None) for g in groups])
+        if problem is not None:
+            raise RuntimeError(f"kvoffload: {problem}")
+        default = getattr(super(), "register_kv_cache_layout", None)
+        if default is None:
+            raise RuntimeError("kvoffload: register_kv_cache_layout called by a TensorRT-LLM without layouts")
+        default(layout)
+
+    def start_load_kv(self, stream: Any) -> None:
+        """Step 3: fence queued saves off blocks handed out again, land asynchronous loads into blocks
+        this forward touches, then copy every promised load in.
+
+        Never raises (TensorRT-LLM runs this outside any try: an exception stops the engine).
+        Each load's chunks were secured at lookup, so the copies are local and cannot fail.
+        """
+        meta = self._metadata
+        if not isinstance(meta, wire.ConnectorMetadata):
+            return
+        with on_stream(stream):  # copies follow the engine's earlier work; its next pass follows them
+            if meta.fresh_blocks and self._saves.started:
+                self._fence_saves(meta.fresh_blocks)
+            if meta.fresh_blocks or meta.reused_blocks:
+                self._fence_async_loads(meta.fresh_blocks | meta.reused_blocks)
+            if meta.loads:
+                for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
+                    self._loaded(op, result)
+        if meta.async_loads:
+            self._queue_async_loads(meta.async_loads, stream_event(stream))
+
+    def _queue_async_loads(self, ops: tuple[wire.TransferOp, ...], event: Any) -> None:
+        """Hand parked requests' loads to the loader thread, which issues their copies after ``event``
+        on the device: a fresh block may still be written by a forward pass the engine queued before
+        it freed the block (the overlap scheduler's extra step)."""
+        self._loads.start()
+        for _ in ops:
+            self._backend.expect_async_load()
+        self._loads.submit((op, event) for op in ops)
+
+    def _loader_stream(self) -> None:
+        use_private_stream(self._kv_device)  # ordered after the engine's stream only by each load's event
+
+    def _issue_async_load(self, op: wire.TransferOp, event: Any) -> None:
+        """Issue one asynchronous load's copies (after ``event`` on the device, if any); a failure is
+        reported with the load (the request's first forward then fails it)."""
+        try:
+            if event is not None:
+                order_after(event)
+            error = self._backend.start_async_load(op)
+        except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
+            logger.exception("event=load_error request=%d", op.request_id)
+            error = BackendError("retrieve", "error", repr(exc))
+        if error is not None:
+            with self._failures_lock:
+                self._load_failures.append((op, error))
+
+    def _fence_async_loads(self, touched: frozenset[int]) -> None:
+        """Before a forward that reads or writes ``touched`` blocks: every asynchronous load into one
+        of them lands first.
+
+        Such a load belongs to a parked request that was cancelled: TensorRT-LLM freed its blocks at
+        once and stored them for reuse under its prompt, so the load is never dropped (a later request
+        may match those blocks and read them). A queued one is issued now on the engine's stream (made
+        current by ``start_load_kv``), one being issued is waited for, and the forward is ordered after
+        the copies of issued ones on the device.
+        """
+        now: list[tuple[wire.TransferOp, Any]] = []
+        self._loads.fence(touched, lambda op, event: now.append((op, event)))
+        for op, _event in now:  # the engine's stream is current: these copies follow its earlier work
+            self._issue_async_load(op, None)
+        self._backend.order_after_async_loads(touched)
+
+    def _loaded(self, op: wire.TransferOp, result: LoadResult) -> None:
+        if result.error is not None:
+            logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
+            self._unloaded.append(op.request_id)
+            return
+        self._metrics.record_retrieve(result.seconds, op.num_tokens, result.nbytes)
+
+    def _fence_saves(self, fresh: frozenset[int]) -> None:
+        """Before a forward that may write ``fresh`` blocks: no queued save may read them afterwards.
+
+        Such a save belongs to a request that ended without ``request_finished`` (its blocks went
+        back to the pool): a queued one is dropped (its KV may already be another request's), one
+        being copied right now is waited for (it read the blocks before this forward runs).
+        """
+        self._saves.fence(fresh, self._save_dropped)
+
+    def _save_dropped(self, op: wire.TransferOp, event: Any) -> None:
+        self._metrics.error("store", "blocks_reused")
+        logger.debug("event=save_dropped request=%d reason=blocks_reused", op.request_id)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``).
+
+        Loads are secured at lookup, so a load cannot fail for the server's sake; if one still did
+        (a bug, or its segment unmapped), the forward must not run on the missing KV: raising here
+        makes TensorRT-LLM fail the active requests (``_forward_step``), where raising in
+        ``start_load_kv`` would stop the executor.
+        """
+        if self._unloaded:
+            failed, self._unloaded = self._unloaded, []
+            raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Per layer, after it ran: nothing (a block spans all layers; saves run in ``wait_for_save``)."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Step 4 (end of forward): store this iteration's new full chunks (or queue them when async)."""
+        meta = self._metadata
+        if not isinstance(meta, wire.ConnectorMetadata) or not meta.saves:
+            return
+        if self._saves.started:
+            # The saver must not copy before the forward pass wrote the KV: its copies wait on this
+            # event on the device, while its PREPAREs already go to the server.
+            event = stream_event(stream)
+            for op in meta.saves:
+                self._session_of[op.request_id] = op.session_id
+            self._saves.submit((op, event) for op in meta.saves)
+            return
+        with on_stream(stream):  # the copies wait for the forward pass that writes the KV, on its stream
+            for op in meta.saves:
+                self._session_of[op.request_id] = op.session_id  # reported once its COMMITs are answered
+                self._store(op)
+
+    def _store(self, op: wire.TransferOp) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._backend.store(op)
+        except BackendError as exc:
+            count_skip(self._metrics, exc)
+            logger.warning("event=store_failed request=%d reason=%s", op.request_id, exc.reason)
+            return
+        self._metrics.record_store(time.perf_counter() - t0, op.end - op.start, nbytes)
+
+    def _save_async(self, op: wire.TransferOp, event: Any) -> None:
+        """One queued save, on the saver thread (which starts before the pool is registered, so it
+        takes its own stream at its first save)."""
+        if not self._saver_on_private_stream:
+            use_private_stream(self._kv_device)
+            self._saver_on_private_stream = True
+        if event is not None:
+            order_after(event)
+        self._store(op)
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
+        KV is in the pool (each id only after TensorRT-LLM passed it in)."""
+        self._backend.release_loaded()
+        with self._failures_lock:
+            failures, self._load_failures = self._load_failures, []
+        for op, error in failures:  # reported as loaded: the request's first forward then fails it
+            self._loaded(op, LoadResult(0, 0.0, error))
+            self._loaded_async.add(op.request_id)
+        for op, result in self._backend.finished_async_loads():
+            self._loaded(op, result)
+            self._loaded_async.add(op.request_id)
+        self._loading_started.update(started_loading_req_ids)
+        done_loading = sorted(self._loading_started & self._loaded_async)
+        self._loading_started.difference_update(done_loading)
+        self._loaded_async.difference_update(done_loading)
+        # A save is done once copied and its COMMITs answered: lookups find it then, on every rank
+        # (TensorRT-LLM waits for all ranks' reports). Requests that ended without
+        # request_finished leave here too, once their saves are done.
+        saving = self._saves.pending_requests()
+        self._session_of = {
+            rid: session
+            for rid, session in self._session_of.items()
+            if rid in saving or self._backend.commits_pending(session)
+        }
+        self._finished_waiting.update(finished_gen_req_ids)
+        done = [rid for rid in self._finished_waiting if rid not in self._session_of]
+        self._finished_waiting.difference_update(done)
+        return done, done_loading
+
+    def shutdown(self) -> None:
+        """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""
+        self._backend.close()
+        self._metrics.flush()

@@ -1,1 +1,0 @@
-"""The kopf operator: opt-in by annotation, policy from KVCachePolicy, pure decisions, thin effects."""

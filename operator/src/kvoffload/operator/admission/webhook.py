@@ -1,0 +1,157 @@
+"""The pod-injection webhook: HTTPS on every operator replica (the acting one and any standby),
+each AdmissionReview answered from the pod and its workload's injection record."""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvoffload import contract as c
+from kvoffload.operator.admission.https_server import HttpsServer, Reply, Request, refusal
+from kvoffload.operator.admission.new_workloads import Planner, label_for_new_workload, record_before_the_operator
+from kvoffload.operator.admission.records import (
+    Admission,
+    InjectionRecord,
+    admission_response,
+    admit,
+    record_from_workload,
+)
+from kvoffload.operator.admission.review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
+from kvoffload.operator.admission.webhook_tls import TlsMaterial
+from kvoffload.operator.admission.workload_updates import review_update
+from kvoffload.operator.api.kube import Kube, KubeApiError
+from kvoffload.operator.api.pod_owners import resolve_owner
+from kvoffload.operator.metrics import OperatorMetrics
+from kvoffload.operator.plan.injection_plan import InjectionPlan
+
+log = logging.getLogger("kvoffload.operator")
+MAX_REVIEW_BYTES = 2**20
+"""The largest AdmissionReview body read: a pod's review is a few KiB to tens of KiB, and answering
+one at this cap takes tens of MiB for a moment. A larger one gets 413 before its body is read."""
+
+
+def review_pod(kube: Kube, review: PodReview, plan: Planner | None = None) -> Admission:
+    """The answer for one pod CREATE: its owner resolved through the API and that owner's injection
+    record read, then ``admit``."""
+    if c.LABEL_INJECT not in ((review.pod.get("metadata") or {}).get("labels") or {}):
+        return admit(review.pod, review.namespace, None, "the pod does not carry the label")
+    try:
+        resolved = resolve_owner(kube, review.pod, review.namespace)
+    except KubeApiError as exc:
+        return admit(review.pod, review.namespace, None, f"resolving the pod's owner failed: {exc}")
+    if isinstance(resolved, str):
+        return admit(review.pod, review.namespace, None, resolved)
+    owner = (resolved.kind, resolved.name)
+    record = record_from_workload(resolved.workload, *owner)
+    annotations = (resolved.workload.get("metadata") or {}).get("annotations") or {}
+    if plan is not None and isinstance(record, str) and c.ANN_INJECTION_RECORD not in annotations:
+        # a workload created opted in, whose record the operator has not written yet
+        label = ((review.pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_INJECT)
+        early = record_before_the_operator(resolved.workload, label, plan)
+        record = early if isinstance(early, InjectionRecord) else record
+    return admit(review.pod, review.namespace, record, owner)
+
+
+def review_workload(review: WorkloadReview, plan: Planner) -> Admission:
+    """The answer for a Deployment or StatefulSet CREATE: an opted-in one gets the template label
+    the operator would write; anything else is admitted as written. An UPDATE of one kvoffload
+    injects keeps kvoffload's record and label, as the plan gives them (``workload_updates``)."""
+
+    def plan_of(workload: Mapping[str, Any]) -> InjectionPlan | str:
+        return plan({"kind": review.kind, **workload,
+                     "metadata": {**(workload.get("metadata") or {}), "namespace": review.namespace}})  # fmt: skip
+
+    if review.old is not None:
+        return review_update(review.old, {"kind": review.kind, **review.workload}, review.field_manager, plan_of)
+    planned = plan_of(review.workload)
+    if isinstance(planned, str):
+        return Admission([], (), "ignored")
+    return Admission(label_for_new_workload(review.workload, planned), (), "injected")
+
+
+def server_context(tls: TlsMaterial) -> ssl.SSLContext:
+    """The webhook's TLS: TLS 1.2 at least, its serving certificate (the key file lives only while
+    it is loaded)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory(prefix="kvoffload-webhook-") as tmp:
+        cert, key = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
+        cert.write_bytes(tls.cert_pem)
+        key.touch(mode=0o600)
+        key.write_bytes(tls.key_pem)
+        context.load_cert_chain(str(cert), str(key))
+    return context
+
+
+class WebhookServer:
+    """``POST /mutate-pods`` (AdmissionReview v1), ``GET /healthz`` and ``GET /readyz`` over TLS.
+    ``/readyz`` is answered by the same accept, handshake and handler threads as a review, so a
+    webhook that cannot answer reviews is not ready."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        metrics: OperatorMetrics,
+        tls: TlsMaterial,
+        port: int,
+        host: str = "0.0.0.0",
+        plan: Planner | None = None,
+    ) -> None:
+        self.kube, self.metrics, self.plan = kube, metrics, plan
+        self.server = HttpsServer(server_context(tls), host, port, self.handle, MAX_REVIEW_BYTES)
+        self.port = self.server.port
+
+    def handle(self, request: Request) -> Reply:
+        """The reply to one whole request (in one of the server's handler threads)."""
+        if request.method == "GET" and request.path in ("/healthz", c.PATH_READY):
+            return Reply(200, b"ok\n")
+        path = request.path.split("?")[0]
+        if request.method == "POST" and path == c.WEBHOOK_WORKLOADS_PATH and self.plan is not None:
+            return self.handle_workload(request)
+        if request.method != "POST" or path != c.WEBHOOK_PATH:
+            return refusal(404, "not found")
+        review = parse_pod_review(request.body)
+        if isinstance(review, str):
+            self.metrics.admissions.labels(result="refused").inc()
+            log.debug("webhook: refused a review: %s", review)
+            return refusal(400, review)
+        return Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
+
+    def handle_workload(self, request: Request) -> Reply:
+        """A Deployment or StatefulSet CREATE (``review_workload``); never refused for our bug."""
+        review = parse_workload_review(request.body)
+        if isinstance(review, str):
+            self.metrics.admissions.labels(result="refused").inc()
+            return refusal(400, review)
+        assert self.plan is not None
+        try:
+            admission = review_workload(review, self.plan)
+        except Exception as exc:  # admit it as written
+            log.exception("webhook: reviewing a workload failed")
+            admission = Admission([], (f"kvoffload: not labelled: internal error {type(exc).__name__}",), "error")
+        if admission.result != "ignored":
+            log.info("webhook: workload %s: %s", review.uid, admission.result)
+        return Reply(200, json.dumps(admission_response(review.uid, admission)).encode(), "application/json")
+
+    def answer(self, review: PodReview) -> dict[str, Any]:
+        """The AdmissionReview response for a valid pod CREATE; a pod is never refused for our bug."""
+        try:
+            admission = review_pod(self.kube, review, self.plan)
+        except Exception as exc:  # admit it as written
+            log.exception("webhook: reviewing a pod failed")
+            admission = Admission([], (f"kvoffload: not injected: internal error {type(exc).__name__}",), "error")
+        self.metrics.admissions.labels(result=admission.result).inc()
+        if admission.result != "ignored":
+            log.info("webhook: pod %s: %s %s", review.uid, admission.result, "; ".join(admission.warnings))
+        return admission_response(review.uid, admission)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,1 @@
+"""The Kubernetes API as the operator uses it: a small REST client, Events, retries, pod owners."""

@@ -1,0 +1,1 @@
+"""The control loop: kopf handlers, the reconciler, policy status, locked writes and leader election."""

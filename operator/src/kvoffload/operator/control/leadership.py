@@ -1,0 +1,243 @@
+"""One operator acts at a time: a coordination.k8s.io Lease, held while the operator runs.
+
+A new operator pod (a RollingUpdate, a ``helm upgrade`` or ``rollback``, a second replica) waits,
+live and ready, until the Lease is free: released by the old pod when it stops, or expired
+``LEASE_DURATION_S`` after its last renewal if it died. The holder renews every
+``RENEW_INTERVAL_S``; one that finds the Lease taken, or is refused for a whole term
+(``keep_renewing``), stops its handlers. The same identity (the pod's name, kept across container
+restarts) takes its own Lease back at once.
+
+``helm uninstall``'s hook seizes the Lease (``Leadership.seize``) whoever holds it: the acting
+operator stops at its next renewal, standbys keep waiting, and no operator acts until the hook's
+long term has run out, by when Helm has deleted the operator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import http.server
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvoffload.operator.api.kube import Kube, KubeApiError
+
+log = logging.getLogger("kvoffload.operator")
+LEASE_DURATION_S = 15
+RENEW_INTERVAL_S = 5.0
+RETRY_INTERVAL_S = 1.0
+MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def lease_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+    return f"{base}/{name}" if name else base
+
+
+def _parse_time(text: object) -> datetime.datetime | None:
+    if not isinstance(text, str):
+        return None
+    for fmt in (MICROTIME, "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.datetime.strptime(text, fmt).replace(tzinfo=datetime.timezone.utc)
+        except ValueError:
+            continue
+    return None
+
+
+def lease_state(
+    lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime
+) -> Literal["free", "ours", "held"]:
+    """Whether ``identity`` may take the Lease: nobody holds it (or the holder let it expire), it holds
+    it already, or another holder's term is still running."""
+    spec = (lease or {}).get("spec") or {}
+    holder = spec.get("holderIdentity") or ""
+    if not holder:
+        return "free"
+    if holder == identity:
+        return "ours"
+    renewed = _parse_time(spec.get("renewTime")) or _parse_time(spec.get("acquireTime"))
+    duration = spec.get("leaseDurationSeconds") or LEASE_DURATION_S
+    if renewed is None or now - renewed > datetime.timedelta(seconds=float(duration)):
+        return "free"
+    return "held"
+
+
+def lease_body(
+    name: str,
+    namespace: str,
+    identity: str,
+    now: datetime.datetime,
+    previous: Mapping[str, Any] | None,
+    duration_s: int = LEASE_DURATION_S,
+) -> dict[str, Any]:
+    """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a transition)."""
+    spec = dict((previous or {}).get("spec") or {})
+    taking_over = spec.get("holderIdentity") != identity
+    stamp = now.strftime(MICROTIME)
+    spec.update({"holderIdentity": identity, "leaseDurationSeconds": duration_s, "renewTime": stamp})
+    if taking_over:
+        spec["acquireTime"] = stamp
+        spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if previous else 0)
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if previous is not None:
+        metadata["resourceVersion"] = (previous.get("metadata") or {}).get("resourceVersion")
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
+
+
+def unanswered(status: int) -> bool:
+    """Whether a failed request means the apiserver did not judge it (unreachable, 5xx), as
+    opposed to refusing it."""
+    return status == 0 or status >= 500
+
+
+def keep_renewing(status: int, refused_since: datetime.datetime | None, now: datetime.datetime) -> bool:
+    """Whether a holder whose renewal failed with ``status`` retries (every second) or gives up.
+
+    Unreachable or failing (0, 5xx), the apiserver lets nobody write or take the Lease through
+    it: retry. A refusal (a 403 while a restarted apiserver warms its RBAC cache) is retried for a
+    lease term counted from the first refusal (``refused_since``), not from the last renewal: an
+    apiserver that was down longer than a term must not cost the operator its life the moment it
+    answers; rights really taken away end it after one term. Every retry also sees at once a Lease
+    another operator took meanwhile.
+    """
+    if unanswered(status):
+        return True
+    return refused_since is not None and (now - refused_since).total_seconds() < LEASE_DURATION_S
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+@dataclass
+class Leadership:
+    """This process's claim on the operator's Lease."""
+
+    kube: Kube
+    namespace: str
+    name: str
+    identity: str
+    lost: bool = False
+    """The Lease could not be kept; the operator stopped acting."""
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _renewer: threading.Thread | None = None
+
+    def _try(self) -> bool:
+        """One attempt to take or renew the Lease; True when this process holds it now."""
+        path = lease_path(self.namespace, self.name)
+        current = self.kube.get(path)
+        if lease_state(current, self.identity, _now()) == "held":
+            return False
+        body = lease_body(self.name, self.namespace, self.identity, _now(), current)
+        return self._write(path, current, body)  # False: someone else wrote it first, look again
+
+    def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
+        """Create or replace the Lease as read in ``current``; False when another writer got there first."""
+        try:
+            if current is None:
+                self.kube.create(lease_path(self.namespace), body)
+            else:
+                self.kube.request("PUT", path, body)
+        except KubeApiError as exc:
+            if exc.status in (409, 422):
+                return False
+            raise
+        return True
+
+    def seize(self, duration_s: int) -> bool:
+        """Take the Lease whoever holds it and hold it ``duration_s`` from now (the uninstall hook:
+        no operator may act while it hands workloads back, nor until Helm has deleted the operator).
+        True when another holder's term was running: it stops at its next renewal."""
+        path = lease_path(self.namespace, self.name)
+        for _attempt in range(10):
+            current = self.kube.get(path)
+            active = lease_state(current, self.identity, _now()) == "held"
+            body = lease_body(self.name, self.namespace, self.identity, _now(), current, duration_s)
+            if self._write(path, current, body):
+                return active
+            # the holder renewed meanwhile: take it from the new version
+        raise KubeApiError(409, {"message": "the Lease kept changing"}, "PUT", path)
+
+    def acquire(self, stop: threading.Event) -> bool:
+        """Wait until this process holds the Lease (True) or ``stop`` is set (False)."""
+        waiting_logged = False
+        while not stop.is_set():
+            try:
+                if self._try():
+                    log.info("leader election: holding lease %s/%s as %s", self.namespace, self.name, self.identity)
+                    return True
+            except KubeApiError as exc:
+                log.warning("leader election: %s (retrying)", exc)
+            if not waiting_logged:
+                log.info("leader election: lease %s/%s is held by another operator; waiting", self.namespace, self.name)
+                waiting_logged = True
+            stop.wait(RETRY_INTERVAL_S)
+        return False
+
+    def hold(self, on_lost: Callable[[], None]) -> None:
+        """Renew in the background; ``on_lost`` runs once if the Lease cannot be kept."""
+
+        def renew() -> None:
+            interval, refused_since = RENEW_INTERVAL_S, None
+            while not self._stop.wait(interval):
+                interval = RENEW_INTERVAL_S
+                try:
+                    if self._try():
+                        refused_since = None
+                        continue
+                    log.error("leader election: lease %s/%s taken by another operator", self.namespace, self.name)
+                except KubeApiError as exc:
+                    if not unanswered(exc.status):
+                        refused_since = refused_since or _now()
+                    if keep_renewing(exc.status, refused_since, _now()):
+                        log.warning("leader election: renewal failed, retrying: %s", exc)
+                        interval = RETRY_INTERVAL_S
+                        continue
+                    log.error("leader election: renewal refused for a whole lease term: %s", exc)
+                self.lost = True
+                on_lost()
+                return
+
+        self._renewer = threading.Thread(target=renew, name="kvoffload-lease", daemon=True)
+        self._renewer.start()
+
+    def release(self) -> None:
+        """Stop renewing and free the Lease at once, so a waiting operator takes over without delay."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=RENEW_INTERVAL_S + 1)
+        path = lease_path(self.namespace, self.name)
+        try:
+            current = self.kube.get(path)
+            if current is not None and lease_state(current, self.identity, _now()) == "ours":
+                spec = {**(current.get("spec") or {}), "holderIdentity": "", "renewTime": None, "acquireTime": None}
+                self.kube.request("PUT", path, {**current, "spec": spec})
+                log.info("leader election: released lease %s/%s", self.namespace, self.name)
+        except KubeApiError as exc:
+            log.warning("leader election: release failed (the lease expires by itself): %s", exc)
+
+
+class _Live(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/healthz" else 404)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: probes every few seconds
+        pass
+
+
+@contextlib.contextmanager
+def serve_health_while_waiting(port: int) -> Iterator[None]:
+    """Answer /healthz on ``port`` until kopf's own liveness endpoint takes the port over."""
+    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), _Live)
+    thread = threading.Thread(target=server.serve_forever, name="kvoffload-standby-health", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()

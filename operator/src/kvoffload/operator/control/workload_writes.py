@@ -1,0 +1,201 @@
+"""Writes to a workload that must not land on a stale version: Server-Side Apply locked to the
+resourceVersion a fragment or removal plan was computed from."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload import contract as c
+from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
+from kvoffload.operator.intent.managed_fields import TEMPLATE_META, manages_anything, owned_by
+from kvoffload.operator.intent.settings import enabled_state, ours_annotations_digest
+from kvoffload.operator.intent.workload_view import configmap_name
+from kvoffload.operator.plan.drift import object_carries
+from kvoffload.operator.plan.fragment import RemovalPlan, RenderedInjection, render_removal
+from kvoffload.policy import PolicyError
+
+log = logging.getLogger("kvoffload.operator")
+
+LOCKED_APPLY_TRIES = 3
+
+
+def locked_apply(kube: Kube, path: str, body: Mapping[str, Any], meta: Mapping[str, Any], force: bool
+                  ) -> dict[str, Any] | None:  # fmt: skip
+    """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
+    computed from; status writes in between only refresh the lock (a few tries). None: the
+    inputs changed (the next event carries them). Field conflicts are raised to the caller."""
+    locked = {**body, "metadata": dict(body["metadata"])}  # only the resourceVersion changes
+    version = meta.get("resourceVersion")
+    ours = ours_annotations_digest(meta.get("annotations") or {})
+    for _attempt in range(LOCKED_APPLY_TRIES):
+        locked["metadata"]["resourceVersion"] = version
+        try:
+            return kube.apply(path, locked, c.FIELD_MANAGER, force=force)
+        except KubeApiError as exc:
+            if exc.status != 409 or exc.field_conflicts:
+                raise
+        current = kube.get(path)
+        current_meta = (current or {}).get("metadata") or {}
+        if (current is None or current_meta.get("generation") != meta.get("generation")
+                or ours_annotations_digest(current_meta.get("annotations") or {}) != ours):  # fmt: skip
+            return None
+        version = current_meta.get("resourceVersion")
+    return None
+
+
+@dataclass(frozen=True)
+class InjectionApplied:
+    """What applying a rendered injection came to: ``result`` is ``applied`` (the generation moved),
+    ``unchanged``, ``skipped`` (the workload changed meanwhile; the next event carries it) or
+    ``refused``; ``answer`` the object the apiserver returned."""
+
+    result: str
+    answer: Mapping[str, Any] | None = None
+    conflict: KubeApiError | None = None
+    """Another field manager owns fields kvoffload needs on ``conflict_on``."""
+    conflict_on: str = ""
+    refused: PolicyError | None = None
+    """The apiserver refused the fragment for a reason the settings could not judge."""
+
+
+def apply_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> InjectionApplied:
+    """Apply the generated ConfigMap (template mode) and the workload fragment, both locked to the
+    resourceVersion the fragment was computed from (a stale fragment must never land: it would roll
+    the pods twice); a 409 caused only by a status write refreshes the lock (``locked_apply``)."""
+    kind = str(obj.get("kind"))
+    meta = obj.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    if rendered.configmap_apply is not None:
+        try:
+            kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply, c.FIELD_MANAGER)
+        except KubeApiError as exc:
+            if exc.status == 409 and exc.field_conflicts:
+                return InjectionApplied("conflict", conflict=exc, conflict_on=f"ConfigMap {configmap_name(name)}")
+            raise
+    body = rendered.workload_apply
+    path = workload_path(kind, namespace, name)
+    try:
+        answer = locked_apply(kube, path, body, meta, force=False)
+    except KubeApiError as exc:
+        if exc.status == 422 and changed_since(kube, path, meta):
+            return InjectionApplied("skipped")  # a 422 on a stale fragment: the next event retries
+        if exc.status == 422:
+            return InjectionApplied("refused", refused=PolicyError(
+                f"{kind} {name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
+                reason="rejected_by_apiserver",
+            ))  # fmt: skip
+        if exc.status != 409:
+            raise
+        if not exc.field_conflicts:
+            return InjectionApplied("skipped")
+        if not all(f in rendered.forceable_fields for f, _ in exc.field_conflicts):
+            return InjectionApplied("conflict", conflict=exc, conflict_on=f"{kind} {name}")
+        # Only the engine's args conflict: the documented rewrite, undone on removal. Forcing
+        # takes the user's args, so it is locked to the version the rewrite was computed from.
+        answer = locked_apply(kube, path, body, meta, force=True)
+    if answer is None:
+        return InjectionApplied("skipped")
+    # Injected by an earlier version, which kept the record in a ConfigMap: the record is on the
+    # workload now and nothing reads the ConfigMap any more (running pods keep their files).
+    if (
+        rendered.configmap_apply is None
+        and _record_in_configmap(obj)
+        and delete_generated_configmap(kube, namespace, name)
+    ):
+        log.info("%s %s/%s: deleted the ConfigMap an earlier version kept the record in", kind, namespace, name)
+    changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
+    return InjectionApplied("applied" if changed else "unchanged", answer)
+
+
+def _record_in_configmap(obj: Mapping[str, Any]) -> bool:
+    """Whether the operator labelled the template for admission without a record on the workload
+    (what versions that kept the record in the generated ConfigMap left)."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return c.ANN_INJECTION_RECORD not in annotations and owned_by(
+        obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}"), c.FIELD_MANAGER
+    )
+
+
+def apply_removal(kube: Kube, path: str, plan: RemovalPlan, version: str | None) -> None:
+    """Apply the removal steps; the first is locked to the version the plan was made from
+    (a stale plan would re-claim fields and loop on its own intermediate writes)."""
+    for index, step in enumerate(plan.steps):
+        body = copy.deepcopy(step.body)
+        if index == 0 and version:
+            body["metadata"]["resourceVersion"] = version
+        kube.apply(path, body, step.field_manager, force=False)
+
+
+def changed_since(kube: Kube, path: str, meta: Mapping[str, Any]) -> bool:
+    """Whether the object's spec moved on from the version a fragment was computed from."""
+    current = kube.get(path)
+    return current is not None and (current.get("metadata") or {}).get("generation") != meta.get("generation")
+
+
+def carries_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+    """Whether the live workload and its ConfigMap (if it has one) hold every field the apply would set."""
+    if not object_carries(rendered.workload_apply, obj):
+        return False
+    if rendered.configmap_apply is None:
+        return True
+    meta = obj.get("metadata") or {}
+    cm = kube.get(configmap_path(str(meta.get("namespace")), configmap_name(str(meta.get("name")))))
+    return object_carries(rendered.configmap_apply, cm)
+
+
+def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
+    """Apply the removal plan of an opted-out workload and delete its generated ConfigMap.
+
+    ``noop``: nothing of ours; ``removed``; ``skipped``: the workload kept changing or opted in
+    again meanwhile (the next event carries it). Field conflicts are raised to the caller.
+    """
+    kind = str(obj.get("kind"))
+    meta = obj.get("metadata") or {}
+    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    path = workload_path(kind, namespace, name)
+    current: Mapping[str, Any] = obj
+    for _attempt in range(LOCKED_APPLY_TRIES):
+        plan = render_removal(current)
+        if not plan.steps:
+            return "noop"
+        try:
+            apply_removal(kube, path, plan, (current.get("metadata") or {}).get("resourceVersion"))
+            break
+        except KubeApiError as exc:
+            if exc.status != 409 or exc.field_conflicts:
+                raise
+        # The plan was made from a stale version (often our own removal's intermediate
+        # state, delivered late): plan again from the live object, which may need nothing.
+        live = kube.get(path)
+        if live is None or enabled_state((live.get("metadata") or {}).get("annotations") or {}) is not False:
+            return "skipped"
+        current = {"kind": kind, **live}
+    else:
+        return "skipped"
+    delete_generated_configmap(kube, namespace, name)
+    return "removed"
+
+
+def delete_generated_configmap(kube: Kube, namespace: str, workload_name: str) -> bool:
+    """Delete the workload's generated ConfigMap if there is one kvoffload made; whether it did."""
+    path = configmap_path(namespace, configmap_name(workload_name))
+    cm = kube.get(path)
+    if not cm or ((cm.get("metadata") or {}).get("labels") or {}).get(c.LABEL_MANAGED_BY) != c.LABEL_MANAGED_BY_VALUE:
+        return False
+    kube.delete(path)
+    return True
+
+
+def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Take kvoffload out of every workload in ``namespaces`` (all when empty), as before opting in:
+    what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
+    results: list[tuple[str, str]] = []
+    for obj in list(list_workloads(kube, namespaces)):
+        if manages_anything(obj, c.FIELD_MANAGER):
+            meta = obj.get("metadata") or {}
+            results.append((f"{obj['kind']}/{meta.get('namespace')}/{meta.get('name')}", remove_injection(kube, obj)))
+    return results

@@ -1,0 +1,121 @@
+"""What one reconcile pass does to a workload, decided once: ``decide_workload(workload, inputs) -> Decision``.
+
+Every question the pass asks before it writes is answered here, in this order (the first that
+fails wins): is the workload being deleted, is its ``kvoffload.io/enabled`` readable, is it opted
+in, were these inputs reconciled already, are its settings valid, may its mode run in this
+operator, does the injected pod fit a GPU node. The reconciler hands it the inputs, calls it
+once and performs the one effect the decision names. Pure but for the two readers it is handed
+(the policy, the nodes' memory): it calls each only where the answer depends on it, so a pass
+that ends early reads nothing, exactly as the checks were made inline before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.operator.intent.managed_fields import template_injected
+from kvoffload.operator.intent.settings import (
+    InjectionSettings,
+    OperatorDefaults,
+    enabled_state,
+    ours_annotations_digest,
+    resolve_settings,
+)
+from kvoffload.operator.plan.injection_plan import ClusterInfo
+from kvoffload.operator.plan.node_fit import node_fit_problem
+from kvoffload.policy import PolicyError
+
+Fingerprint = tuple[object, ...]
+"""The inputs of one pass (generation, annotations, policy version, cluster): equal ones need no second pass."""
+
+NODE_MODE_OFF = PolicyError(
+    "mode", "node", "node mode is off in this operator: it needs the pod rights the chart grants "
+    "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
+    reason="unsupported",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkloadInputs:
+    """What the decision reads besides the workload itself."""
+
+    policy: Callable[[], Mapping[str, Any] | None]
+    """Reads the KVCachePolicy the workload names (None: it names none, or the policy is missing)."""
+    defaults: OperatorDefaults
+    cluster: ClusterInfo
+    node_mode: bool
+    """The operator runs node mode's cache pods (else a workload of ``mode: node`` is refused)."""
+    largest_gpu_node_memory: Callable[[], int | None]
+    """Reads the largest GPU node's allocatable memory (None: unknown, the fit is not checked)."""
+    done: frozenset[Fingerprint] = frozenset()
+    """The fingerprints of the inputs already reconciled for this workload."""
+    force: bool = False
+    """Decide even when the inputs were reconciled already (a resync, an edited options ConfigMap)."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Nothing to do: the workload is being deleted, or these inputs were reconciled already."""
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Opted out: take the injection out."""
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Bad input: nothing is applied; a Warning says why."""
+
+    error: PolicyError
+    """The field, the bad value and what is allowed."""
+    state: str
+    """The inputs as one string: the Warning is posted once per state."""
+
+
+@dataclass(frozen=True)
+class Inject:
+    """Opted in with valid settings: plan, render and apply the injection."""
+
+    settings: InjectionSettings
+    state: str
+    """The inputs as one string, for the dedupe of this pass's Events."""
+    fingerprint: Fingerprint
+    hand_back_template: bool
+    """Admission mode over a template injected by template mode: once the plan holds, remove that
+    injection first (one rollout hands the template back; the webhook then injects the pods)."""
+
+
+Decision = Leave | Reject | Remove | Inject
+
+
+def decide_workload(workload: Mapping[str, Any], inputs: WorkloadInputs) -> Decision:
+    """The one thing this pass does to ``workload`` (see the module's docstring for the order)."""
+    meta = workload.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return Leave()  # being deleted: an apply could only race the garbage collector
+    annotations = meta.get("annotations") or {}
+    enabled = enabled_state(annotations)
+    digest = ours_annotations_digest(annotations)
+    if isinstance(enabled, PolicyError):
+        return Reject(enabled, digest)
+    if not enabled:
+        return Remove()
+    policy = inputs.policy()
+    policy_version = None if policy is None else (policy.get("metadata") or {}).get("resourceVersion")
+    fingerprint = (meta.get("generation"), digest, policy_version, inputs.cluster)
+    if not inputs.force and fingerprint in inputs.done:
+        return Leave()
+    state = f"{meta.get('generation')}/{digest}/{policy_version}"
+    settings = resolve_settings(annotations, policy, inputs.defaults, str(meta.get("namespace")))
+    if isinstance(settings, PolicyError):
+        return Reject(settings, state)
+    if settings.mode == "node" and not inputs.node_mode:
+        return Reject(NODE_MODE_OFF, state)
+    unfit = node_fit_problem(workload, settings, inputs.largest_gpu_node_memory())
+    if unfit:
+        return Reject(unfit, state)
+    hand_back = inputs.cluster.injection == "admission" and template_injected(workload)
+    return Inject(settings, state, fingerprint, hand_back)

@@ -1,0 +1,154 @@
+"""What one reconcile pass does to a workload (kvoffload.operator.plan.workload_decision), without a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvoffload import contract as c
+from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
+from kvoffload.operator.plan.injection_plan import ClusterInfo
+from kvoffload.operator.plan.workload_decision import (
+    Decision,
+    Inject,
+    Leave,
+    Reject,
+    WorkloadInputs,
+    decide_workload,
+)
+from tests.unit.operator.operator_fixtures import deployment
+
+pytestmark = pytest.mark.operator
+
+CLUSTER = ClusterInfo(True)
+INPUTS = WorkloadInputs(
+    policy=lambda: None, defaults=OperatorDefaults(), cluster=CLUSTER, node_mode=False,
+    largest_gpu_node_memory=lambda: None,
+)  # fmt: skip
+POLICY = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "7"}, "spec": {}}
+SMALL_NODE = 32 * 2**30
+"""Too small for the engine's requests plus a 100Gi L1."""
+
+
+def workload(deleting: bool = False, template_injected: bool = False, **annotations: str) -> dict[str, Any]:
+    obj = deployment(annotations=annotations)
+    if deleting:
+        obj["metadata"]["deletionTimestamp"] = "2026-11-30T14:22:16Z"
+    if template_injected:
+        template_label = {"f:spec": {"f:template": {"f:metadata": {"f:labels": {f"f:{c.LABEL_INJECTED}": {}}}}}}
+        obj["metadata"]["managedFields"].append(
+            {"manager": c.FIELD_MANAGER, "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": template_label}
+        )
+    return obj
+
+
+ON = {c.ANN_ENABLED: "true"}
+NODE_MODE = {**ON, c.ANN_POLICY: "p", c.ANN_MODE: "node"}
+
+
+def fingerprint_of(obj: dict[str, Any], policy_version: object = None) -> tuple[object, ...]:
+    meta = obj["metadata"]
+    return (meta["generation"], ours_annotations_digest(meta["annotations"]), policy_version, CLUSTER)
+
+
+def kind_and_reason(decision: Decision) -> tuple[str, str | None]:
+    return type(decision).__name__, decision.error.reason if isinstance(decision, Reject) else None
+
+
+CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, str | None]]] = [
+    ("a workload being deleted is left alone, bad annotations and all",
+     {"deleting": True, c.ANN_ENABLED: "yes"}, {}, ("Leave", None)),
+    ("an unreadable enabled annotation is rejected", {c.ANN_ENABLED: "yes"}, {}, ("Reject", "invalid_settings")),
+    ("a workload without the enabled annotation is removed (nothing to remove is the writer's noop)",
+     {}, {}, ("Remove", None)),
+    ("an opted-out workload is removed even with bad settings", {c.ANN_ENABLED: "false", c.ANN_CPU_CACHE_SIZE: "lots"},
+     {}, ("Remove", None)),
+    ("an opted-in workload with valid settings is injected", ON, {}, ("Inject", None)),
+    ("bad settings are rejected", {**ON, c.ANN_CPU_CACHE_SIZE: "lots"}, {}, ("Reject", "invalid_settings")),
+    ("a policy that does not exist is rejected", {**ON, c.ANN_POLICY: "p"}, {}, ("Reject", "policy_missing")),
+    ("a policy that exists is used", {**ON, c.ANN_POLICY: "p"}, {"policy": lambda: POLICY}, ("Inject", None)),
+    ("node mode is refused where the operator runs without it", NODE_MODE, {"policy": lambda: POLICY},
+     ("Reject", "unsupported")),
+    ("node mode is injected where the operator runs it", NODE_MODE, {"policy": lambda: POLICY, "node_mode": True},
+     ("Inject", None)),
+    ("a pod that fits no GPU node is rejected", {**ON, c.ANN_CPU_CACHE_SIZE: "100Gi"},
+     {"largest_gpu_node_memory": lambda: SMALL_NODE}, ("Reject", "no_node_fits")),
+    ("the fit is not checked where no GPU node is known", {**ON, c.ANN_CPU_CACHE_SIZE: "100Gi"}, {},
+     ("Inject", None)),
+    ("bad settings win over node mode being off", {**ON, c.ANN_MODE: "node", c.ANN_BACKEND: "nope"}, {},
+     ("Reject", "invalid_settings")),
+    ("bad settings win over the fit", {**ON, c.ANN_BACKEND: "nope", c.ANN_CPU_CACHE_SIZE: "100Gi"},
+     {"largest_gpu_node_memory": lambda: SMALL_NODE}, ("Reject", "invalid_settings")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("annotations", "inputs", "expected"), [case[1:] for case in CASES],
+                         ids=[case[0] for case in CASES])  # fmt: skip
+def test_each_question_of_a_pass_has_one_answer(
+    annotations: dict[str, Any], inputs: dict[str, Any], expected: tuple[str, str | None]
+) -> None:
+    deleting = bool(annotations.pop("deleting", False))
+    decision = decide_workload(workload(deleting, **annotations), replace(INPUTS, **inputs))
+    assert kind_and_reason(decision) == expected, decision
+
+
+def test_inputs_already_reconciled_are_left_unless_forced() -> None:
+    obj = workload(**ON)
+    done = replace(INPUTS, done=frozenset({fingerprint_of(obj)}))
+    assert decide_workload(obj, done) == Leave()
+    assert isinstance(decide_workload(obj, replace(done, force=True)), Inject)
+
+
+def test_a_new_generation_or_policy_version_is_not_already_reconciled() -> None:
+    obj = workload(**{**ON, c.ANN_POLICY: "p"})
+    done = replace(INPUTS, policy=lambda: POLICY, done=frozenset({fingerprint_of(obj, "6")}))
+    decision = decide_workload(obj, done)
+    assert isinstance(decision, Inject) and decision.fingerprint == fingerprint_of(obj, "7")
+
+
+def test_a_rejection_dedupes_on_the_inputs_it_was_decided_from() -> None:
+    unreadable = workload(**{c.ANN_ENABLED: "yes"})
+    decision = decide_workload(unreadable, INPUTS)
+    assert isinstance(decision, Reject)
+    assert decision.state == ours_annotations_digest(unreadable["metadata"]["annotations"])
+    bad = workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"})
+    decision = decide_workload(bad, INPUTS)
+    digest = ours_annotations_digest(bad["metadata"]["annotations"])
+    assert isinstance(decision, Reject) and decision.state == f"1/{digest}/None"
+
+
+@pytest.mark.parametrize(
+    ("injection", "injected", "hand_back"),
+    [("admission", True, True), ("admission", False, False), ("template", True, False)],
+)
+def test_admission_mode_hands_a_template_injected_by_template_mode_back_first(
+    injection: str, injected: bool, hand_back: bool
+) -> None:
+    inputs = replace(INPUTS, cluster=replace(CLUSTER, injection=injection))
+    decision = decide_workload(workload(template_injected=injected, **ON), inputs)
+    assert isinstance(decision, Inject) and decision.hand_back_template is hand_back
+
+
+def unread() -> Any:
+    raise AssertionError("read although the answer does not depend on it")
+
+
+@pytest.mark.parametrize(
+    ("annotations", "deleting"),
+    [(ON, True), ({c.ANN_ENABLED: "false"}, False), ({c.ANN_ENABLED: "yes"}, False), ({}, False)],
+)
+def test_a_pass_that_ends_before_opting_in_reads_neither_the_policy_nor_the_nodes(
+    annotations: dict[str, str], deleting: bool
+) -> None:
+    inputs = replace(INPUTS, policy=unread, largest_gpu_node_memory=unread)
+    assert not isinstance(decide_workload(workload(deleting, **annotations), inputs), Inject)
+
+
+def test_the_nodes_are_read_only_for_settings_that_passed_every_earlier_check() -> None:
+    no_nodes = replace(INPUTS, largest_gpu_node_memory=unread)
+    obj = workload(**ON)
+    assert decide_workload(obj, replace(no_nodes, done=frozenset({fingerprint_of(obj)}))) == Leave()
+    assert isinstance(decide_workload(workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"}), no_nodes), Reject)
+    assert isinstance(decide_workload(workload(**NODE_MODE), replace(no_nodes, policy=lambda: POLICY)), Reject)
