@@ -23,6 +23,7 @@ handshake, so none of its frames reaches a handler (store, lookup, clear, the un
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
 import importlib.metadata
@@ -89,12 +90,17 @@ def restricted_loads(data: bytes) -> Any:
     return TensorListUnpickler(io.BytesIO(data)).load()
 
 
-def check_lmcache_version() -> str:
-    """The installed LMCache version; raises ``LMCacheVersionError`` when it is not a supported one."""
+def installed_lmcache_version() -> str:
+    """The installed LMCache's version; raises ``LMCacheVersionError`` when none is installed."""
     try:
-        version = importlib.metadata.version("lmcache")
+        return importlib.metadata.version("lmcache")
     except importlib.metadata.PackageNotFoundError as exc:
         raise LMCacheVersionError("LMCache is not installed") from exc
+
+
+def check_lmcache_version() -> str:
+    """The installed LMCache version; raises ``LMCacheVersionError`` when it is not a supported one."""
+    version = installed_lmcache_version()
     if version not in SUPPORTED_LMCACHE_VERSIONS:
         raise LMCacheVersionError(
             f"LMCache {version} is installed; kvoffload's server guard was written for "
@@ -119,6 +125,36 @@ def install_restricted_unpickler() -> None:
         UnpicklingError=pickle.UnpicklingError,
         kvoffload_guard=True,
     )
+
+
+def run_lmcache_cli(arguments: Sequence[str]) -> None:
+    """Run LMCache's own command line (``lmcache server ...``) in this process."""
+    import lmcache.cli.main as cli
+
+    sys.argv = ["lmcache", *arguments]
+    cli.main(list(arguments))
+
+
+def preload_lmcache_server() -> None:
+    """Import what ``lmcache server`` imports when it runs (``lmcache.cli.commands.server``) and
+    build its parser once, which imports every registered L2 adapter (its ``--help`` lists them),
+    then put the restricted unpickler in place: a server forked from this process starts warm."""
+    import lmcache.cli.main
+    import lmcache.v1.distributed.config
+    import lmcache.v1.mp_observability.config
+    import lmcache.v1.multiprocess.config
+    import lmcache.v1.multiprocess.http_server  # noqa: F401
+    from lmcache.cli.commands import register_commands
+
+    register_commands(argparse.ArgumentParser(prog="lmcache").add_subparsers(dest="command"), ["server"])
+    install_restricted_unpickler()
+
+
+def server_module_handler(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """LMCache's decorator that registers a server module's method as the handler of ``method``."""
+    from lmcache.v1.multiprocess.ext_server_module import server_module_handler as lmcache_handler
+
+    return lmcache_handler(method)
 
 
 def _is_guard(value: object) -> bool:

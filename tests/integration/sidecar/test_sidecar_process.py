@@ -118,8 +118,8 @@ def test_without_a_warm_standby_a_killed_server_is_started_cold(make_sidecar: Ca
 
 STANDBY_PROBE = """
 import contextlib, io, sys
-from kvoffload.sidecar.standby import warm_up
-warm_up()
+from kvoffload.lmcache_guard import preload_lmcache_server
+preload_lmcache_server()
 import lmcache.cli.main as cli
 before = set(sys.modules)
 with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):

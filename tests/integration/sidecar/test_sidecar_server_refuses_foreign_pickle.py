@@ -47,9 +47,9 @@ def test_the_pickle_transport_of_a_server_without_shared_memory_still_stores_thr
 
 
 WARM_STANDBY_PROBE = """
-from kvoffload.sidecar.standby import warm_up
+from kvoffload.lmcache_guard import preload_lmcache_server
 from kvoffload.lmcache_guard import unpickler_is_restricted
-warm_up()
+preload_lmcache_server()
 print(unpickler_is_restricted())
 """
 

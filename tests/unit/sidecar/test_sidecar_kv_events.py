@@ -135,9 +135,10 @@ def test_a_report_round_trips_and_a_malformed_one_is_refused_naming_the_field() 
 
 
 def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both() -> None:
-    from kvoffload.sidecar.kv_events_module import SUPPORTED_LMCACHE, KvEventsUnavailable, check_lmcache_version
+    from kvoffload.lmcache_guard import SUPPORTED_LMCACHE_VERSIONS
+    from kvoffload.sidecar.kv_events_module import KvEventsUnavailable, check_lmcache_version
 
-    check_lmcache_version(SUPPORTED_LMCACHE[0])
+    check_lmcache_version(SUPPORTED_LMCACHE_VERSIONS[0])
     with pytest.raises(KvEventsUnavailable, match=r"0\.6\.0 is installed.*0\.5\.6"):
         check_lmcache_version("0.6.0")
 

@@ -34,21 +34,23 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import lmcache
 import msgspec
 import zmq
-from lmcache.v1.multiprocess.ext_server_module import server_module_handler
 
 from kvoffload import chunk_report
-from kvoffload.lmcache_guard import CacheKeysChanged, resolve_chunk_hashes, subscribe_cache_key_events
+from kvoffload.lmcache_guard import (
+    SUPPORTED_LMCACHE_VERSIONS,
+    CacheKeysChanged,
+    installed_lmcache_version,
+    resolve_chunk_hashes,
+    server_module_handler,
+    subscribe_cache_key_events,
+)
 
 from .kv_events import DEFAULT_CAPACITY_CHUNKS, MEDIUM_HOST, ChunkTracker, Event, StoredChunk, batches, l2_medium
 
 logger = logging.getLogger("kvoffload.sidecar.kv_events")
 
-SUPPORTED_LMCACHE = ("0.5.6",)
-"""LMCache versions whose server internals this module was written against (``resolve_obj_keys``,
-the session manager, ``L1_KEYS_EVICTED``'s ``keys`` metadata, the server-module loader)."""
 _POLL_MS = 100
 """The publisher thread's longest sleep: a change wakes it at once (``_wake``); this bounds only how
 late a rate-limited snapshot or a stop is seen."""
@@ -67,10 +69,10 @@ class KvEventsUnavailable(RuntimeError):
 
 def check_lmcache_version(version: str) -> None:
     """Refuse an LMCache this module was not written against, naming both."""
-    if version not in SUPPORTED_LMCACHE:
+    if version not in SUPPORTED_LMCACHE_VERSIONS:
         raise KvEventsUnavailable(
             f"kvoffload KV events: LMCache {version} is installed; this module is written for LMCache "
-            f"{', '.join(SUPPORTED_LMCACHE)} (its server internals); turn events off or use a supported LMCache"
+            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} (its server internals); turn events off or use a supported LMCache"
         )
 
 
@@ -255,7 +257,7 @@ def build_server_modules(build: Any) -> Any:
     ``build.config``: ``port`` (required), ``host`` (default all addresses), ``topic`` (default
     ``""``), ``capacity_chunks`` (default ``kv_events.DEFAULT_CAPACITY_CHUNKS``).
     """
-    check_lmcache_version(str(lmcache.__version__))
+    check_lmcache_version(installed_lmcache_version())
     ctx = build.server_context
     if not ctx.event_bus.enabled:
         raise KvEventsUnavailable(

@@ -14,7 +14,12 @@ from collections.abc import Mapping, Sequence
 
 from kvoffload import contract
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
-from kvoffload.lmcache_guard import LMCacheVersionError, install_restricted_unpickler, require_curve_clients
+from kvoffload.lmcache_guard import (
+    LMCacheVersionError,
+    install_restricted_unpickler,
+    require_curve_clients,
+    run_lmcache_cli,
+)
 
 
 def guard_server(env: Mapping[str, str]) -> None:
@@ -28,10 +33,7 @@ def guard_server(env: Mapping[str, str]) -> None:
 def run_server(arguments: Sequence[str], env: Mapping[str, str] = os.environ) -> None:
     """Run LMCache's CLI (``server ...``) in this process behind ``guard_server``."""
     guard_server(env)
-    import lmcache.cli.main as cli
-
-    sys.argv = ["lmcache", *arguments]
-    cli.main(list(arguments))
+    run_lmcache_cli(arguments)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ The standby starts no thread before it forks (LMCache's server starts its own, i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,28 +24,13 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from kvoffload.lmcache_guard import install_restricted_unpickler
+from kvoffload.lmcache_guard import preload_lmcache_server
 
 from .command import die_with_parent
 from .lmcache_server import run_server
 from .standby_handle import EXITED, SERVING, WARM
 
 _REAP_EVERY_S = 0.05
-
-
-def warm_up() -> None:
-    """Import what ``lmcache server`` imports when it runs (lmcache.cli.commands.server), and build
-    its parser once: that imports every registered L2 adapter (its --help lists them), so the
-    forked server finds those modules loaded."""
-    import lmcache.cli.main
-    import lmcache.v1.distributed.config
-    import lmcache.v1.mp_observability.config
-    import lmcache.v1.multiprocess.config
-    import lmcache.v1.multiprocess.http_server  # noqa: F401
-    from lmcache.cli.commands import register_commands
-
-    register_commands(argparse.ArgumentParser(prog="lmcache").add_subparsers(dest="command"), ["server"])
-    install_restricted_unpickler()
 
 
 def _report(out: TextIO, *words: object) -> None:
@@ -92,7 +76,7 @@ def _reap(out: TextIO, children: set[int]) -> None:
 
 
 def main() -> int:
-    warm_up()
+    preload_lmcache_server()
     # Reports go on a copy of stdout; stdout itself goes where stderr goes (the sidecar's log), so
     # nothing a server prints can interleave with them.
     out = os.fdopen(os.dup(1), "w")
