@@ -4,7 +4,7 @@
 # sortedcontainers, which that image has). Saved under .whl/ (git-ignored through
 # .git/info/exclude); a device call carries `.whl` and starts with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/common/src:$PWD/connector/src:$PWD
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD/common/src:$PWD/connector/src:$PWD/sidecar/src:$PWD
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
