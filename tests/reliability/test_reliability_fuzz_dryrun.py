@@ -20,7 +20,7 @@ from hack.workloads import get
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import resolve_settings
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from tests.support import fuzz_strategies as fuzz
 
 pytestmark = [pytest.mark.reliability, pytest.mark.controlplane]

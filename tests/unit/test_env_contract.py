@@ -19,7 +19,7 @@ from kvoffload import contract as c
 from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
 from kvoffload.operator.node.cache_objects import cache_settings, render_cache_pod, render_node_mode_fragment
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 pytestmark = [pytest.mark.operator, pytest.mark.sidecar, pytest.mark.connector]
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from kvoffload import contract as c
 from kvoffload import policy as pol
+from kvoffload import policy_values as polv
 from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import QUANTITY_PATTERN
 from kvoffload.sidecar import settings as sidecar_settings
 
@@ -125,27 +126,27 @@ def test_the_crd_spec_has_exactly_the_policy_fields() -> None:
 
 def test_the_crd_limits_are_the_policy_modules() -> None:
     fields = crd_field_paths(crd_spec())
-    for path, allowed in (("mode", pol.MODES), ("cache.evictionPolicy", pol.EVICTION_POLICIES),
-                          ("sidecar.imagePullPolicy", pol.PULL_POLICIES), ("sidecar.gpuAccess", pol.GPU_ACCESS_MODES),
-                          ("connector.backend", pol.BACKENDS), ("connector.source", pol.CONNECTOR_SOURCES)):  # fmt: skip
+    for path, allowed in (("mode", polv.MODES), ("cache.evictionPolicy", polv.EVICTION_POLICIES),
+                          ("sidecar.imagePullPolicy", polv.PULL_POLICIES), ("sidecar.gpuAccess", polv.GPU_ACCESS_MODES),
+                          ("connector.backend", polv.BACKENDS), ("connector.source", polv.CONNECTOR_SOURCES)):  # fmt: skip
         assert tuple(fields[path]["enum"]) == allowed, path
-    ranges = {"cache.chunkSize": (pol.MIN_CHUNK_SIZE, pol.MAX_CHUNK_SIZE), "cache.maxWorkers": (pol.MIN_WORKERS, pol.MAX_WORKERS),
-              **{f"connector.{k}TimeoutMs": (pol.MIN_TIMEOUT_MS, pol.MAX_TIMEOUT_MS) for k in ("lookup", "retrieve", "store")}}  # fmt: skip
+    ranges = {"cache.chunkSize": (polv.MIN_CHUNK_SIZE, polv.MAX_CHUNK_SIZE), "cache.maxWorkers": (polv.MIN_WORKERS, polv.MAX_WORKERS),
+              **{f"connector.{k}TimeoutMs": (polv.MIN_TIMEOUT_MS, polv.MAX_TIMEOUT_MS) for k in ("lookup", "retrieve", "store")}}  # fmt: skip
     for path, (lo, hi) in ranges.items():
         assert (fields[path]["minimum"], fields[path]["maximum"]) == (lo, hi), path
     assert [v["rule"] for v in fields["cache.chunkSize"]["x-kubernetes-validations"]] == [
-        f"self % {pol.CHUNK_SIZE_MULTIPLE} == 0"
+        f"self % {polv.CHUNK_SIZE_MULTIPLE} == 0"
     ]
     for path in ("shmSize", "cache.l1Size"):
         assert fields[path]["pattern"] == QUANTITY_PATTERN, path
-        assert f"quantity('{pol.MAX_QUANTITY}')) <= 0" in fields[path]["x-kubernetes-validations"][0]["rule"]
+        assert f"quantity('{polv.MAX_QUANTITY}')) <= 0" in fields[path]["x-kubernetes-validations"][0]["rule"]
     l2 = crd_spec()["properties"]["l2"]["properties"]
     assert l2["fs"]["properties"]["size"]["pattern"] == QUANTITY_PATTERN
-    assert tuple(v["rule"] for v in l2["fs"]["properties"]["path"]["x-kubernetes-validations"]) == pol.FS_PATH_RULES
+    assert tuple(v["rule"] for v in l2["fs"]["properties"]["path"]["x-kubernetes-validations"]) == polv.FS_PATH_RULES
     secret = l2["redis"]["properties"]["passwordSecretRef"]["properties"]["name"]
-    assert (secret["pattern"], secret["maxLength"]) == (pol.SECRET_NAME_PATTERN, 253)
+    assert (secret["pattern"], secret["maxLength"]) == (polv.SECRET_NAME_PATTERN, 253)
     for path in ("sidecar.image", "connector.bundleImage"):
-        assert (fields[path]["pattern"], fields[path]["maxLength"]) == (pol.IMAGE_PATTERN, pol.MAX_IMAGE_LENGTH)
+        assert (fields[path]["pattern"], fields[path]["maxLength"]) == (polv.IMAGE_PATTERN, polv.MAX_IMAGE_LENGTH)
 
 
 @pytest.mark.parametrize(
@@ -174,8 +175,8 @@ def test_the_crd_limits_are_the_policy_modules() -> None:
 def test_an_l2_path_colliding_with_kvoffloads_mounts_or_the_system_is_refused_with_the_reason(
     path: str, words: str
 ) -> None:
-    error = pol.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs")
-    assert isinstance(error, pol.PolicyError) and error.field == "spec.l2.fs.path"
+    error = polv.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs")
+    assert isinstance(error, polv.PolicyError) and error.field == "spec.l2.fs.path"
     assert words in error.message and repr(path) in error.message
 
 
@@ -183,4 +184,4 @@ def test_an_l2_path_colliding_with_kvoffloads_mounts_or_the_system_is_refused_wi
     "path", ["/cache", "/var/cache/kvoffload-l2", "/tmp/l2", "/var/runner", "/data/kv", "/mnt/nvme0"]
 )
 def test_an_l2_directory_of_its_own_is_accepted(path: str) -> None:
-    assert pol.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs") == pol.FsTier(path, 2**30)
+    assert polv.read_fs_tier({"path": path, "size": "1Gi"}, "spec.l2.fs") == polv.FsTier(path, 2**30)

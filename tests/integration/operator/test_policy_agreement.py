@@ -25,7 +25,7 @@ from kvoffload import contract as c
 from kvoffload.connector import settings as connector_settings
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
 from tests.conftest import REPO_ROOT
 

@@ -36,7 +36,7 @@ from kvoffload.operator.node.placement import (
 )
 from kvoffload.operator.plan.containers import CACHE_KEYS_MOUNT, CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from tests.unit.operator.operator_fixtures import applied, container, deployment
 
 pytestmark = pytest.mark.operator

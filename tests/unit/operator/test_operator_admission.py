@@ -29,7 +29,7 @@ from kvoffload.operator.api.pod_owners import Owner, resolve_owner
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.plan.fragment import render
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.policy import FsTier, PolicyError, RedisTier
+from kvoffload.policy_values import FsTier, PolicyError, RedisTier
 
 
 def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True) -> Any:

@@ -20,7 +20,7 @@ from kvoffload.operator.plan.fragment import (
     render_injection_fragment,
     render_removal,
 )
-from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.operator_fixtures import applied, container, deployment, live
 

@@ -16,7 +16,7 @@ from kvoffload.operator.intent.settings import (
     enabled_state,
     resolve_settings,
 )
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 pytestmark = pytest.mark.operator
 DEFAULTS = OperatorDefaults()

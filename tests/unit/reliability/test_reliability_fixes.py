@@ -10,7 +10,7 @@ from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 pytestmark = pytest.mark.reliability
 DEFAULTS = OperatorDefaults()

@@ -25,7 +25,7 @@ from kvoffload.operator.intent.settings import (
     resolve_settings,
 )
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment, render_removal
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
 from tests.support.fuzz_strategies import (
     ANNOTATIONS,

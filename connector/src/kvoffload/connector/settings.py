@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract
-from kvoffload import policy as pol
+from kvoffload import policy_values as polv
 from kvoffload.cache_keys import CacheKeysError, ClientKeys, read_client_keys
-from kvoffload.policy import Policy, PolicyError
+from kvoffload.policy import Policy
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import QuantityError, parse_bytes
 
 DEFAULT_HEARTBEAT_INTERVAL_MS = 2000
@@ -132,7 +133,7 @@ def _attr(obj: Any, *path: str) -> Any:
 
 def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
     """Validate env + ``llm_args`` into settings, or raise ``SettingsError``."""
-    backend = _policy_value(env, contract.ENV_BACKEND, pol.read_choice(pol.BACKENDS), Policy.backend)
+    backend = _policy_value(env, contract.ENV_BACKEND, polv.read_choice(polv.BACKENDS), Policy.backend)
 
     config_url = _attr(llm_args, "kv_connector_config", "server_url")
     server_url = str(config_url or env.get(contract.ENV_SERVER_URL) or contract.server_url())
@@ -177,7 +178,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         )
 
     def timeout(name: str, default: int) -> int:
-        return _policy_value(env, name, pol.read_int(pol.MIN_TIMEOUT_MS, pol.MAX_TIMEOUT_MS), default, numeric=True)
+        return _policy_value(env, name, polv.read_int(polv.MIN_TIMEOUT_MS, polv.MAX_TIMEOUT_MS), default, numeric=True)
 
     return ConnectorSettings(
         backend=backend,

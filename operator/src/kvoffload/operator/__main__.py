@@ -41,7 +41,7 @@ from kvoffload.operator.intent.settings import OperatorDefaults, base_settings
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
 from kvoffload.operator.plan.injection_plan import ClusterInfo
-from kvoffload.policy import EVICTION_POLICIES, GPU_ACCESS_MODES, PolicyError
+from kvoffload.policy_values import EVICTION_POLICIES, GPU_ACCESS_MODES, PolicyError
 from kvoffload.quantity import QuantityError, parse_bytes
 
 PROG = "kvoffload-operator"

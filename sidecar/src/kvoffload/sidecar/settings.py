@@ -22,9 +22,10 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvoffload import contract
-from kvoffload import policy as pol
+from kvoffload import policy_values as polv
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
-from kvoffload.policy import Policy, PolicyError, parse_policy
+from kvoffload.policy import Policy, parse_policy
+from kvoffload.policy_values import PolicyError
 
 DEFAULT_GRACE_SECONDS = 25.0
 DEFAULT_REDIS_PORT = 6379
@@ -145,17 +146,17 @@ def _env_int(raw: str) -> object:
 
 
 def _absolute_path(setting: str, raw: object) -> str:
-    if not isinstance(raw, str) or not pol.is_plain_absolute_path(raw):
+    if not isinstance(raw, str) or not polv.is_plain_absolute_path(raw):
         raise _fail(setting, raw, "use an absolute path without '..', e.g. /var/cache/kvoffload")
     return str(PurePosixPath(raw))
 
 
 _ENV_OVERRIDES: tuple[tuple[str, str, Any, bool], ...] = (
-    (contract.ENV_L1_SIZE, "l1_bytes", pol.read_quantity(minimum=contract.MIN_L1_SIZE), False),
-    (contract.ENV_EVICTION_POLICY, "eviction_policy", pol.read_choice(pol.EVICTION_POLICIES), False),
-    (contract.ENV_CHUNK_SIZE, "chunk_size", pol.read_int(pol.MIN_CHUNK_SIZE, pol.MAX_CHUNK_SIZE,
-                                                         pol.CHUNK_SIZE_MULTIPLE), True),
-    (contract.ENV_MAX_WORKERS, "max_workers", pol.read_int(pol.MIN_WORKERS, pol.MAX_WORKERS), True),
+    (contract.ENV_L1_SIZE, "l1_bytes", polv.read_quantity(minimum=contract.MIN_L1_SIZE), False),
+    (contract.ENV_EVICTION_POLICY, "eviction_policy", polv.read_choice(polv.EVICTION_POLICIES), False),
+    (contract.ENV_CHUNK_SIZE, "chunk_size", polv.read_int(polv.MIN_CHUNK_SIZE, polv.MAX_CHUNK_SIZE,
+                                                         polv.CHUNK_SIZE_MULTIPLE), True),
+    (contract.ENV_MAX_WORKERS, "max_workers", polv.read_int(polv.MIN_WORKERS, polv.MAX_WORKERS), True),
 )  # fmt: skip
 """Env vars that override one policy field, each read by that field's policy reader."""
 
@@ -186,9 +187,9 @@ def _fs_tier(env: Mapping[str, str], policy: Policy) -> FsTier | None:
     if size is None:
         size_bytes = tier.size_bytes if tier else None
     else:
-        size_bytes = _checked(pol.read_quantity()(size, contract.ENV_L2_FS_SIZE)) if size else None
+        size_bytes = _checked(polv.read_quantity()(size, contract.ENV_L2_FS_SIZE)) if size else None
     plain = _absolute_path(contract.ENV_L2_FS_PATH, path)
-    problem = pol.fs_path_problem(plain)
+    problem = polv.fs_path_problem(plain)
     if problem is not None:
         raise _fail(contract.ENV_L2_FS_PATH, path, problem)
     return FsTier(path=plain, size_bytes=size_bytes)
@@ -205,7 +206,7 @@ def _redis_tier(env: Mapping[str, str], policy: Policy) -> RedisTier | None:
                 f"set {contract.ENV_L2_REDIS_URL} or policy l2.redis.url, or unset the password"
             )
         return None
-    url = urlsplit(_checked(pol.read_redis_url(raw, contract.ENV_L2_REDIS_URL)))
+    url = urlsplit(_checked(polv.read_redis_url(raw, contract.ENV_L2_REDIS_URL)))
     return RedisTier(host=url.hostname or "", port=url.port or DEFAULT_REDIS_PORT,
                      username=unquote(url.username or ""), password=password)  # fmt: skip
 
@@ -296,7 +297,7 @@ def load_settings(
 
 
 def _kv_events_topic(raw: str) -> str:
-    topic = pol.read_kv_events_topic(raw, contract.ENV_KV_EVENTS_TOPIC)
+    topic = polv.read_kv_events_topic(raw, contract.ENV_KV_EVENTS_TOPIC)
     if isinstance(topic, PolicyError):
         raise _fail(contract.ENV_KV_EVENTS_TOPIC, raw, topic.allowed)
     return topic

@@ -20,7 +20,7 @@ from kvoffload.operator.api.kube import Kube, KubeApiError, policy_path
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, enabled_state, policy_name, resolve_settings
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 Planner = Callable[[Mapping[str, Any]], "InjectionPlan | str"]
 """A workload as it is created -> the plan the operator would make for it, or why there is none."""

@@ -24,7 +24,7 @@ from kvoffload.operator.api.events import EventRecorder, now_timestamp
 from kvoffload.operator.api.kube import Kube, KubeApiError, namespaced_path
 from kvoffload.operator.api.pod_owners import ControllerRef, Owner, controller_ref, resolve_owner
 from kvoffload.operator.metrics import OperatorMetrics
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
 BACKOFF_START_S = 15.0

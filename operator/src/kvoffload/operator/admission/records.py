@@ -33,7 +33,7 @@ from kvoffload.operator.plan.injection_plan import (
     choose_engine,
     plan_injection,
 )
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 
 @dataclass(frozen=True)

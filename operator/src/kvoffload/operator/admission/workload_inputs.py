@@ -12,7 +12,7 @@ from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.node.cache_objects import node_cache_wiring
 from kvoffload.operator.plan.fragment import RenderedInjection
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 
 def plan_for(

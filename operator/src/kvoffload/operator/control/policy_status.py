@@ -8,7 +8,7 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import OperatorDefaults, resolve_settings
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 READY = "Ready"
 

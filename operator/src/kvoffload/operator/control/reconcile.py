@@ -44,7 +44,7 @@ from kvoffload.operator.plan.workload_decision import (
     WorkloadInputs,
     decide_workload,
 )
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
 

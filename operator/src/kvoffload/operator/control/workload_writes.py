@@ -16,7 +16,7 @@ from kvoffload.operator.intent.settings import enabled_state, ours_annotations_d
 from kvoffload.operator.intent.workload_view import configmap_name
 from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RemovalPlan, RenderedInjection, render_removal
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
 

@@ -15,7 +15,9 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload import policy as pol
-from kvoffload.policy import FsTier, Policy, PolicyError, RedisTier, parse_policy
+from kvoffload import policy_values as polv
+from kvoffload.policy import Policy, parse_policy
+from kvoffload.policy_values import FsTier, PolicyError, RedisTier
 from kvoffload.quantity import format_bytes
 
 ENABLED_VALUES = ("true", "false")
@@ -104,11 +106,11 @@ def enabled_state(annotations: Mapping[str, str] | None) -> bool | PolicyError:
 
 
 _ANNOTATION_READERS: tuple[tuple[str, str, Any], ...] = (
-    (c.ANN_CPU_CACHE_SIZE, "l1_bytes", pol.read_quantity(minimum=c.MIN_L1_SIZE)),
-    (c.ANN_SHM_SIZE, "shm_bytes", pol.read_quantity()),
-    (c.ANN_BACKEND, "backend", pol.read_choice(pol.BACKENDS)),
-    (c.ANN_MODE, "mode", pol.read_choice(pol.MODES)),
-    (c.ANN_CONNECTOR_SOURCE, "connector_source", pol.read_choice(pol.CONNECTOR_SOURCES)),
+    (c.ANN_CPU_CACHE_SIZE, "l1_bytes", polv.read_quantity(minimum=c.MIN_L1_SIZE)),
+    (c.ANN_SHM_SIZE, "shm_bytes", polv.read_quantity()),
+    (c.ANN_BACKEND, "backend", polv.read_choice(polv.BACKENDS)),
+    (c.ANN_MODE, "mode", polv.read_choice(polv.MODES)),
+    (c.ANN_CONNECTOR_SOURCE, "connector_source", polv.read_choice(polv.CONNECTOR_SOURCES)),
 )
 """Annotations that override one policy field each, read by the policy's own field readers."""
 
@@ -123,7 +125,7 @@ def _apply_annotations(base: InjectionSettings, annotations: Mapping[str, str]) 
             updates[attr] = value
     if c.ANN_CONTAINER in annotations:
         name = annotations[c.ANN_CONTAINER]
-        if not isinstance(name, str) or not pol.DNS_LABEL.fullmatch(name):
+        if not isinstance(name, str) or not polv.DNS_LABEL.fullmatch(name):
             return PolicyError(c.ANN_CONTAINER, name, "the name of one container of the pod (a DNS-1123 label)")
         updates["container"] = name
     return replace(base, **updates)
@@ -148,7 +150,7 @@ def policy_name(annotations: Mapping[str, str] | None) -> str | None | PolicyErr
     raw = (annotations or {}).get(c.ANN_POLICY)
     if raw is None:
         return None
-    if not isinstance(raw, str) or not pol.DNS_LABEL.fullmatch(raw.replace(".", "-")) or len(raw) > 253:
+    if not isinstance(raw, str) or not polv.DNS_LABEL.fullmatch(raw.replace(".", "-")) or len(raw) > 253:
         return PolicyError(c.ANN_POLICY, raw, "the name of a KVCachePolicy in the workload's namespace")
     return raw
 

@@ -22,7 +22,7 @@ from kvoffload.operator.intent.managed_fields import (
 )
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.trtllm_options import strip_injected_args
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 SUPPORTED_KINDS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1"}
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -32,7 +32,7 @@ from kvoffload.operator.plan.containers import (
 )
 from kvoffload.operator.plan.fragment import RenderedInjection, render_injection_fragment
 from kvoffload.operator.plan.injection_plan import ClusterInfo, NodeCacheWiring
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes
 
 MAX_NAME = 63

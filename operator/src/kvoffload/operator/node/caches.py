@@ -33,7 +33,7 @@ from kvoffload.operator.node.placement import (
     plan_cache_pods,
 )
 from kvoffload.operator.plan.drift import object_carries
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes, kubernetes_bytes
 
 RUN_VOLUME_SIZE = "512Mi"

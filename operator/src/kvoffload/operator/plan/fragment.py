@@ -51,7 +51,7 @@ from kvoffload.operator.plan.injection_plan import (
     choose_engine,
     plan_injection,
 )
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes
 
 

@@ -37,7 +37,7 @@ from kvoffload.operator.intent.workload_view import (
     user_volumes,
 )
 from kvoffload.operator.plan.containers import engine_env, merge_engine_env, shm_size_limit
-from kvoffload.policy import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
 
 

@@ -14,7 +14,7 @@ from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload_view import GPU_RESOURCE, pod_spec_of
 from kvoffload.operator.plan.containers import cache_server_memory_bytes, memory_request_bytes
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes, kubernetes_bytes
 
 

@@ -25,7 +25,7 @@ from kvoffload.operator.intent.settings import (
 )
 from kvoffload.operator.plan.injection_plan import ClusterInfo
 from kvoffload.operator.plan.node_fit import node_fit_problem
-from kvoffload.policy import PolicyError
+from kvoffload.policy_values import PolicyError
 
 Fingerprint = tuple[object, ...]
 """The inputs of one pass (generation, annotations, policy version, cluster): equal ones need no second pass."""
