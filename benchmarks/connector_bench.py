@@ -448,7 +448,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                     worker.bind_connector_meta(ConnectorMetadata(saves=(op(sid, tokens, src),)))
                     worker.wait_for_save(None)
                     worker._clear_connector_meta()
-                    return bool(worker._backend.is_up())  # the hook logs and skips a failed store
+                    return bool(worker.backend.is_up())  # the hook logs and skips a failed store
 
                 return run
 
@@ -491,7 +491,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         finally:
             for scheduler, worker in hooks.values():
                 worker.shutdown()
-                scheduler._backend.close()
+                scheduler.backend.close()
             backend.close()
             sched_backend.close()
             raw.close()

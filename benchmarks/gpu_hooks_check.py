@@ -103,7 +103,7 @@ def connector_hooks(
             worker.register_kv_caches(pool)
         yield sidecar, scheduler, worker, pool
         worker.shutdown()
-        scheduler._backend.close()
+        scheduler.backend.close()
     finally:
         if sidecar.poll() is None:
             sidecar.terminate()

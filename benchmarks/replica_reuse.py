@@ -76,7 +76,7 @@ def prompt_token_sources(executor: Any) -> Counter[str]:
 
     from kvoffload import contract
 
-    metrics = executor.scheduler._metrics
+    metrics = executor.scheduler.metrics
     metrics.flush()
     found: Counter[str] = Counter()
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):

@@ -636,7 +636,9 @@ def _attention_dp_rank_main(conn: Any, llm_args: Any, rank: int, env: dict[str, 
             elif cmd == "evict":
                 conn.send({"evicted": ex.evict_device_cache()})
             elif cmd == "report":
-                conn.send({"kv_mismatches": ex.kv_mismatches, "tracked_requests": len(ex.scheduler._requests)})
+                conn.send(
+                    {"kv_mismatches": ex.kv_mismatches, "tracked_requests": len(ex.scheduler.tracked_request_ids)}
+                )
             elif cmd == "settle":
                 conn.send({"settled": settle_commits()})
             elif cmd == "stop":

@@ -60,9 +60,9 @@ def test_two_attention_dp_ranks_load_each_others_kv_bit_exact(
         assert [r.connector_matched_tokens for r in again] == [5 * CHUNK] * 3, "whole chunks from the other rank"
         assert not any(r.failed for r in first + again)
     assert rank0.kv_mismatches == 0 and report1["kv_mismatches"] == 0
-    assert rank0.scheduler._requests == {} and report1["tracked_requests"] == 0
-    assert rank0.scheduler.supports_attention_dp and rank0.rank0.worker._rank == 0
-    assert rank0.scheduler._settings.world_size == 1, "whole KV heads on every DP rank"
+    assert rank0.scheduler.tracked_request_ids == frozenset() and report1["tracked_requests"] == 0
+    assert rank0.scheduler.supports_attention_dp and rank0.rank0.worker.rank == 0
+    assert rank0.scheduler.settings.world_size == 1, "whole KV heads on every DP rank"
 
 
 def test_an_idle_dp_ranks_dummy_forward_never_leaks_into_a_cancelled_requests_saves(
@@ -81,7 +81,7 @@ def test_an_idle_dp_ranks_dummy_forward_never_leaks_into_a_cancelled_requests_sa
         cancelled += sum(r.cancelled for r in results)
         ex.idle(6)  # the other DP ranks are busy: dummy forwards here
         ex.evict_device_cache()
-    left_after_stream = sorted(ex.scheduler._requests)
+    left_after_stream = sorted(ex.scheduler.tracked_request_ids)
     again = [PromptRequest(9000 + i, [*make_prompt(500 + i, 4 * CHUNK), 7, 8, 9], 2) for i in range(PREFIXES)]
     results = [r for half in (again[:3], again[3:]) for r in ex.run(half)]
     assert not any(r.failed for r in results)

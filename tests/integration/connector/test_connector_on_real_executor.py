@@ -66,7 +66,7 @@ def outputs_of_stream(ex: Any, seed: int, rounds: int, cancel_share: float) -> d
 
 def make_server_busy(ex: Any, seconds: float) -> None:
     """Every store of ``ex``'s worker answers ``seconds`` late, so saves queue up behind it."""
-    backend = ex.rank0.worker._backend
+    backend = ex.rank0.worker.backend
     store = backend.store
 
     def busy_server_store(op: Any) -> int:
@@ -98,8 +98,8 @@ def test_cancelled_requests_never_leak_kv_into_later_requests(
                           llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     make_server_busy(ex, 0.03)
     ended: set[str] = set()
-    end_session = ex.scheduler._backend.end_session
-    ex.scheduler._backend.end_session = lambda sid: (ended.add(sid), end_session(sid))[1]
+    end_session = ex.scheduler.backend.end_session
+    ex.scheduler.backend.end_session = lambda sid: (ended.add(sid), end_session(sid))[1]
 
     stream = cancellation_stream(seed=11, rounds=CANCEL_ROUNDS, per_round=4)
     cancelled = 0
@@ -113,13 +113,12 @@ def test_cancelled_requests_never_leak_kv_into_later_requests(
     results = [r for half in (again[:3], again[3:]) for r in ex.run(half)]
     assert not any(r.failed for r in results)
     print(f"{version} v2={manager_v2}: {sum(map(len, stream))} requests, {cancelled} cancelled, "
-          f"{ex.kv_mismatches} KV mismatches, {len(ex.scheduler._requests)} requests' state left")  # fmt: skip
+          f"{ex.kv_mismatches} KV mismatches, {len(ex.scheduler.tracked_request_ids)} requests' state left")  # fmt: skip
     assert sum(r.connector_matched_tokens for r in results) > 0
     assert ex.kv_mismatches == 0
     assert cancelled >= 200, cancelled
-    assert ex.scheduler._requests == {}
-    prefix = ex.scheduler._session_prefix
-    assert {f"{prefix}-{p.request_id}" for batch in stream for p in batch} <= ended
+    assert ex.scheduler.tracked_request_ids == frozenset()
+    assert {ex.scheduler.session_id(p.request_id) for batch in stream for p in batch} <= ended
 
 
 SERVER_KILLS = 50
@@ -254,7 +253,7 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     prompt = make_prompt(90, 200)
     (first,) = ex.run([PromptRequest(1, prompt, 2)])
     ex.evict_device_cache()
-    worker = ex.rank0.worker._backend
+    worker = ex.rank0.worker.backend
     lookup = ex.scheduler.get_num_new_matched_tokens
     segments: list[Any] = []
 
@@ -315,7 +314,7 @@ def test_the_overlap_schedulers_extra_step_and_late_request_finished_keep_output
         assert ex.kv_mismatches == 0
     assert outputs["overlap"] == outputs["plain"] and len(outputs["plain"]) >= 20
     assert overlap.overlap_extra_steps >= 20 and plain.overlap_extra_steps == 0, "the extra decode steps ran"
-    assert overlap.scheduler._requests == {}
+    assert overlap.scheduler.tracked_request_ids == frozenset()
 
 
 @pytest.mark.parametrize(("version", "manager_v2"), ENGINES, ids=ENGINE_IDS)
@@ -340,8 +339,8 @@ def test_asynchronous_loads_park_the_request_and_give_the_same_outputs_and_exact
                               llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
         outputs[mode] = outputs_of_stream(ex, seed=41, rounds=16, cancel_share=0.4)
         assert ex.kv_mismatches == 0
-        assert ex.scheduler._requests == {} and ex.scheduler.parked_request_ids == set()
-        assert ex.rank0.worker._loading_started == set() and ex.rank0.worker._loaded_async == set()
+        assert ex.scheduler.tracked_request_ids == frozenset() and ex.scheduler.parked_request_ids == set()
+        assert ex.rank0.worker.loading_request_ids == frozenset()
         parked[mode] = ex.async_loads
     assert outputs["async"] == outputs["sync"] and len(outputs["sync"]) >= 20
     assert parked["sync"] == 0 and parked["async"] >= 20, parked

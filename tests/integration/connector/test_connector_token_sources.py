@@ -22,7 +22,7 @@ pytestmark = pytest.mark.connector
 
 def token_sources(ex: Any) -> Counter[tuple[str, str]]:
     """The connector's prompt-token counter of this executor's model, per (source, reason)."""
-    metrics = ex.scheduler._metrics
+    metrics = ex.scheduler.metrics
     metrics.flush()
     found: Counter[tuple[str, str]] = Counter()
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):

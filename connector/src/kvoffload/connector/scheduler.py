@@ -12,9 +12,9 @@ import uuid
 from typing import Any
 
 from kvoffload.connector import planning, wire
-from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.backends.base import BackendError, KVBackend
 from kvoffload.connector.keys import key_salt
-from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
 from kvoffload.connector.runtime import (
     KvCacheConnectorScheduler,
     SchedulerOutput,
@@ -23,7 +23,7 @@ from kvoffload.connector.runtime import (
     prompt_tokens,
 )
 from kvoffload.connector.scheduler_state import BlockClaims, RequestState, StepPlan
-from kvoffload.connector.settings import parse_settings
+from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -58,6 +58,25 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
         )
 
     @property
+    def settings(self) -> ConnectorSettings:
+        """The settings this scheduler parsed from its env and ``llm_args`` at start."""
+        return self._settings
+
+    @property
+    def metrics(self) -> ConnectorMetrics:
+        """This role's metrics (the same families every role of the process shares)."""
+        return self._metrics
+
+    @property
+    def backend(self) -> KVBackend:
+        """The backend this scheduler looks up and secures loads through."""
+        return self._backend
+
+    def session_id(self, request_id: int) -> str:
+        """The LMCache session a request's loads and stores run in (unique per engine start)."""
+        return f"{self._session_prefix}-{request_id}"
+
+    @property
     def tracked_request_ids(self) -> frozenset[int]:
         """Requests whose state the scheduler holds (live ones, until they end or vanish)."""
         return frozenset(self._requests)
@@ -74,7 +93,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             salt = key_salt(request)
             state = RequestState(
                 request_id=rid,
-                session_id=f"{self._session_prefix}-{rid}",
+                session_id=self.session_id(rid),
                 salt=salt or "",
                 num_prompt_tokens=num_prompt_tokens,
                 cacheable=salt is not None,

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 from kvoffload.connector import wire
-from kvoffload.connector.backends.base import BackendError, LoadResult, kv_geometry, read_hf_config
-from kvoffload.connector.metrics import metrics_for
+from kvoffload.connector.backends.base import BackendError, KVBackend, LoadResult, kv_geometry, read_hf_config
+from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
     KvCacheConnectorWorker,
@@ -23,7 +23,7 @@ from kvoffload.connector.runtime import (
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import layer_groups_problem, parse_settings, pool_layout_problem
+from kvoffload.connector.settings import ConnectorSettings, layer_groups_problem, parse_settings, pool_layout_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -59,6 +59,31 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._kv_device: Any = None
         if self._settings.async_save:
             self._saves.start()
+
+    @property
+    def settings(self) -> ConnectorSettings:
+        """The settings this worker parsed from its env and ``llm_args`` at start."""
+        return self._settings
+
+    @property
+    def rank(self) -> int:
+        """This worker's KV rank (its tensor-parallel rank; 0 under attention DP)."""
+        return self._rank
+
+    @property
+    def metrics(self) -> ConnectorMetrics:
+        """This role's metrics (the same families every role of the process shares)."""
+        return self._metrics
+
+    @property
+    def backend(self) -> KVBackend:
+        """The backend this worker copies KV through."""
+        return self._backend
+
+    @property
+    def loading_request_ids(self) -> frozenset[int]:
+        """Parked requests whose asynchronous loads TensorRT-LLM started or that landed, not yet reported."""
+        return frozenset(self._loading_started | self._loaded_async)
 
     @property
     def saving_request_ids(self) -> frozenset[int]:
