@@ -111,9 +111,8 @@ def trtllm() -> Any:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, trtllm: Any) -> FakeBackend:
     backend = FakeBackend()
-    for hooks in ("scheduler", "worker"):  # where each hook class builds its backend
-        monkeypatch.setattr(importlib.import_module(f"kvoffload.connector.{hooks}"), "make_backend",
-                            lambda *a, **k: backend)  # fmt: skip
+    # where both hook classes build their backend (ConnectorRole)
+    monkeypatch.setattr(importlib.import_module("kvoffload.connector.runtime"), "make_backend", lambda *a, **k: backend)
     monkeypatch.setenv(contract.ENV_METRICS_ENABLED, "false")
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
     return backend

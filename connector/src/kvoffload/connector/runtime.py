@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,8 +13,8 @@ from kvoffload import contract
 from kvoffload.connector import bundle
 from kvoffload.connector.backends.base import BackendError, KVBackend
 from kvoffload.connector.backends.engine_process import EngineProcess
-from kvoffload.connector.metrics import ConnectorMetrics
-from kvoffload.connector.settings import ConnectorSettings
+from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
+from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
 try:
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (
@@ -29,6 +30,7 @@ except ImportError:  # TensorRT-LLM 1.1/1.2 module path
     )
 
 __all__ = [
+    "ConnectorRole",
     "KvCacheConnectorScheduler",
     "KvCacheConnectorWorker",
     "KvoffloadLoadError",
@@ -75,6 +77,38 @@ def make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: Con
     if settings.backend == contract.BACKEND_INPROCESS:
         settings = ENGINE_PROCESS.inprocess.settings_for(settings)
     return CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS)
+
+
+class ConnectorRole:
+    """What the scheduler and each worker start with: settings from the env and ``llm_args``, this
+    process's KV rank, the metrics, and a backend of their own; read through the properties."""
+
+    def _start_role(self, llm_args: Any, role: str) -> None:
+        self._settings = parse_settings(os.environ, llm_args)
+        self._rank = kv_rank(self._settings) if role == "worker" else 0
+        self._metrics = metrics_for(self._settings)
+        self._backend = make_backend(self._settings, role, self._rank, self._metrics)
+        self._block = self._settings.tokens_per_block
+
+    @property
+    def settings(self) -> ConnectorSettings:
+        """The settings this role parsed from its env and ``llm_args`` at start."""
+        return self._settings
+
+    @property
+    def rank(self) -> int:
+        """The KV rank (the tensor-parallel rank; 0 under attention DP, and for the scheduler)."""
+        return self._rank
+
+    @property
+    def metrics(self) -> ConnectorMetrics:
+        """This role's metrics (the same families every role of the process shares)."""
+        return self._metrics
+
+    @property
+    def backend(self) -> KVBackend:
+        """The backend this role looks up, secures and copies KV through."""
+        return self._backend
 
 
 def count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:

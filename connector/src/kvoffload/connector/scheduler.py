@@ -6,29 +6,26 @@ Each hook gathers its inputs, calls a pure function in ``planning`` and acts thr
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from typing import Any
 
 from kvoffload.connector import planning, wire
-from kvoffload.connector.backends.base import BackendError, KVBackend
+from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.keys import key_salt
-from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
 from kvoffload.connector.runtime import (
+    ConnectorRole,
     KvCacheConnectorScheduler,
     SchedulerOutput,
     count_skip,
-    make_backend,
     prompt_tokens,
 )
 from kvoffload.connector.scheduler_state import BlockClaims, RequestState, StepPlan
-from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
 logger = logging.getLogger("kvoffload.connector")
 
 
-class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
+class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
     """Rank 0 (every rank under attention DP): lookups, and which blocks to load and save each iteration."""
 
     supports_attention_dp = True
@@ -37,10 +34,7 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
 
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
-        self._settings = parse_settings(os.environ, llm_args)
-        self._metrics = metrics_for(self._settings)
-        self._backend = make_backend(self._settings, "scheduler", 0, self._metrics)
-        self._block = self._settings.tokens_per_block
+        self._start_role(llm_args, "scheduler")
         self._chunk = self._backend.chunk_size
         # Session ids are unique per engine start: LMCache caches chunk hashes per session,
         # and TensorRT-LLM request ids repeat after a restart.
@@ -56,21 +50,6 @@ class KvoffloadConnectorScheduler(KvCacheConnectorScheduler):
             self._chunk,
             self._block,
         )
-
-    @property
-    def settings(self) -> ConnectorSettings:
-        """The settings this scheduler parsed from its env and ``llm_args`` at start."""
-        return self._settings
-
-    @property
-    def metrics(self) -> ConnectorMetrics:
-        """This role's metrics (the same families every role of the process shares)."""
-        return self._metrics
-
-    @property
-    def backend(self) -> KVBackend:
-        """The backend this scheduler looks up and secures loads through."""
-        return self._backend
 
     def session_id(self, request_id: int) -> str:
         """The LMCache session a request's loads and stores run in (unique per engine start)."""

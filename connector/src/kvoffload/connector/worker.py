@@ -3,32 +3,29 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
 from kvoffload.connector import wire
-from kvoffload.connector.backends.base import BackendError, KVBackend, LoadResult, kv_geometry, read_hf_config
-from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
+from kvoffload.connector.backends.base import BackendError, LoadResult, kv_geometry, read_hf_config
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
+    ConnectorRole,
     KvCacheConnectorWorker,
     KvoffloadLoadError,
     count_skip,
-    kv_rank,
-    make_backend,
     on_stream,
     order_after,
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import ConnectorSettings, layer_groups_problem, parse_settings, pool_layout_problem
+from kvoffload.connector.settings import layer_groups_problem, pool_layout_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
 
-class KvoffloadConnectorWorker(KvCacheConnectorWorker):
+class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
     """Every rank: moves KV between TensorRT-LLM's pool and the store."""
 
     supports_attention_dp = True
@@ -37,11 +34,7 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
 
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
-        self._settings = parse_settings(os.environ, llm_args)
-        self._rank = kv_rank(self._settings)
-        self._metrics = metrics_for(self._settings)
-        self._backend = make_backend(self._settings, "worker", self._rank, self._metrics)
-        self._block = self._settings.tokens_per_block
+        self._start_role(llm_args, "worker")
         # Async saves: one saver thread; a request is done once its stores ran and were COMMITted.
         self._saves = OpPipeline("save", self._save_async)
         self._saver_on_private_stream = False  # touched by the saver thread alone
@@ -59,26 +52,6 @@ class KvoffloadConnectorWorker(KvCacheConnectorWorker):
         self._kv_device: Any = None
         if self._settings.async_save:
             self._saves.start()
-
-    @property
-    def settings(self) -> ConnectorSettings:
-        """The settings this worker parsed from its env and ``llm_args`` at start."""
-        return self._settings
-
-    @property
-    def rank(self) -> int:
-        """This worker's KV rank (its tensor-parallel rank; 0 under attention DP)."""
-        return self._rank
-
-    @property
-    def metrics(self) -> ConnectorMetrics:
-        """This role's metrics (the same families every role of the process shares)."""
-        return self._metrics
-
-    @property
-    def backend(self) -> KVBackend:
-        """The backend this worker copies KV through."""
-        return self._backend
 
     @property
     def loading_request_ids(self) -> frozenset[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,11 @@ class StoredChunk:
     tokens: Sequence[int]
     depth: int
     """The chunk's index in its prompt (0: the first); parents sort before children by it."""
+
+
+def _announced(keys: Iterable[tuple[str, bytes, str]]) -> Iterator[tuple[str, bytes]]:
+    """(cache model, chunk hash) of the unsalted objects among (model, hash, salt): salted ones are never announced."""
+    return ((model, chunk_hash) for model, chunk_hash, salt in keys if salt == "")
 
 
 @dataclass
@@ -155,10 +160,7 @@ class ChunkTracker:
         """The tier ``medium`` dropped these (cache model, chunk hash, salt) objects; salted ones were
         never announced. A chunk no tier holds any more is forgotten."""
         events: list[Event] = []
-        for model, chunk_hash, salt in keys:
-            if salt != "":
-                continue
-            key = (model, chunk_hash)
+        for key in _announced(keys):
             tracked = self._chunks.get(key)
             if tracked is None:
                 if key in self._early:
@@ -175,10 +177,7 @@ class ChunkTracker:
         """An L2 tier (``medium``) took these objects; a chunk whose store is not reported yet is
         announced there when it is (bounded like the tracked chunks)."""
         events: list[Event] = []
-        for model, chunk_hash, salt in keys:
-            if salt != "":
-                continue
-            key = (model, chunk_hash)
+        for key in _announced(keys):
             tracked = self._chunks.get(key)
             if tracked is None:
                 self._early.setdefault(key, set()).add(medium)
