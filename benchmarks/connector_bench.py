@@ -241,11 +241,12 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     """Per-operation cost of one chunk at each level (raw client -> backend -> hook, metrics off/on)."""
     _standin_on_path()
     import torch
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import ENGINE_PROCESS, KvoffloadLoadError
     from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
     from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
@@ -320,8 +321,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     matched, _async = scheduler.get_num_new_matched_tokens(request, 0)
                     dt = time.perf_counter() - t0
-                    state = scheduler._requests[rid]
-                    raw.free(state.session_id, hot_key, chunk)
+                    raw.free(scheduler.session_id(rid), hot_key, chunk)
                     scheduler.request_finished(request, [])
                     assert matched == chunk, matched
                     return dt
@@ -375,13 +375,13 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                 def prepare(_sid: str) -> tuple[Any, Any]:
                     request = StandinLlmRequest(PromptRequest(next(ids), list(hot)))
                     matched, _async = scheduler.get_num_new_matched_tokens(request, 0)
-                    state = scheduler._requests[request.request_id]
-                    assert matched == chunk and state.secured is not None, matched
-                    load = TransferOp(
-                        request.request_id, state.session_id, hot_key, 0, chunk, dst, 0, "", secured=state.secured
-                    )
-                    state.secured = None  # handed to the worker, as build_connector_meta does
-                    return request, load
+                    blocks = [*dst, 2 * bpc]  # and one for the prompt's last token
+                    scheduler.update_state_after_alloc(request, blocks)
+                    first = RequestData(request.request_id, list(hot), blocks, 0, len(hot) - matched)
+                    meta = scheduler.build_connector_meta(SchedulerOutput(new_requests=[first]))
+                    (load,) = meta.loads
+                    assert matched == chunk and load.secured is not None, matched
+                    return request, ConnectorMetadata(loads=meta.loads)
 
                 return prepare
 
@@ -389,10 +389,15 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                 worker = hooks[metrics][1]
 
                 def run(prepared: tuple[Any, Any]) -> bool:
-                    worker.bind_connector_meta(ConnectorMetadata(loads=(prepared[1],)))
+                    worker.bind_connector_meta(prepared[1])
                     worker.start_load_kv(None)
-                    worker._clear_connector_meta()
-                    return not worker._unloaded  # the hook logs a failed load; the forward would raise
+                    try:  # the forward's first layer: a load that failed raises there
+                        worker.wait_for_layer_load(0, None)
+                    except KvoffloadLoadError:
+                        return False
+                    finally:
+                        worker._clear_connector_meta()
+                    return True
 
                 return run
 

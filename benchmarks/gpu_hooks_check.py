@@ -134,14 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
-    def honoured_load(scheduler: Any, request: Any, matched: int, pages: list[int], parked: bool) -> Any:
-        """KVCacheManagerV2's path: half the offer honoured, pages up to one block past it, the metadata
-        built by the scheduler (from the request's first report, or, parked, from nothing)."""
+    def scheduler_load(
+        scheduler: Any, request: Any, matched: int, honoured: int, pages: list[int], parked: bool
+    ) -> Any:
+        """The load as the engine gets it from the scheduler: the request allocated ``pages`` (KVCacheManagerV2
+        honoured ``honoured`` of ``matched``, V1 all of it), then ``build_connector_meta`` from its first
+        report, or, parked, from nothing."""
         from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
-        request.py_num_connector_matched_tokens = matched // 2  # commit_new_matched_tokens
+        if honoured < matched:
+            request.py_num_connector_matched_tokens = honoured  # commit_new_matched_tokens
         scheduler.update_state_after_alloc(request, pages)
-        first = RequestData(request.request_id, list(request.tokens), pages, 0, len(request.tokens) - matched // 2)
+        first = RequestData(request.request_id, list(request.tokens), pages, 0, len(request.tokens) - honoured)
         return scheduler.build_connector_meta(SchedulerOutput(new_requests=[] if parked else [first]))
 
     failures = 0
@@ -180,10 +184,6 @@ def main(argv: list[str] | None = None) -> int:
             t_lookup = time.perf_counter()
             matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)  # lookup + secure
             lookup_ms = (time.perf_counter() - t_lookup) * 1e3
-            state = scheduler._requests[rid + 1000]
-            load = TransferOp(rid + 1000, state.session_id, tuple(prompt[:matched]), 0, matched,
-                              dst[: matched // gt.TOKENS_PER_BLOCK], 0, "", secured=state.secured)  # fmt: skip
-            state.secured = None  # handed to the worker, as build_connector_meta does
             sync()
             with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
                 for _ in range(20 if a is not None else 0):  # the engine's earlier work, then it clears the blocks
@@ -192,15 +192,14 @@ def main(argv: list[str] | None = None) -> int:
             killed = args.kill_before_last_load and rnd == args.rounds - 1
             if killed:
                 _kill_tree(sidecar.pid)
-            honoured = matched
-            if args.kv_cache_manager_v2:  # V2: the scheduler builds the op from what was honoured
+            if args.kv_cache_manager_v2:  # half the offer honoured, pages up to one block past it
                 honoured = matched // 2
-                state.secured = load.secured  # back with the scheduler: build_connector_meta hands it over
                 pages = dst[: honoured // gt.TOKENS_PER_BLOCK + 1]
-                meta = honoured_load(scheduler, request, matched, pages, is_async)
-                worker.bind_connector_meta(ConnectorMetadata(loads=meta.loads, async_loads=meta.async_loads))
-            else:
-                worker.bind_connector_meta(ConnectorMetadata(**{"async_loads" if is_async else "loads": (load,)}))
+            else:  # every block of the prompt, the last token's too
+                honoured, pages = matched, [*dst, 2 * nblocks + 1]
+            meta = scheduler_load(scheduler, request, matched, honoured, pages, is_async)
+            (load,) = meta.async_loads if is_async else meta.loads
+            worker.bind_connector_meta(ConnectorMetadata(loads=meta.loads, async_loads=meta.async_loads))
             t1 = time.perf_counter()
             worker.start_load_kv(engine)  # its copies must follow the clearing on that stream
             worker._clear_connector_meta()
