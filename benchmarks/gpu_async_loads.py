@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import statistics
 import sys
@@ -58,9 +57,9 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
 
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
-    scheduler, worker, pool, engine = hooks["scheduler"], hooks["worker"], hooks["pool"], hooks["engine"]
+    scheduler = hooks["sync_scheduler"] if mode == "sync" else hooks["scheduler"]
+    worker, pool, engine = hooks["worker"], hooks["pool"], hooks["engine"]
     weights, acts, big = hooks["weights"], hooks["acts"], hooks["big"]
-    scheduler._settings = dataclasses.replace(scheduler._settings, async_load_min_tokens=1 if mode == "async" else 0)
     dst = hooks["dst"]
     dst_idx = torch.tensor(dst[:-1], device=pool.device)
     pool.index_fill_(0, dst_idx, float("nan"))
@@ -133,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     most = max(args.tokens) // gt.TOKENS_PER_BLOCK
-    with connector_hooks(args.l1, most, dev, {contract.ENV_ASYNC_SAVE: "true"}) as (_, scheduler, worker, pool):
+    env = {contract.ENV_ASYNC_SAVE: "true", contract.ENV_ASYNC_LOAD_MIN_TOKENS: "1"}  # every hit loads async
+    with connector_hooks(args.l1, most, dev, env) as (_, scheduler, worker, pool, another_scheduler):
         small = dev == "cpu"
         hooks: dict[str, Any] = {
             "scheduler": scheduler, "worker": worker, "pool": pool,
+            "sync_scheduler": another_scheduler({contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0"}),  # never async
             "engine": torch.cuda.Stream() if dev == "cuda" else None,
             "sync": torch.cuda.synchronize if dev == "cuda" else (lambda: None),
             "weights": torch.randn(256 if small else 8192, 256 if small else 8192, device=dev, dtype=torch.bfloat16) / 90,

@@ -46,14 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import gpu_transfer as gt
-from benchmarks.common import scattered_block_ids
+from benchmarks.common import env_set, scattered_block_ids
 
 
 def _kill_tree(pid: int) -> None:
@@ -71,9 +71,11 @@ def _kill_tree(pid: int) -> None:
 @contextlib.contextmanager
 def connector_hooks(
     l1: str, nblocks: int, device: str, env: dict[str, str], layout: bool = False
-) -> Iterator[tuple[subprocess.Popen[bytes], Any, Any, torch.Tensor]]:
+) -> Iterator[tuple[subprocess.Popen[bytes], Any, Any, torch.Tensor, Callable[[dict[str, str]], Any]]]:
     """The real sidecar, and the connector's scheduler and worker over it with a Llama-3-8B-shaped
-    bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool)``."""
+    bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool,
+    another_scheduler)``; ``another_scheduler(env)`` is a scheduler of the same engine started with
+    ``env`` laid over the first one's (closed on exit)."""
     repo = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(repo / "tests" / "standin"))
     from kvoffload import contract
@@ -95,15 +97,23 @@ def connector_hooks(
             dtype=torch.bfloat16,
             device=device,
         )
+        schedulers = [scheduler]
+
+        def another_scheduler(overrides: dict[str, str]) -> Any:
+            with env_set(**overrides):
+                schedulers.append(KvoffloadConnectorScheduler(llm_args))
+            return schedulers[-1]
+
         if layout:  # KVCacheManagerV2: one layer group, handed over as a layout
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
 
             worker.register_kv_cache_layout(KvCacheLayout((KvCacheLayoutGroup(pool, tuple(range(gt.LAYERS))),)))
         else:
             worker.register_kv_caches(pool)
-        yield sidecar, scheduler, worker, pool
+        yield sidecar, scheduler, worker, pool, another_scheduler
         worker.shutdown()
-        scheduler.backend.close()
+        for each in schedulers:
+            each.backend.close()
     finally:
         if sidecar.poll() is None:
             sidecar.terminate()
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         contract.ENV_ASYNC_SAVE: "false" if args.sync_save else "true",
         contract.ENV_ASYNC_LOAD_MIN_TOKENS: "1" if args.async_load else "0",
     }
-    with connector_hooks(args.l1, nblocks, dev, env, args.kv_cache_manager_v2) as (sidecar, scheduler, worker, pool):
+    with connector_hooks(args.l1, nblocks, dev, env, args.kv_cache_manager_v2) as (sidecar, scheduler, worker, pool, _):
         engine = torch.cuda.Stream() if dev == "cuda" else None
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
         for rnd in range(args.rounds):
