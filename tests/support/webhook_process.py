@@ -24,6 +24,7 @@ from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.admission.records import render_admission
 from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +38,9 @@ def injected_workload() -> dict[str, Any]:
     workload = trtllm_deployment(NAME, NAMESPACE, annotations={c.ANN_ENABLED: "true"})
     workload["metadata"]["uid"] = "deployment-uid"
     settings = InjectionSettings()
-    engine = choose_engine(workload, settings)
-    plan = plan_injection(workload, settings, ClusterInfo(native_sidecars=True, injection="admission"), engine)  # type: ignore[arg-type]
+    read = read_workload(workload)
+    engine = choose_engine(read, settings)
+    plan = plan_injection(read, settings, ClusterInfo(native_sidecars=True, injection="admission"), engine)  # type: ignore[arg-type]
     rendered = render_admission(plan)  # type: ignore[arg-type]
     workload["metadata"]["annotations"].update(rendered.workload_apply["metadata"]["annotations"])
     workload["metadata"]["managedFields"] = [{"manager": c.FIELD_MANAGER, "operation": "Apply",

@@ -27,6 +27,7 @@ from kvoffload.operator.admission.records import (
 from kvoffload.operator.admission.webhook_tls import ca_bundle_patch, webhook_configuration
 from kvoffload.operator.api.pod_owners import Owner, resolve_owner
 from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.fragment import render
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
 from kvoffload.policy_values import FsTier, PolicyError, RedisTier
@@ -35,8 +36,9 @@ from kvoffload.policy_values import FsTier, PolicyError, RedisTier
 def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True) -> Any:
     settings = settings or InjectionSettings()
     cluster = ClusterInfo(native_sidecars=True, injection="admission" if admission else "template")
-    engine = choose_engine(workload, settings)
-    return plan_injection(workload, settings, cluster, engine)  # type: ignore[arg-type]
+    read = read_workload(workload)
+    engine = choose_engine(read, settings)
+    return plan_injection(read, settings, cluster, engine)  # type: ignore[arg-type]
 
 
 def pod_of(workload: dict[str, Any], template_hash: str = "5d8f7c9b4") -> dict[str, Any]:

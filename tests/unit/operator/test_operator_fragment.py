@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.intent.trtllm_options import OPTIONS_PATH
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.fragment import (
     ClusterInfo,
     RenderedInjection,
@@ -391,14 +392,14 @@ def test_options_baked_into_the_image_get_a_manual_step_warning() -> None:
 
 
 def test_removal_of_an_untouched_workload_does_nothing() -> None:
-    assert render_removal(deployment()).steps == ()
+    assert render_removal(read_workload(deployment())).steps == ()
 
 
 def test_removal_restores_args_then_hands_them_off_then_releases() -> None:
     obj = deployment()
     original_args = copy.deepcopy(obj["spec"]["template"]["spec"]["containers"][0]["args"])
     injected = applied(obj, render(obj).workload_apply)
-    plan = render_removal(injected)
+    plan = render_removal(read_workload(injected))
     managers = [s.field_manager for s in plan.steps]
     assert managers == [c.FIELD_MANAGER, c.FIELD_MANAGER_HANDOFF, c.FIELD_MANAGER]
     assert pod(plan.steps[0].body)["containers"] == [{"name": "trtllm", "args": original_args}]
@@ -410,7 +411,7 @@ def test_removal_restores_args_then_hands_them_off_then_releases() -> None:
 def test_removal_without_args_is_one_empty_apply() -> None:
     obj = deployment(containers=[container(options_file="/app/options.yaml")])
     injected = applied(obj, render(obj).workload_apply)
-    plan = render_removal(injected)
+    plan = render_removal(read_workload(injected))
     assert len(plan.steps) == 1 and "spec" not in plan.steps[0].body
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo
 from kvoffload.operator.plan.workload_decision import (
     Decision,
@@ -30,6 +31,11 @@ INPUTS = WorkloadInputs(
 POLICY = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "7"}, "spec": {}}
 SMALL_NODE = 32 * 2**30
 """Too small for the engine's requests plus a 100Gi L1."""
+
+
+def decide(obj: dict[str, Any], inputs: WorkloadInputs) -> Decision:
+    """The decision for ``obj`` read as the reconciler reads it."""
+    return decide_workload(read_workload(obj), inputs)
 
 
 def workload(deleting: bool = False, template_injected: bool = False, **annotations: str) -> dict[str, Any]:
@@ -90,31 +96,31 @@ def test_each_question_of_a_pass_has_one_answer(
     annotations: dict[str, Any], inputs: dict[str, Any], expected: tuple[str, str | None]
 ) -> None:
     deleting = bool(annotations.pop("deleting", False))
-    decision = decide_workload(workload(deleting, **annotations), replace(INPUTS, **inputs))
+    decision = decide(workload(deleting, **annotations), replace(INPUTS, **inputs))
     assert kind_and_reason(decision) == expected, decision
 
 
 def test_inputs_already_reconciled_are_left_unless_forced() -> None:
     obj = workload(**ON)
     done = replace(INPUTS, done=frozenset({fingerprint_of(obj)}))
-    assert decide_workload(obj, done) == Leave()
-    assert isinstance(decide_workload(obj, replace(done, force=True)), Inject)
+    assert decide(obj, done) == Leave()
+    assert isinstance(decide(obj, replace(done, force=True)), Inject)
 
 
 def test_a_new_generation_or_policy_version_is_not_already_reconciled() -> None:
     obj = workload(**{**ON, c.ANN_POLICY: "p"})
     done = replace(INPUTS, policy=lambda: POLICY, done=frozenset({fingerprint_of(obj, "6")}))
-    decision = decide_workload(obj, done)
+    decision = decide(obj, done)
     assert isinstance(decision, Inject) and decision.fingerprint == fingerprint_of(obj, "7")
 
 
 def test_a_rejection_dedupes_on_the_inputs_it_was_decided_from() -> None:
     unreadable = workload(**{c.ANN_ENABLED: "yes"})
-    decision = decide_workload(unreadable, INPUTS)
+    decision = decide(unreadable, INPUTS)
     assert isinstance(decision, Reject)
     assert decision.state == ours_annotations_digest(unreadable["metadata"]["annotations"])
     bad = workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"})
-    decision = decide_workload(bad, INPUTS)
+    decision = decide(bad, INPUTS)
     digest = ours_annotations_digest(bad["metadata"]["annotations"])
     assert isinstance(decision, Reject) and decision.state == f"1/{digest}/None"
 
@@ -127,7 +133,7 @@ def test_admission_mode_hands_a_template_injected_by_template_mode_back_first(
     injection: str, injected: bool, hand_back: bool
 ) -> None:
     inputs = replace(INPUTS, cluster=replace(CLUSTER, injection=injection))
-    decision = decide_workload(workload(template_injected=injected, **ON), inputs)
+    decision = decide(workload(template_injected=injected, **ON), inputs)
     assert isinstance(decision, Inject) and decision.hand_back_template is hand_back
 
 
@@ -143,12 +149,12 @@ def test_a_pass_that_ends_before_opting_in_reads_neither_the_policy_nor_the_node
     annotations: dict[str, str], deleting: bool
 ) -> None:
     inputs = replace(INPUTS, policy=unread, largest_gpu_node_memory=unread)
-    assert not isinstance(decide_workload(workload(deleting, **annotations), inputs), Inject)
+    assert not isinstance(decide(workload(deleting, **annotations), inputs), Inject)
 
 
 def test_the_nodes_are_read_only_for_settings_that_passed_every_earlier_check() -> None:
     no_nodes = replace(INPUTS, largest_gpu_node_memory=unread)
     obj = workload(**ON)
-    assert decide_workload(obj, replace(no_nodes, done=frozenset({fingerprint_of(obj)}))) == Leave()
-    assert isinstance(decide_workload(workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"}), no_nodes), Reject)
-    assert isinstance(decide_workload(workload(**NODE_MODE), replace(no_nodes, policy=lambda: POLICY)), Reject)
+    assert decide(obj, replace(no_nodes, done=frozenset({fingerprint_of(obj)}))) == Leave()
+    assert isinstance(decide(workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"}), no_nodes), Reject)
+    assert isinstance(decide(workload(**NODE_MODE), replace(no_nodes, policy=lambda: POLICY)), Reject)

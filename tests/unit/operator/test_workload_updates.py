@@ -21,6 +21,7 @@ from kvoffload.operator.admission.workload_updates import (
 )
 from kvoffload.operator.intent.managed_fields import owners
 from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
 
 OURS = {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}},
@@ -31,9 +32,10 @@ USERS = {"f:metadata": {"f:annotations": {f"f:{c.ANN_ENABLED}": {}}}, "f:spec": 
 def plan_with(l1_gib: int) -> Callable[[Mapping[str, Any]], InjectionPlan | str]:
     def plan(workload: Mapping[str, Any]) -> InjectionPlan | str:
         settings = InjectionSettings(l1_bytes=l1_gib * 2**30)
-        engine = choose_engine(workload, settings)
+        read = read_workload(workload)
+        engine = choose_engine(read, settings)
         assert not isinstance(engine, str)
-        planned = plan_injection(workload, settings, ClusterInfo(native_sidecars=True, injection="admission"),
+        planned = plan_injection(read, settings, ClusterInfo(native_sidecars=True, injection="admission"),
                                  engine)  # type: ignore[arg-type]  # fmt: skip
         assert isinstance(planned, InjectionPlan)
         return planned

@@ -24,6 +24,7 @@ from kvoffload.operator.intent.settings import (
     enabled_state,
     resolve_settings,
 )
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment, render_removal
 from kvoffload.policy_values import PolicyError
 from kvoffload.sidecar import settings as sidecar_settings
@@ -93,7 +94,7 @@ def test_fuzz_fragment_renderer_never_crashes(workload: dict[str, Any], spec: An
             check_rendered(rendered)
             again = render_injection_fragment(workload, resolved, ClusterInfo(native_sidecars=native))
             assert isinstance(again, RenderedInjection) and again.workload_apply == rendered.workload_apply
-    assert not render_removal(workload).steps  # nothing of ours in a never-injected object
+    assert not render_removal(read_workload(workload)).steps  # nothing of ours in a never-injected object
 
 
 @FUZZ

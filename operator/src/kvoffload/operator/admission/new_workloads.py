@@ -19,6 +19,7 @@ from kvoffload.operator.admission.workload_updates import template_label_patch
 from kvoffload.operator.api.kube import Kube, KubeApiError, policy_path
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, enabled_state, policy_name, resolve_settings
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
 from kvoffload.policy_values import PolicyError
 
@@ -29,12 +30,12 @@ Planner = Callable[[Mapping[str, Any]], "InjectionPlan | str"]
 def planner(kube: Kube, defaults: OperatorDefaults, cluster: ClusterInfo) -> Planner:
     """The operator's own planning, reading the policy and the options ConfigMap from the API."""
 
-    def plan(workload: Mapping[str, Any]) -> InjectionPlan | str:
-        meta = workload.get("metadata") or {}
-        annotations = meta.get("annotations") or {}
+    def plan(obj: Mapping[str, Any]) -> InjectionPlan | str:
+        workload = read_workload(obj)
+        annotations = workload.annotations
         if enabled_state(annotations) is not True:
             return "not opted in"
-        namespace = str(meta.get("namespace"))
+        namespace = workload.ref.namespace
         name = policy_name(annotations)
         policy = None
         if isinstance(name, str):

@@ -23,6 +23,7 @@ from kvoffload.operator.admission.records import InjectionRecord, injected_pod, 
 from kvoffload.operator.api.events import EventRecorder, now_timestamp
 from kvoffload.operator.api.kube import Kube, KubeApiError, namespaced_path
 from kvoffload.operator.api.pod_owners import ControllerRef, Owner, controller_ref, resolve_owner
+from kvoffload.operator.intent.workload import WorkloadRef
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.policy_values import PolicyError
 
@@ -41,11 +42,6 @@ def uninjected(pod: Mapping[str, Any]) -> bool:
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     return c.LABEL_INJECT in labels and labels.get(c.LABEL_INJECTED) != "true" and not meta.get("deletionTimestamp")
-
-
-def _workload_ref(namespace: object, kind: str, name: str) -> dict[str, Any]:
-    """Enough of a workload for an Event about it."""
-    return {"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name, "namespace": namespace}}
 
 
 def start_failure(pod: Mapping[str, Any]) -> str | None:
@@ -136,7 +132,7 @@ class PodAlignment:
         if isinstance(owner, str):
             return False
         self.events.post(
-            _workload_ref(meta.get("namespace"), owner.kind, owner.name), "Warning", "KvoffloadInvalid",
+            WorkloadRef(owner.kind, str(meta.get("namespace")), owner.name), "Warning", "KvoffloadInvalid",
             f"pod {meta.get('name')} cannot start {failure}; a KVCachePolicy's l2.redis.passwordSecretRef must name "
             "a Secret and key that exist in the workload's namespace (the operator cannot check before the pod: "
             "it has no right to read Secrets)", failure,
@@ -246,7 +242,7 @@ class PodAlignment:
         self.metrics.evictions.inc()
         log.info("evicted pod %s/%s of %s %s: created without the injection", namespace, pod_name, kind, name)
         self.events.post(
-            _workload_ref(namespace, kind, name), "Warning", "KvoffloadNotInjected",
+            WorkloadRef(kind, namespace, name), "Warning", "KvoffloadNotInjected",
             f"pod {pod_name} was created without the kvoffload injection (the webhook was not reached); "
             "evicted so that it is created again through the webhook", pod_name,
         )  # fmt: skip
@@ -261,7 +257,7 @@ class PodAlignment:
         self.metrics.eviction_refusals.inc()
         log.info("pod %s/%s: eviction refused by a PodDisruptionBudget; next try in %.0f s", namespace, pod_name, delay)
         self.events.post(
-            _workload_ref(namespace, kind, name), "Warning", "KvoffloadEvictionRefused",
+            WorkloadRef(kind, namespace, name), "Warning", "KvoffloadEvictionRefused",
             f"pod {pod_name} was created without the kvoffload injection, and its eviction (to create it again "
             f"through the webhook) was refused: {exc.message}; the operator tries again with backoff (15 s "
             "doubling to 10 min). A PodDisruptionBudget that allows no disruption keeps the pod uninjected",

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.intent.managed_fields import TEMPLATE_META, owned_by
+from kvoffload.operator.intent.managed_fields import owned_by
 from kvoffload.operator.intent.settings import InjectionSettings, enabled_state
-from kvoffload.operator.intent.workload_view import SUPPORTED_KINDS, empty_apply_body
+from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, read_workload
 from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RenderedInjection, render
 from kvoffload.operator.plan.injection_plan import (
@@ -90,7 +90,7 @@ def render_admission(plan: InjectionPlan) -> RenderedInjection:
     in_template = render(plan, files_on_pod=True)  # its warnings, and the files the pods get
     record = record_of(plan).to_json()
     digest = record_digest(in_template.files, record)
-    body = empty_apply_body(plan.workload)
+    body = plan.workload.ref.apply_body()
     body["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: record}
     body["spec"] = {"template": {"metadata": {"labels": {c.LABEL_INJECT: digest}}}}
     return RenderedInjection(
@@ -109,15 +109,10 @@ by the operator re-applying its current record (one more rollout) instead of lea
 webhook refuses."""
 
 
-def intent_in_place(workload: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+def intent_in_place(workload: Workload, rendered: RenderedInjection) -> bool:
     """Whether the workload already carries the record and label an apply would write, both held
     by kvoffload's field manager: the apply would change nothing, so it is not sent."""
-    owned = all(owned_by(workload, path, c.FIELD_MANAGER) for path in _FORCEABLE_PATHS)
-    return owned and object_carries(rendered.workload_apply, workload)
-
-
-_FORCEABLE_PATHS = (("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}"),
-                    (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}"))  # fmt: skip
+    return workload.holds_admission_keys and object_carries(rendered.workload_apply, workload.live)
 
 
 def record_digest(files: Mapping[str, str], record_json: str) -> str:
@@ -165,7 +160,7 @@ def workload_of_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str
 def injected_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str, record: InjectionRecord
                  ) -> dict[str, Any] | PolicyError:  # fmt: skip
     """The pod with the injection the record describes, rendered from the pod itself."""
-    workload = workload_of_pod(pod, kind, name, namespace)
+    workload = read_workload(workload_of_pod(pod, kind, name, namespace))
     engine = choose_engine(workload, record.settings)
     if isinstance(engine, PolicyError):
         return engine

@@ -8,12 +8,11 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.api.kube import Kube, KubeApiError, events_path
+from kvoffload.operator.intent.workload import WorkloadRef
 
 log = logging.getLogger("kvoffload.operator")
 EVENT_MESSAGE_LIMIT = 1000
@@ -34,11 +33,10 @@ class EventRecorder:
     _seen: dict[tuple[str, ...], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def post(self, obj: Mapping[str, Any], type_: str, reason: str, message: str, state: str = "") -> None:
+    def post(self, about: WorkloadRef, type_: str, reason: str, message: str, state: str = "") -> None:
         if type_ == "Normal" and not self.normal:
             return
-        meta = obj.get("metadata") or {}
-        dedupe = (str(meta.get("uid")), state, reason, message)
+        dedupe = (str(about), about.uid, state, reason, message)
         with self._lock:
             if dedupe in self._seen:
                 return
@@ -49,14 +47,14 @@ class EventRecorder:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta.get('name')}.", "namespace": meta.get("namespace")},
+            "metadata": {"generateName": f"{about.name}.", "namespace": about.namespace},
             "involvedObject": {
-                "apiVersion": obj.get("apiVersion"),
-                "kind": obj.get("kind"),
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace"),
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
+                "apiVersion": about.api_version,
+                "kind": about.kind,
+                "name": about.name,
+                "namespace": about.namespace,
+                "uid": about.uid or None,
+                "resourceVersion": about.resource_version,
             },
             "type": type_,
             "reason": reason,
@@ -69,6 +67,6 @@ class EventRecorder:
             "count": 1,
         }
         try:
-            self.kube.create(events_path(str(meta.get("namespace"))), event)
+            self.kube.create(events_path(about.namespace), event)
         except KubeApiError as exc:
             log.warning("event not posted: %s", exc)

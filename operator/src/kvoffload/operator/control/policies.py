@@ -17,6 +17,7 @@ from kvoffload.operator.api.kube import Kube, KubeApiError, list_workloads, poli
 from kvoffload.operator.api.retry import RetryQueue
 from kvoffload.operator.control.policy_status import desired_policy_status, keep_transition_times, same_status
 from kvoffload.operator.intent.settings import OperatorDefaults, enabled_state, policy_name
+from kvoffload.operator.intent.workload import Workload
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
 
@@ -50,13 +51,12 @@ class Policies:
             previous is None or deleted or (previous.get("metadata") or {}).get("generation") != meta.get("generation")
         )
 
-    def for_workload(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    def for_workload(self, workload: Workload) -> dict[str, Any] | None:
         """The KVCachePolicy a workload names (cached from policy events), or None."""
-        meta = obj.get("metadata") or {}
-        name = policy_name(meta.get("annotations") or {})
+        name = policy_name(workload.annotations)
         if not isinstance(name, str):
             return None
-        namespace = str(meta.get("namespace"))
+        namespace = workload.ref.namespace
         with self._lock:
             cached = self.cache.get((namespace, name))
         if cached is not None:
@@ -105,13 +105,12 @@ class Policies:
             if ((item.get("metadata") or {}).get("annotations") or {}).get(c.ANN_POLICY) == name:
                 yield item
 
-    def touch(self, obj: Mapping[str, Any]) -> None:
+    def touch(self, workload: Workload) -> None:
         """The workload changed: the status of the policy it names is refreshed at the next flush."""
-        meta = obj.get("metadata") or {}
-        name = policy_name(meta.get("annotations") or {})
+        name = policy_name(workload.annotations)
         if isinstance(name, str):
             with self._lock:
-                self._dirty.add((str(meta.get("namespace")), name))
+                self._dirty.add((workload.ref.namespace, name))
 
     def flush_status(self) -> None:
         """Refresh the status of policies whose workloads changed (called periodically)."""

@@ -21,6 +21,7 @@ from kvoffload.operator.admission.workload_inputs import plan_for, replan
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from kvoffload.operator.api.retry import RetryQueue
+from kvoffload.operator.control.outcome import Notice, Outcome, conflicted, rejected
 from kvoffload.operator.control.policies import Policies
 from kvoffload.operator.control.workload_writes import (
     apply_injection,
@@ -30,7 +31,7 @@ from kvoffload.operator.control.workload_writes import (
 )
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
-from kvoffload.operator.intent.workload_view import SUPPORTED_KINDS
+from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, read_workload
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
 from kvoffload.operator.node.gpu_nodes import GpuNodeMemory
@@ -89,14 +90,15 @@ class Reconciler:
 
     def forget(self, obj: Mapping[str, Any]) -> None:
         """The workload was deleted (its ConfigMap goes with it through the ownerReference)."""
-        uid = str((obj.get("metadata") or {}).get("uid"))
+        self._forget(read_workload(obj))
+
+    def _forget(self, workload: Workload) -> None:
+        uid = workload.ref.uid
         with self._lock:
             self._done.pop(uid, None)
             self._object_locks.pop(uid, None)
             self._checked_out.discard(uid)
-        self.options_sources.track(obj, None)
-        self.metrics.mark_injected(str(obj.get("kind")), uid, False)
-        self.policies.touch(obj)
+        self._report(workload, Outcome("skipped", injected=False))
 
     def _object_lock(self, uid: str) -> threading.Lock:
         with self._lock:
@@ -105,69 +107,100 @@ class Reconciler:
     def reconcile(self, obj: Mapping[str, Any], force: bool = False) -> str:
         """Bring one Deployment/StatefulSet to its desired state; returns the result label.
 
-        A pass that fails on the API is queued for a retry with backoff (kopf will not call
-        again until the object changes); any pass that completes clears that retry.
+        The object is read once (``read_workload``); the pass decides and writes, then its outcome
+        is reported. A pass that fails on the API is queued for a retry with backoff (kopf will
+        not call again until the object changes); any pass that completes clears that retry.
         """
-        kind = str(obj.get("kind"))
-        if kind not in SUPPORTED_KINDS:
+        workload = read_workload(obj)
+        if workload.ref.kind not in SUPPORTED_KINDS:
             return "skipped"
-        meta = obj.get("metadata") or {}
-        uid = str(meta.get("uid"))
-        retry_key = ("workload", kind, str(meta.get("namespace")), str(meta.get("name")))
         started = time.perf_counter()
-        failure: str | None = None
-        with self._object_lock(uid):
-            try:
-                result = self._reconcile(obj, force)
-            except KubeApiError as exc:
-                if exc.status in (403, 404) and self._gone(obj):
-                    log.info("reconcile %s: the workload is gone or being deleted (%s)", _ref(obj), exc.reason)
-                    result = "skipped"
-                else:
-                    log.warning("reconcile %s: %s (retrying)", _ref(obj), exc)
-                    self.metrics.errors.labels(kind=kind, reason="api_error").inc()
-                    result, failure = "error", f"the API call failed, retrying: {exc}"
-            except Exception as exc:  # the operator keeps running whatever one workload does
-                log.exception("reconcile %s failed (retrying)", _ref(obj))
-                self.metrics.errors.labels(kind=kind, reason="internal").inc()
-                result, failure = "error", f"internal error, retrying: {type(exc).__name__}: {exc}"
-        if failure is None:
+        with self._object_lock(workload.ref.uid):
+            outcome = self._attempt(workload, force)
+        self._report(workload, outcome, time.perf_counter() - started)
+        return outcome.result
+
+    def _attempt(self, workload: Workload, force: bool) -> Outcome:
+        """One pass; a failure becomes an outcome that asks for a retry."""
+        try:
+            return self._pass(workload, force)
+        except KubeApiError as exc:
+            if exc.status in (403, 404) and self._gone(workload):
+                log.info("reconcile %s: the workload is gone or being deleted (%s)", workload.ref, exc.reason)
+                return Outcome("skipped")
+            log.warning("reconcile %s: %s (retrying)", workload.ref, exc)
+            return Outcome("error", errors=["api_error"], failure=f"the API call failed, retrying: {exc}")
+        except Exception as exc:  # the operator keeps running whatever one workload does
+            log.exception("reconcile %s failed (retrying)", workload.ref)
+            failure = f"internal error, retrying: {type(exc).__name__}: {exc}"
+            return Outcome("error", errors=["internal"], failure=failure)
+
+    def _pass(self, workload: Workload, force: bool) -> Outcome:
+        """Decide (``workload_decision.decide_workload``) with the inputs it asks for, act on it."""
+        with self._lock:
+            done = self._done.get(workload.ref.uid, frozenset())
+        inputs = WorkloadInputs(
+            policy=lambda: self.policies.for_workload(workload), defaults=self.defaults, cluster=self.cluster,
+            node_mode=self.node_caches is not None, largest_gpu_node_memory=self.node_memory.largest,
+            done=done, force=force,
+        )  # fmt: skip
+        decision = decide_workload(workload, inputs)
+        if isinstance(decision, Reject):
+            return rejected(decision.error, decision.state)
+        if isinstance(decision, Remove):
+            return self._remove(workload)
+        if isinstance(decision, Inject):
+            return self._inject(workload, decision, force)
+        return Outcome("noop")
+
+    def _report(self, workload: Workload, outcome: Outcome, seconds: float | None = None) -> None:
+        """The pass's effects besides its writes: its Events, counters, retry, policy status."""
+        ref = workload.ref
+        retry_key = ("workload", ref.kind, ref.namespace, ref.name)
+        if outcome.failure is None:
             self.retries.succeeded(retry_key)
         else:
-            delay = self.retries.schedule(retry_key, lambda: self._retry_workload(kind, meta), time.monotonic())
-            self.events.post(obj, "Warning", "KvoffloadRetrying", f"{failure} (next try in {delay:.0f} s)", failure)
+            delay = self.retries.schedule(retry_key, lambda: self._retry_workload(workload), time.monotonic())
+            outcome.notices.append(Notice("Warning", "KvoffloadRetrying",
+                                          f"{outcome.failure} (next try in {delay:.0f} s)", outcome.failure))  # fmt: skip
+        for notice in outcome.notices:
+            self.events.post(ref, notice.type, notice.reason, notice.message, notice.state)
+        for reason in outcome.errors:
+            self.metrics.errors.labels(kind=ref.kind, reason=reason).inc()
+        if outcome.injected is not None:
+            if not outcome.injected:
+                self.options_sources.track(ref, None)
+            self.metrics.mark_injected(ref.kind, ref.uid, outcome.injected)
+            self.policies.touch(workload)
         self.metrics.retry_queue.set(len(self.retries))
-        if result != "noop":
-            self.metrics.reconciles.labels(kind=kind, result=result).inc()
-            self.metrics.duration.labels(kind=kind).observe(time.perf_counter() - started)
-        return result
+        if seconds is not None and outcome.result != "noop":
+            self.metrics.reconciles.labels(kind=ref.kind, result=outcome.result).inc()
+            self.metrics.duration.labels(kind=ref.kind).observe(seconds)
 
-    def _gone(self, obj: Mapping[str, Any]) -> bool:
+    def _gone(self, workload: Workload) -> bool:
         """Whether the workload no longer exists or is being deleted (its namespace too, maybe)."""
-        meta = obj.get("metadata") or {}
         try:
-            current = self.kube.get(workload_path(str(obj.get("kind")), str(meta.get("namespace")),
-                                                  str(meta.get("name"))))  # fmt: skip
+            current = self.kube.get(workload_path(workload.ref.kind, workload.ref.namespace, workload.ref.name))
         except KubeApiError:
             return False
         return current is None or bool((current.get("metadata") or {}).get("deletionTimestamp"))
 
-    def _retry_workload(self, kind: str, meta: Mapping[str, Any]) -> None:
+    def _retry_workload(self, workload: Workload) -> None:
         """Re-read the workload and reconcile it as it is now (gone: forget it)."""
-        namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-        retry_key = ("workload", kind, namespace, name)
+        ref = workload.ref
         try:
-            current = self.kube.get(workload_path(kind, namespace, name))
+            current = self.kube.get(workload_path(ref.kind, ref.namespace, ref.name))
         except KubeApiError as exc:
-            log.warning("retry %s %s/%s: %s", kind, namespace, name, exc)
-            self.retries.schedule(retry_key, lambda: self._retry_workload(kind, meta), time.monotonic())
+            log.warning("retry %s: %s", ref, exc)
+            self.retries.schedule(("workload", ref.kind, ref.namespace, ref.name),
+                                  lambda: self._retry_workload(workload), time.monotonic())  # fmt: skip
             return
         if current is None:
-            self.retries.succeeded(retry_key)
-            self.forget({"kind": kind, "metadata": meta})
+            self.retries.succeeded(("workload", ref.kind, ref.namespace, ref.name))
+            self._forget(workload)
             return
         current.setdefault("apiVersion", "apps/v1")
-        current.setdefault("kind", kind)
+        current.setdefault("kind", ref.kind)
         self.reconcile(current)
 
     def run_due_retries(self) -> int:
@@ -178,76 +211,44 @@ class Reconciler:
         self.metrics.retry_queue.set(len(self.retries))
         return len(actions)
 
-    def _reconcile(self, obj: Mapping[str, Any], force: bool) -> str:
-        """Fetch the decision's inputs, decide (``workload_decision.decide_workload``), act on it."""
-        inputs = self._inputs(obj, force)
-        decision = decide_workload(obj, inputs)
-        if isinstance(decision, Reject):
-            return self._reject(obj, decision.error, decision.state)
-        if isinstance(decision, Remove):
-            return self._remove(obj)
-        if isinstance(decision, Inject):
-            return self._inject(obj, decision, force)
-        return "noop"
-
-    def _inputs(self, obj: Mapping[str, Any], force: bool) -> WorkloadInputs:
-        """The decision's inputs; the policy and the nodes are read only if the decision asks for them."""
-        with self._lock:
-            done = self._done.get(str((obj.get("metadata") or {}).get("uid")), frozenset())
-        return WorkloadInputs(
-            policy=lambda: self.policies.for_workload(obj),
-            defaults=self.defaults,
-            cluster=self.cluster,
-            node_mode=self.node_caches is not None,
-            largest_gpu_node_memory=self.node_memory.largest,
-            done=done,
-            force=force,
-        )
-
-    def _inject(self, obj: Mapping[str, Any], decision: Inject, force: bool) -> str:
+    def _inject(self, workload: Workload, decision: Inject, force: bool) -> Outcome:
         """Plan (the options ConfigMap is read here), render, apply unless the object carries it already."""
-        plan = plan_for(self.kube, obj, decision.settings, self.cluster, self.options_sources)
+        plan = plan_for(self.kube, workload, decision.settings, self.cluster, self.options_sources)
         if isinstance(plan, PolicyError):
-            return self._reject(obj, plan, decision.state)
+            return rejected(plan, decision.state)
         if decision.hand_back_template:
-            return self._remove(obj)  # the removal's own event brings the admission label
+            return self._remove(workload)  # the removal's own event brings the admission label
         rendered = render_for(plan)
-        answer: Mapping[str, Any] | None = None
         with self._lock:
-            first_sight = str((obj.get("metadata") or {}).get("uid")) not in self._done
-        in_place = self.cluster.injection == "admission" and intent_in_place(obj, rendered)
-        if in_place or ((force or first_sight) and carries_injection(self.kube, obj, rendered)):
-            result = "unchanged"  # a resync or a restarted operator that found no drift sends nothing
+            first_sight = workload.ref.uid not in self._done
+        in_place = self.cluster.injection == "admission" and intent_in_place(workload, rendered)
+        if in_place or ((force or first_sight) and carries_injection(self.kube, workload, rendered)):
+            outcome, answer = Outcome("unchanged"), None  # a resync or a restarted operator that found no drift
         else:
-            result, answer = self._apply_injection(obj, rendered, decision.state)
-        if result in ("applied", "unchanged"):
-            self._remember_done(obj, rendered, plan, (result, answer), decision.fingerprint, decision.state)
-        return result
+            outcome, answer = self._apply_injection(workload, rendered, decision.state)
+        if outcome.result in ("applied", "unchanged"):
+            self._remember_done(workload.ref.uid, plan, rendered.config_hash, answer, decision.fingerprint)
+            outcome.notices += [Notice("Warning", "KvoffloadManualStep", w, decision.state) for w in rendered.warnings]
+            outcome.injected = True
+        return outcome
 
-    def _remember_done(self, obj: Mapping[str, Any], rendered: RenderedInjection, plan: InjectionPlan,
-                       outcome: tuple[str, Mapping[str, Any] | None], fingerprint: tuple[object, ...],
-                       state: str) -> None:  # fmt: skip
-        """After a pass that left the workload injected (``outcome``: the result label and the object
-        the apply returned): post its warnings, remember the inputs now done."""
-        kind, uid = str(obj.get("kind")), str((obj.get("metadata") or {}).get("uid"))
-        result, answer = outcome
-        for warning in rendered.warnings:
-            self.events.post(obj, "Warning", "KvoffloadManualStep", warning, state)
+    def _remember_done(self, uid: str, plan: InjectionPlan, config_hash: str, answer: Mapping[str, Any] | None,
+                       fingerprint: tuple[object, ...]) -> None:  # fmt: skip
+        """After a pass that left the workload injected with ``config_hash`` (``answer``: the object
+        an apply returned): remember the inputs now done."""
         done = {fingerprint}
-        if result == "applied" and answer is not None:
+        if answer is not None:
             # The apply raised the generation. If the object it returned is a fixed point (the
             # renderer gives the same fragment and the object carries it), the event for that
             # generation has nothing to do either: remember both as done.
             again = replan(answer, plan)
             answer_meta = answer.get("metadata") or {}
-            if (not isinstance(again, PolicyError) and again.config_hash == rendered.config_hash
+            if (not isinstance(again, PolicyError) and again.config_hash == config_hash
                     and object_carries(again.workload_apply, answer)):  # fmt: skip
                 done.add((answer_meta.get("generation"),
                           ours_annotations_digest(answer_meta.get("annotations") or {}), *fingerprint[2:]))  # fmt: skip
         with self._lock:
             self._done[uid] = frozenset(done)
-        self.metrics.mark_injected(kind, uid, True)
-        self.policies.touch(obj)
 
     def check_options_sources(self) -> int:
         """Re-render (one rollout each when the merged file changes) the workloads whose options
@@ -260,86 +261,61 @@ class Reconciler:
                     self.reconcile({"apiVersion": "apps/v1", "kind": kind, **current}, force=True)
         return len(edited)
 
-    def _apply_injection(self, obj: Mapping[str, Any], rendered: RenderedInjection, state: str
-                         ) -> tuple[str, Mapping[str, Any] | None]:  # fmt: skip
-        """Apply the injection (``workload_writes.apply_injection``) and report what it came to: the
-        result label and the object the apiserver returned (None when nothing was applied)."""
-        outcome = apply_injection(self.kube, obj, rendered)
-        if outcome.conflict is not None:
-            return self._conflict(obj, outcome.conflict, outcome.conflict_on, state), None
-        if outcome.refused is not None:
-            return self._reject(obj, outcome.refused, state), None
-        if outcome.result == "skipped":
-            log.info("%s changed while reconciling; the next event carries the new version", _ref(obj))
-        if outcome.result == "applied":
-            what = (f"its pods are created through the kvoffload webhook with the cache sidecar and the connector "
-                    f"in container {rendered.engine_container}" if self.cluster.injection == "admission" else
-                    f"injected the kvoffload cache sidecar and connector into container {rendered.engine_container}")  # fmt: skip
-            self.events.post(obj, "Normal", "KvoffloadInjected", f"{what} (config hash {rendered.config_hash})",
-                             rendered.config_hash)  # fmt: skip
-            log.info("injected %s hash=%s", _ref(obj), rendered.config_hash)
-        return outcome.result, outcome.answer
+    def _apply_injection(self, workload: Workload, rendered: RenderedInjection, state: str
+                         ) -> tuple[Outcome, Mapping[str, Any] | None]:  # fmt: skip
+        """Apply the injection (``workload_writes.apply_injection``): the outcome, and the object the
+        apiserver returned when the generation moved (None otherwise)."""
+        applied = apply_injection(self.kube, workload, rendered)
+        if applied.conflict is not None:
+            return conflicted(applied.conflict, applied.conflict_on, state), None
+        if applied.refused is not None:
+            return rejected(applied.refused, state), None
+        if applied.result == "skipped":
+            log.info("%s changed while reconciling; the next event carries the new version", workload.ref)
+        if applied.result != "applied":
+            return Outcome(applied.result), None
+        what = (f"its pods are created through the kvoffload webhook with the cache sidecar and the connector "
+                f"in container {rendered.engine_container}" if self.cluster.injection == "admission" else
+                f"injected the kvoffload cache sidecar and connector into container {rendered.engine_container}")  # fmt: skip
+        log.info("injected %s hash=%s", workload.ref, rendered.config_hash)
+        notice = Notice("Normal", "KvoffloadInjected", f"{what} (config hash {rendered.config_hash})",
+                        rendered.config_hash)  # fmt: skip
+        return Outcome("applied", [notice]), applied.answer
 
-    def _remove(self, obj: Mapping[str, Any]) -> str:
+    def _remove(self, workload: Workload) -> Outcome:
         """Opted out: take the injection out (``workload_writes.remove_injection``), then forget it."""
-        kind = str(obj.get("kind"))
-        meta = obj.get("metadata") or {}
+        ref = workload.ref
         try:
-            result = remove_injection(self.kube, obj)
+            result = remove_injection(self.kube, workload)
         except KubeApiError as exc:
             if exc.status == 409 and exc.field_conflicts:
-                return self._conflict(obj, exc, f"{kind} {meta.get('name')}", "removal")
+                return conflicted(exc, f"{ref.kind} {ref.name}", "removal")
             raise
         if result == "noop":
-            self._delete_leftover_configmap(obj)
+            self._delete_leftover_configmap(workload)
         if result != "removed":
             if result == "skipped":
-                log.info("%s changed while removing; the next event carries the new version", _ref(obj))
-            return result
-        uid = str(meta.get("uid"))
+                log.info("%s changed while removing; the next event carries the new version", ref)
+            return Outcome(result)
         with self._lock:
-            self._done.pop(uid, None)
-        self.options_sources.track(obj, None)
-        self.metrics.mark_injected(kind, uid, False)
-        self.events.post(
-            obj, "Normal", "KvoffloadRemoved", "removed the kvoffload injection", str(meta.get("generation"))
-        )
-        log.info("removed injection from %s", _ref(obj))
-        self.policies.touch(obj)
-        return "removed"
+            self._done.pop(ref.uid, None)
+        log.info("removed injection from %s", ref)
+        notice = Notice("Normal", "KvoffloadRemoved", "removed the kvoffload injection", str(workload.generation))
+        return Outcome("removed", [notice], injected=False)
 
-    def _delete_leftover_configmap(self, obj: Mapping[str, Any]) -> None:
+    def _delete_leftover_configmap(self, workload: Workload) -> None:
         """A removal stopped between its last apply and the ConfigMap's deletion (the operator was
         killed) leaves nothing of ours on the workload but the ConfigMap: the first pass of this
         process over an opted-out workload that still has a ``kvoffload.io/`` annotation deletes it
         (one GET per such workload and process; plain workloads cost nothing)."""
-        meta = obj.get("metadata") or {}
-        uid = str(meta.get("uid"))
-        if not any(k.startswith(c.ANNOTATION_PREFIX) for k in meta.get("annotations") or {}):
+        if not any(k.startswith(c.ANNOTATION_PREFIX) for k in workload.annotations):
             return
         with self._lock:
-            if uid in self._checked_out:
+            if workload.ref.uid in self._checked_out:
                 return
-            self._checked_out.add(uid)
-        if delete_generated_configmap(self.kube, str(meta.get("namespace")), str(meta.get("name"))):
-            log.info("%s: deleted the generated ConfigMap an interrupted removal left", _ref(obj))
-
-    def _reject(self, obj: Mapping[str, Any], error: PolicyError, state: str) -> str:
-        """Bad input: a Warning Event naming field, value and what is allowed; nothing applied."""
-        self.metrics.errors.labels(kind=str(obj.get("kind")), reason=error.reason).inc()
-        self.events.post(obj, "Warning", "KvoffloadInvalid", error.message, state)
-        log.warning("not injecting %s: %s", _ref(obj), error.message)
-        return "error"
-
-    def _conflict(self, obj: Mapping[str, Any], exc: KubeApiError, what: str, state: str) -> str:
-        details = "; ".join(f"{f}: {m}" for f, m in exc.field_conflicts)
-        self.metrics.errors.labels(kind=str(obj.get("kind")), reason="conflict").inc()
-        self.events.post(
-            obj, "Warning", "KvoffloadConflict",
-            f"{what}: another field manager owns fields kvoffload needs; nothing was changed ({details})", state,
-        )  # fmt: skip
-        log.warning("conflict on %s: %s", _ref(obj), details)
-        return "conflict"
+            self._checked_out.add(workload.ref.uid)
+        if delete_generated_configmap(self.kube, workload.ref.namespace, workload.ref.name):
+            log.info("%s: deleted the generated ConfigMap an interrupted removal left", workload.ref)
 
     # --- policies --------------------------------------------------------------
 
@@ -361,8 +337,3 @@ class Reconciler:
             if c.ANN_ENABLED in ((item.get("metadata") or {}).get("annotations") or {}):
                 self.reconcile(item, force=True)
         self.policies.recheck_node_caches()
-
-
-def _ref(obj: Mapping[str, Any]) -> str:
-    meta = obj.get("metadata") or {}
-    return f"{obj.get('kind')}/{meta.get('namespace')}/{meta.get('name')}"

@@ -11,9 +11,8 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
-from kvoffload.operator.intent.managed_fields import TEMPLATE_META, manages_anything, owned_by
 from kvoffload.operator.intent.settings import enabled_state, ours_annotations_digest
-from kvoffload.operator.intent.workload_view import configmap_name
+from kvoffload.operator.intent.workload import Workload, configmap_name, read_workload
 from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RemovalPlan, RenderedInjection, render_removal
 from kvoffload.policy_values import PolicyError
@@ -23,14 +22,14 @@ log = logging.getLogger("kvoffload.operator")
 LOCKED_APPLY_TRIES = 3
 
 
-def locked_apply(kube: Kube, path: str, body: Mapping[str, Any], meta: Mapping[str, Any], force: bool
-                  ) -> dict[str, Any] | None:  # fmt: skip
+def locked_apply(kube: Kube, body: Mapping[str, Any], workload: Workload, force: bool) -> dict[str, Any] | None:
     """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
-    computed from; status writes in between only refresh the lock (a few tries). None: the
-    inputs changed (the next event carries them). Field conflicts are raised to the caller."""
+    computed from (``workload`` as read); status writes in between only refresh the lock (a few
+    tries). None: the inputs changed (the next event carries them). Field conflicts are raised."""
+    path = workload_path(workload.ref.kind, workload.ref.namespace, workload.ref.name)
     locked = {**body, "metadata": dict(body["metadata"])}  # only the resourceVersion changes
-    version = meta.get("resourceVersion")
-    ours = ours_annotations_digest(meta.get("annotations") or {})
+    version = workload.ref.resource_version
+    ours = ours_annotations_digest(workload.annotations)
     for _attempt in range(LOCKED_APPLY_TRIES):
         locked["metadata"]["resourceVersion"] = version
         try:
@@ -40,7 +39,7 @@ def locked_apply(kube: Kube, path: str, body: Mapping[str, Any], meta: Mapping[s
                 raise
         current = kube.get(path)
         current_meta = (current or {}).get("metadata") or {}
-        if (current is None or current_meta.get("generation") != meta.get("generation")
+        if (current is None or current_meta.get("generation") != workload.generation
                 or ours_annotations_digest(current_meta.get("annotations") or {}) != ours):  # fmt: skip
             return None
         version = current_meta.get("resourceVersion")
@@ -62,30 +61,28 @@ class InjectionApplied:
     """The apiserver refused the fragment for a reason the settings could not judge."""
 
 
-def apply_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> InjectionApplied:
+def apply_injection(kube: Kube, workload: Workload, rendered: RenderedInjection) -> InjectionApplied:
     """Apply the generated ConfigMap (template mode) and the workload fragment, both locked to the
     resourceVersion the fragment was computed from (a stale fragment must never land: it would roll
     the pods twice); a 409 caused only by a status write refreshes the lock (``locked_apply``)."""
-    kind = str(obj.get("kind"))
-    meta = obj.get("metadata") or {}
-    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
+    ref = workload.ref
     if rendered.configmap_apply is not None:
         try:
-            kube.apply(configmap_path(namespace, configmap_name(name)), rendered.configmap_apply, c.FIELD_MANAGER)
+            kube.apply(configmap_path(ref.namespace, configmap_name(ref.name)), rendered.configmap_apply,
+                       c.FIELD_MANAGER)  # fmt: skip
         except KubeApiError as exc:
             if exc.status == 409 and exc.field_conflicts:
-                return InjectionApplied("conflict", conflict=exc, conflict_on=f"ConfigMap {configmap_name(name)}")
+                return InjectionApplied("conflict", conflict=exc, conflict_on=f"ConfigMap {configmap_name(ref.name)}")
             raise
     body = rendered.workload_apply
-    path = workload_path(kind, namespace, name)
     try:
-        answer = locked_apply(kube, path, body, meta, force=False)
+        answer = locked_apply(kube, body, workload, force=False)
     except KubeApiError as exc:
-        if exc.status == 422 and changed_since(kube, path, meta):
+        if exc.status == 422 and changed_since(kube, workload):
             return InjectionApplied("skipped")  # a 422 on a stale fragment: the next event retries
         if exc.status == 422:
             return InjectionApplied("refused", refused=PolicyError(
-                f"{kind} {name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
+                f"{ref.kind} {ref.name}", "the injected fragment", f"the apiserver refused it: {exc.message}",
                 reason="rejected_by_apiserver",
             ))  # fmt: skip
         if exc.status != 409:
@@ -93,31 +90,28 @@ def apply_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInject
         if not exc.field_conflicts:
             return InjectionApplied("skipped")
         if not all(f in rendered.forceable_fields for f, _ in exc.field_conflicts):
-            return InjectionApplied("conflict", conflict=exc, conflict_on=f"{kind} {name}")
+            return InjectionApplied("conflict", conflict=exc, conflict_on=f"{ref.kind} {ref.name}")
         # Only the engine's args conflict: the documented rewrite, undone on removal. Forcing
         # takes the user's args, so it is locked to the version the rewrite was computed from.
-        answer = locked_apply(kube, path, body, meta, force=True)
+        answer = locked_apply(kube, body, workload, force=True)
     if answer is None:
         return InjectionApplied("skipped")
     # Injected by an earlier version, which kept the record in a ConfigMap: the record is on the
     # workload now and nothing reads the ConfigMap any more (running pods keep their files).
     if (
         rendered.configmap_apply is None
-        and _record_in_configmap(obj)
-        and delete_generated_configmap(kube, namespace, name)
+        and _record_in_configmap(workload)
+        and delete_generated_configmap(kube, ref.namespace, ref.name)
     ):
-        log.info("%s %s/%s: deleted the ConfigMap an earlier version kept the record in", kind, namespace, name)
-    changed = (answer.get("metadata") or {}).get("generation") != meta.get("generation")
+        log.info("%s: deleted the ConfigMap an earlier version kept the record in", ref)
+    changed = (answer.get("metadata") or {}).get("generation") != workload.generation
     return InjectionApplied("applied" if changed else "unchanged", answer)
 
 
-def _record_in_configmap(obj: Mapping[str, Any]) -> bool:
+def _record_in_configmap(workload: Workload) -> bool:
     """Whether the operator labelled the template for admission without a record on the workload
     (what versions that kept the record in the generated ConfigMap left)."""
-    annotations = (obj.get("metadata") or {}).get("annotations") or {}
-    return c.ANN_INJECTION_RECORD not in annotations and owned_by(
-        obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}"), c.FIELD_MANAGER
-    )
+    return c.ANN_INJECTION_RECORD not in workload.annotations and workload.owns_admission_label
 
 
 def apply_removal(kube: Kube, path: str, plan: RemovalPlan, version: str | None) -> None:
@@ -130,40 +124,37 @@ def apply_removal(kube: Kube, path: str, plan: RemovalPlan, version: str | None)
         kube.apply(path, body, step.field_manager, force=False)
 
 
-def changed_since(kube: Kube, path: str, meta: Mapping[str, Any]) -> bool:
+def changed_since(kube: Kube, workload: Workload) -> bool:
     """Whether the object's spec moved on from the version a fragment was computed from."""
-    current = kube.get(path)
-    return current is not None and (current.get("metadata") or {}).get("generation") != meta.get("generation")
+    current = kube.get(workload_path(workload.ref.kind, workload.ref.namespace, workload.ref.name))
+    return current is not None and (current.get("metadata") or {}).get("generation") != workload.generation
 
 
-def carries_injection(kube: Kube, obj: Mapping[str, Any], rendered: RenderedInjection) -> bool:
+def carries_injection(kube: Kube, workload: Workload, rendered: RenderedInjection) -> bool:
     """Whether the live workload and its ConfigMap (if it has one) hold every field the apply would set."""
-    if not object_carries(rendered.workload_apply, obj):
+    if not object_carries(rendered.workload_apply, workload.live):
         return False
     if rendered.configmap_apply is None:
         return True
-    meta = obj.get("metadata") or {}
-    cm = kube.get(configmap_path(str(meta.get("namespace")), configmap_name(str(meta.get("name")))))
+    cm = kube.get(configmap_path(workload.ref.namespace, configmap_name(workload.ref.name)))
     return object_carries(rendered.configmap_apply, cm)
 
 
-def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
+def remove_injection(kube: Kube, workload: Workload) -> str:
     """Apply the removal plan of an opted-out workload and delete its generated ConfigMap.
 
     ``noop``: nothing of ours; ``removed``; ``skipped``: the workload kept changing or opted in
     again meanwhile (the next event carries it). Field conflicts are raised to the caller.
     """
-    kind = str(obj.get("kind"))
-    meta = obj.get("metadata") or {}
-    namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-    path = workload_path(kind, namespace, name)
-    current: Mapping[str, Any] = obj
+    ref = workload.ref
+    path = workload_path(ref.kind, ref.namespace, ref.name)
+    current = workload
     for _attempt in range(LOCKED_APPLY_TRIES):
         plan = render_removal(current)
         if not plan.steps:
             return "noop"
         try:
-            apply_removal(kube, path, plan, (current.get("metadata") or {}).get("resourceVersion"))
+            apply_removal(kube, path, plan, current.ref.resource_version)
             break
         except KubeApiError as exc:
             if exc.status != 409 or exc.field_conflicts:
@@ -173,10 +164,10 @@ def remove_injection(kube: Kube, obj: Mapping[str, Any]) -> str:
         live = kube.get(path)
         if live is None or enabled_state((live.get("metadata") or {}).get("annotations") or {}) is not False:
             return "skipped"
-        current = {"kind": kind, **live}
+        current = read_workload({"kind": ref.kind, **live})
     else:
         return "skipped"
-    delete_generated_configmap(kube, namespace, name)
+    delete_generated_configmap(kube, ref.namespace, ref.name)
     return "removed"
 
 
@@ -195,7 +186,7 @@ def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tupl
     what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
     results: list[tuple[str, str]] = []
     for obj in list(list_workloads(kube, namespaces)):
-        if manages_anything(obj, c.FIELD_MANAGER):
-            meta = obj.get("metadata") or {}
-            results.append((f"{obj['kind']}/{meta.get('namespace')}/{meta.get('name')}", remove_injection(kube, obj)))
+        workload = read_workload(obj)
+        if workload.manages_anything:
+            results.append((str(workload.ref), remove_injection(kube, workload)))
     return results

@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.operator.intent.workload import WorkloadRef
+
 
 @dataclass
 class OptionsSources:
@@ -17,10 +19,9 @@ class OptionsSources:
     """The resourceVersion each ConfigMap had when it was last merged or checked."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def track(self, workload: Mapping[str, Any], configmap: str | None) -> None:
+    def track(self, workload: WorkloadRef, configmap: str | None) -> None:
         """The workload's options come from ``configmap`` now (None: from none)."""
-        meta = workload.get("metadata") or {}
-        namespace, ref = str(meta.get("namespace")), (str(workload.get("kind")), str(meta.get("name")))
+        namespace, ref = workload.namespace, (workload.kind, workload.name)
         with self._lock:
             for key, refs in list(self._by_configmap.items()):
                 if key[0] == namespace and key[1] != configmap:

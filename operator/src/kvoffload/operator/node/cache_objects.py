@@ -24,6 +24,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator import __version__
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
+from kvoffload.operator.intent.workload import Workload, read_workload
 from kvoffload.operator.plan.containers import (
     CACHE_POD_KEY_FILES,
     RESTRICTED_SECURITY_CONTEXT,
@@ -131,11 +132,10 @@ def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> Inj
     return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: name}, policy, defaults, namespace)
 
 
-def node_cache_wiring(workload: Mapping[str, Any], settings: InjectionSettings) -> NodeCacheWiring | PolicyError:
+def node_cache_wiring(workload: Workload, settings: InjectionSettings) -> NodeCacheWiring | PolicyError:
     """How a node-mode engine reaches its node's cache pod (Service URL, the node's shared
     /dev/shm, the policy label), or why its annotations conflict with a shared cache."""
-    meta = workload.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
+    annotations = workload.annotations
     for key in CACHE_SETTING_ANNOTATIONS:
         if key in annotations:
             return PolicyError(
@@ -144,7 +144,7 @@ def node_cache_wiring(workload: Mapping[str, Any], settings: InjectionSettings) 
                 f"KVCachePolicy {settings.policy_name} (spec.cache.l1Size) and remove the annotation",
             )  # fmt: skip
     assert settings.policy_name is not None  # resolve_settings requires one in node mode
-    namespace = str(meta.get("namespace"))
+    namespace = workload.ref.namespace
     return NodeCacheWiring(
         server_url=cache_server_url(namespace, settings.policy_name),
         shm_host_path=node_shm_host_path(namespace, settings.policy_name),
@@ -160,7 +160,7 @@ def render_node_mode_fragment(
     user_options_yaml: str | None = None,
 ) -> RenderedInjection | PolicyError:
     """The engine side of node mode: the sidecar-mode fragment without the sidecar, wired to the node's cache pod."""
-    wiring = node_cache_wiring(workload, settings)
+    wiring = node_cache_wiring(read_workload(workload), settings)
     if isinstance(wiring, PolicyError):
         return wiring
     return render_injection_fragment(workload, settings, cluster, user_options_yaml, node_cache=wiring)

@@ -16,24 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.intent.managed_fields import (
-    TEMPLATE_META,
-    container_path,
-    manages_anything,
-    owned_by,
-    owned_by_others,
-)
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.operator.intent.trtllm_options import AlreadyOurs, MergeFromConfigMap, strip_injected_args
-from kvoffload.operator.intent.workload_view import (
-    SUPPORTED_KINDS,
-    configmap_name,
-    conflict_path,
-    empty_apply_body,
-    pod_spec_of,
-    template_annotations,
-    workload_meta,
-)
+from kvoffload.operator.intent.trtllm_options import AlreadyOurs, MergeFromConfigMap
+from kvoffload.operator.intent.workload import Workload, WorkloadRef, configmap_name, conflict_path, read_workload
 from kvoffload.operator.plan.containers import (
     BUNDLE_VOLUME_SIZE,
     CACHE_KEYS_MOUNT,
@@ -164,21 +149,16 @@ def _pod_spec_fragment(plan: InjectionPlan, cm_name: str | None) -> dict[str, An
     return pod_spec
 
 
-def configmap_body(workload: Mapping[str, Any], cm_name: str, data: dict[str, str], digest: str) -> dict[str, Any]:
-    meta = workload_meta(workload)
-    owner: dict[str, Any] = {
-        "apiVersion": SUPPORTED_KINDS[str(workload["kind"])],
-        "kind": workload["kind"],
-        "name": str(meta.get("name")),
-    }
-    if meta.get("uid"):
-        owner["uid"] = meta.get("uid")
+def configmap_body(ref: WorkloadRef, cm_name: str, data: dict[str, str], digest: str) -> dict[str, Any]:
+    owner: dict[str, Any] = {"apiVersion": ref.api_version, "kind": ref.kind, "name": ref.name}
+    if ref.uid:
+        owner["uid"] = ref.uid
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
             "name": cm_name,
-            "namespace": str(meta.get("namespace")),
+            "namespace": ref.namespace,
             "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE},
             "annotations": {c.ANN_CONFIG_HASH: digest},
             "ownerReferences": [owner],
@@ -191,7 +171,7 @@ def render(plan: InjectionPlan, files_on_pod: bool = False) -> RenderedInjection
     """The SSA bodies (workload fragment and generated ConfigMap) of a plan; with ``files_on_pod``
     (the webhook's pods) the files are pod annotations instead and there is no ConfigMap."""
     workload, uses_sidecar = plan.workload, plan.uses_sidecar
-    cm_name = None if files_on_pod else configmap_name(str(workload_meta(workload).get("name")))
+    cm_name = None if files_on_pod else configmap_name(workload.ref.name)
     pod_spec = _pod_spec_fragment(plan, cm_name)
     configmap_data = {
         c.TRTLLM_OPTIONS_FILE: plan.options_text,
@@ -214,13 +194,13 @@ def render(plan: InjectionPlan, files_on_pod: bool = False) -> RenderedInjection
     labels = {c.LABEL_INJECTED: "true", **(plan.node_cache.pod_labels if plan.node_cache else {})}
     digest = config_hash({"metadata": {"annotations": annotations, "labels": labels}, "spec": pod_spec}, configmap_data)
     annotations[c.ANN_CONFIG_HASH] = digest
-    body = empty_apply_body(workload)
+    body = workload.ref.apply_body()
     body["spec"] = {"template": {"metadata": {"annotations": dict(sorted(annotations.items())), "labels": labels},
                                  "spec": pod_spec}}  # fmt: skip
     forceable: tuple[str, ...] = ()
     if plan.engine_args is not None and not isinstance(plan.engine.options, AlreadyOurs):
         forceable = (conflict_path("containers", plan.engine.name, "args"),)
-    configmap = None if cm_name is None else configmap_body(workload, cm_name, configmap_data, digest)
+    configmap = None if cm_name is None else configmap_body(workload.ref, cm_name, configmap_data, digest)
     return RenderedInjection(
         workload_apply=body, configmap_apply=configmap, files=configmap_data, config_hash=digest,
         engine_container=plan.engine.name, forceable_fields=forceable, warnings=tuple(warnings),
@@ -234,21 +214,21 @@ def render_injection_fragment(
     user_options_yaml: str | None = None,
     node_cache: NodeCacheWiring | None = None,
 ) -> RenderedInjection | PolicyError:
-    """Choose, plan and render in one call (tests, tools); the reconciler runs the steps itself."""
-    engine = choose_engine(workload, settings)
+    """Read, choose, plan and render in one call (tests, tools); the reconciler runs the steps itself."""
+    read = read_workload(workload)
+    engine = choose_engine(read, settings)
     if isinstance(engine, PolicyError):
         return engine
-    plan = plan_injection(workload, settings, cluster, engine, user_options_yaml, node_cache)
+    plan = plan_injection(read, settings, cluster, engine, user_options_yaml, node_cache)
     return plan if isinstance(plan, PolicyError) else render(plan)
 
 
-def _scrape_annotations(workload: Mapping[str, Any], port: int, port_name: str) -> tuple[dict[str, str], str | None]:
+def _scrape_annotations(workload: Workload, port: int, port_name: str) -> tuple[dict[str, str], str | None]:
     """prometheus.io/* pointing at the pod's /metrics on ``port``, unless the user set them otherwise."""
     wanted = dict(zip(c.PROMETHEUS_SCRAPE_ANNOTATIONS, ("true", str(port), c.PATH_METRICS), strict=True))
-    current = template_annotations(workload)
+    current = workload.pod.annotations
     for name, value in wanted.items():
-        path = (*TEMPLATE_META, "f:annotations", f"f:{name}")
-        if name in current and current[name] != value and owned_by_others(workload, path, c.FIELD_MANAGER):
+        if name in current and current[name] != value and name in workload.pod.users_annotations:
             return {}, (
                 f"pod template annotation {name}={current[name]!r} is the user's; kvoffload leaves the scrape "
                 f"annotations alone, scrape port {port_name} ({port}) yourself"
@@ -263,24 +243,17 @@ def config_hash(template_fragment: Mapping[str, Any], configmap_data: Mapping[st
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def render_removal(workload: Mapping[str, Any]) -> RemovalPlan:
+def render_removal(workload: Workload) -> RemovalPlan:
     """How to take the injection out so the template is the user's again.
 
     Normally one empty apply: the apiserver drops every field the operator owned. When the
     operator rewrote the engine's args it owns them alone, so an empty apply would delete them:
     first apply the user's args back, let a hand-off manager co-own that value, then release.
     """
-    if not manages_anything(workload, c.FIELD_MANAGER):
+    if not workload.manages_anything:
         return RemovalPlan(steps=())
-    empty = empty_apply_body(workload)
-    original = None
-    if owned_by(workload, (*TEMPLATE_META, "f:annotations", f"f:{c.ANN_ORIGINAL_OPTIONS_PATH}"), c.FIELD_MANAGER):
-        original = template_annotations(workload).get(c.ANN_ORIGINAL_OPTIONS_PATH)
-    restored: list[dict[str, Any]] = []
-    for x in pod_spec_of(workload).get("containers") or []:
-        cname = str(x.get("name"))
-        if owned_by(workload, (*container_path("containers", cname), "f:args"), c.FIELD_MANAGER):
-            restored.append({"name": cname, "args": strip_injected_args(x.get("args") or [], original)})
+    empty = workload.ref.apply_body()
+    restored = [{"name": x.name, "args": list(x.spec.get("args") or [])} for x in workload.containers if x.we_own_args]
     if not restored:
         return RemovalPlan(steps=(ApplyStep(c.FIELD_MANAGER, empty),))
     with_args = {**copy.deepcopy(empty), "spec": {"template": {"spec": {"containers": restored}}}}

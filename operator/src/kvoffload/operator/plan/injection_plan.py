@@ -14,7 +14,6 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator import __version__
-from kvoffload.operator.intent.managed_fields import TEMPLATE_SPEC, owned_by_others
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.trtllm_options import (
     ManualStep,
@@ -27,15 +26,7 @@ from kvoffload.operator.intent.trtllm_options import (
     plan_options,
     served_model,
 )
-from kvoffload.operator.intent.workload_view import (
-    EngineView,
-    collision_problem,
-    engine_view,
-    pod_spec_of,
-    select_engine_container,
-    shape_problem,
-    user_volumes,
-)
+from kvoffload.operator.intent.workload import GPU_RESOURCE, OUR_VOLUMES, SUPPORTED_KINDS, Container, Workload
 from kvoffload.operator.plan.containers import engine_env, merge_engine_env, shm_size_limit
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import QuantityError, format_bytes, parse_bytes
@@ -71,9 +62,13 @@ class NodeCacheWiring:
 class EngineChoice:
     """The engine container, as the user wrote it, and how its TensorRT-LLM options reach it."""
 
-    name: str
-    view: EngineView
+    container: Container
+    """The engine container as the user wrote it."""
     options: OptionsPlan
+
+    @property
+    def name(self) -> str:
+        return self.container.name
 
     @property
     def user_options_source(self) -> MergeFromConfigMap | None:
@@ -85,7 +80,7 @@ class EngineChoice:
 class InjectionPlan:
     """Everything decided for one workload; :func:`kvoffload.operator.plan.fragment.render` renders it."""
 
-    workload: Mapping[str, Any]
+    workload: Workload
     settings: InjectionSettings
     cluster: ClusterInfo
     engine: EngineChoice
@@ -104,30 +99,80 @@ class InjectionPlan:
     warnings: tuple[str, ...]
 
 
-def choose_engine(workload: Mapping[str, Any], settings: InjectionSettings) -> EngineChoice | PolicyError:
+def _shape_problem(workload: Workload) -> PolicyError | None:
+    kind = workload.ref.kind
+    if kind not in SUPPORTED_KINDS:
+        return PolicyError("kind", kind, "Deployment or StatefulSet (apps/v1)", reason="unsupported")
+    if not workload.containers:
+        return PolicyError("spec.template.spec.containers", None, "at least one container", reason="unsupported")
+    return None
+
+
+def _engine_container(workload: Workload, settings: InjectionSettings) -> Container | PolicyError:
+    """The TensorRT-LLM container: the annotated one, else the GPU one, else the only one."""
+    containers = workload.user_containers
+    names = [x.name for x in containers]
+    if settings.container is not None:
+        if settings.container in names:
+            return workload.container(settings.container)
+        return PolicyError(c.ANN_CONTAINER, settings.container, "one of the pod's containers: " + ", ".join(names))
+    gpu = [x for x in containers if x.requests_gpu]
+    if len(gpu) == 1:
+        return workload.container(gpu[0].name)
+    if len(containers) == 1:
+        return workload.container(names[0])
+    why = f"{len(gpu)} containers request {GPU_RESOURCE}" if gpu else f"no container requests {GPU_RESOURCE}"
+    return PolicyError(
+        c.ANN_CONTAINER, None,
+        f"{why}; set {c.ANN_CONTAINER} to the TensorRT-LLM container, one of: " + ", ".join(names),
+        reason="ambiguous_container",
+    )  # fmt: skip
+
+
+def _collision_problem(workload: Workload, engine: Container) -> PolicyError | None:
+    """Names and paths we inject that the user already uses for something else."""
+    if workload.reserved_name_taken is not None:
+        list_name, name = workload.reserved_name_taken
+        return PolicyError(
+            f"spec.template.spec.{list_name}[{name}]", name,
+            "kvoffload reserves this container name; rename your container", reason="conflict",
+        )  # fmt: skip
+    for v in workload.volumes:
+        if v.get("name") in OUR_VOLUMES:
+            return PolicyError(
+                "spec.template.spec.volumes", v.get("name"),
+                "kvoffload reserves this volume name; rename your volume", reason="conflict",
+            )  # fmt: skip
+    ours = (c.RUN_MOUNT_PATH, c.BUNDLE_MOUNT_PATH, c.TRTLLM_OPTIONS_MOUNT_PATH)
+    for m in engine.spec.get("volumeMounts") or []:
+        if str(m.get("mountPath", "")).rstrip("/") in ours:
+            return PolicyError(
+                f"container {engine.name} volumeMounts", m.get("mountPath"),
+                "kvoffload mounts its own volume there; move your mount", reason="conflict",
+            )  # fmt: skip
+    return None
+
+
+def choose_engine(workload: Workload, settings: InjectionSettings) -> EngineChoice | PolicyError:
     """The engine container and its options plan, or why the workload cannot be injected."""
-    problem = shape_problem(workload)
+    engine = _shape_problem(workload) or _engine_container(workload, settings)
+    if isinstance(engine, PolicyError):
+        return engine
+    problem = _collision_problem(workload, engine)
     if problem:
         return problem
-    name = select_engine_container(workload, settings)
-    if isinstance(name, PolicyError):
-        return name
-    view = engine_view(workload, name)
-    problem = collision_problem(workload, name, view)
-    if problem:
-        return problem
-    model = served_model(view.container)
+    model = served_model(engine.spec)
     layout_problem = model_layout_problem(model) if model else None
     if layout_problem:
-        return PolicyError(f"container {name} model", model, layout_problem, reason="unsupported")
-    return EngineChoice(name, view, plan_options(view.container, user_volumes(workload), view.original_options_path))
+        return PolicyError(f"container {engine.name} model", model, layout_problem, reason="unsupported")
+    return EngineChoice(engine, plan_options(engine.spec, workload.volumes, workload.original_options_path))
 
 
 def _user_shm_volume(
-    workload: Mapping[str, Any], settings: InjectionSettings, engine: EngineChoice, node_cache: NodeCacheWiring | None
+    workload: Workload, settings: InjectionSettings, engine: EngineChoice, node_cache: NodeCacheWiring | None
 ) -> str | None | PolicyError:
     """The user's own /dev/shm volume, reused if it can hold LMCache's L1 and the engine's share."""
-    mounts = engine.view.container.get("volumeMounts") or []
+    mounts = engine.container.spec.get("volumeMounts") or []
     user_shm = next((m for m in mounts if str(m.get("mountPath", "")).rstrip("/") == c.SHM_MOUNT_PATH), None)
     if user_shm is not None and node_cache is not None:
         return PolicyError(
@@ -137,7 +182,7 @@ def _user_shm_volume(
         )  # fmt: skip
     if user_shm is None:
         return None
-    volume = next((v for v in user_volumes(workload) if v.get("name") == user_shm.get("name")), {})
+    volume = next((v for v in workload.volumes if v.get("name") == user_shm.get("name")), {})
     limit = (volume.get("emptyDir") or {}).get("sizeLimit")
     needed = shm_size_limit(settings)
     try:
@@ -171,12 +216,12 @@ def _options(engine: EngineChoice, settings: InjectionSettings, user_options_yam
     return text
 
 
-def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_sidecar: bool, cache_in_pod: bool
+def _pod_level(workload: Workload, settings: InjectionSettings, uses_sidecar: bool, cache_in_pod: bool
                ) -> tuple[str | None, list[str]] | PolicyError:  # fmt: skip
     """(runtime class to set, warnings) as the user's pod-level fields allow, or why they conflict."""
-    spec = pod_spec_of(workload)
+    pod = workload.pod
     warnings: list[str] = []
-    if cache_in_pod and spec.get("hostNetwork") is True:
+    if cache_in_pod and pod.host_network:
         # LMCache's request port and admin API have no authentication; loopback keeps them to the
         # pod, but a host-network pod's loopback is the node's, shared by every pod and process on it.
         return PolicyError(
@@ -186,11 +231,7 @@ def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_si
             "admin API; remove hostNetwork, or use mode node (the cache runs in its own pod)",
             reason="host_network",
         )  # fmt: skip
-    if (
-        uses_sidecar
-        and spec.get("shareProcessNamespace") is False
-        and owned_by_others(workload, (*TEMPLATE_SPEC, "f:shareProcessNamespace"), c.FIELD_MANAGER)
-    ):
+    if uses_sidecar and pod.process_namespace_kept_apart:
         # CUDA IPC needs the engine's and the cache server's PIDs to differ; one PID namespace
         # per pod guarantees that (two namespaces could both hand out the same PID).
         return PolicyError(
@@ -200,12 +241,8 @@ def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_si
         )  # fmt: skip
     runtime_class = None
     if settings.runtime_class_name and uses_sidecar and settings.gpu_access == "nvidia-runtime":
-        current = spec.get("runtimeClassName")
-        if (
-            current
-            and current != settings.runtime_class_name
-            and owned_by_others(workload, (*TEMPLATE_SPEC, "f:runtimeClassName"), c.FIELD_MANAGER)
-        ):
+        current = pod.runtime_class_name
+        if current and current != settings.runtime_class_name and pod.runtime_class_is_users:
             warnings.append(
                 f"runtimeClassName {current!r} is the user's; kvoffload wanted {settings.runtime_class_name!r} "
                 "so the cache server sees the GPU; check that yours exposes it"
@@ -216,7 +253,7 @@ def _pod_level(workload: Mapping[str, Any], settings: InjectionSettings, uses_si
 
 
 def plan_injection(
-    workload: Mapping[str, Any],
+    workload: Workload,
     settings: InjectionSettings,
     cluster: ClusterInfo,
     engine: EngineChoice,
@@ -229,9 +266,9 @@ def plan_injection(
     ConfigMap (the handler fetched it); ``node_cache`` wires the engine to its node's cache pod.
     """
     warnings = [engine.options.message] if isinstance(engine.options, ManualStep) else []
-    args = desired_args(engine.view.container.get("args") or [], engine.options)
-    if args is None and engine.view.we_own_args:
-        args = list(engine.view.container.get("args") or [])  # keep the user's value while we still own the field
+    args = desired_args(engine.container.spec.get("args") or [], engine.options)
+    if args is None and engine.container.we_own_args:
+        args = list(engine.container.spec.get("args") or [])  # keep the user's value while we still own the field
     options_text = _options(engine, settings, user_options_yaml)
     if isinstance(options_text, PolicyError):
         return options_text
@@ -239,7 +276,7 @@ def plan_injection(
     uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None
     env, env_error = merge_engine_env(
         engine_env(settings, url, serve_metrics=not uses_sidecar, cache_keys=node_cache is not None),
-        engine.view.container.get("env") or [],
+        engine.container.spec.get("env") or [],
         engine.name,
     )
     if env_error:

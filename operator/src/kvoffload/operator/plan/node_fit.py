@@ -12,15 +12,15 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.operator.intent.workload_view import GPU_RESOURCE, pod_spec_of
+from kvoffload.operator.intent.workload import GPU_RESOURCE, Workload
 from kvoffload.operator.plan.containers import cache_server_memory_bytes, memory_request_bytes
 from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes, kubernetes_bytes
 
 
-def user_memory_requests(workload: Mapping[str, Any]) -> int:
-    """The memory the workload's own containers request (a limit counts where no request is set)."""
-    return sum(memory_request_bytes(x.get("resources")) for x in pod_spec_of(workload).get("containers") or [])
+def user_memory_requests(workload: Workload) -> int:
+    """The memory the workload's containers request (a limit counts where no request is set)."""
+    return sum(memory_request_bytes(x.spec.get("resources")) for x in workload.containers)
 
 
 def largest_gpu_node_memory(nodes: Iterable[Mapping[str, Any]]) -> int | None:
@@ -33,9 +33,7 @@ def largest_gpu_node_memory(nodes: Iterable[Mapping[str, Any]]) -> int | None:
     return max(sizes) if sizes else None
 
 
-def node_fit_problem(
-    workload: Mapping[str, Any], settings: InjectionSettings, largest: int | None
-) -> PolicyError | None:
+def node_fit_problem(workload: Workload, settings: InjectionSettings, largest: int | None) -> PolicyError | None:
     """Why no GPU node could run the injected pod, or None (also when no GPU node is known)."""
     if largest is None or settings.backend != c.BACKEND_SIDECAR or settings.mode != "sidecar":
         return None

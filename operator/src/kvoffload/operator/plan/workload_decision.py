@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.operator.intent.managed_fields import template_injected
 from kvoffload.operator.intent.settings import (
     InjectionSettings,
     OperatorDefaults,
@@ -23,6 +22,7 @@ from kvoffload.operator.intent.settings import (
     ours_annotations_digest,
     resolve_settings,
 )
+from kvoffload.operator.intent.workload import Workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo
 from kvoffload.operator.plan.node_fit import node_fit_problem
 from kvoffload.policy_values import PolicyError
@@ -91,12 +91,11 @@ class Inject:
 Decision = Leave | Reject | Remove | Inject
 
 
-def decide_workload(workload: Mapping[str, Any], inputs: WorkloadInputs) -> Decision:
+def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
     """The one thing this pass does to ``workload`` (see the module's docstring for the order)."""
-    meta = workload.get("metadata") or {}
-    if meta.get("deletionTimestamp"):
+    if workload.deleting:
         return Leave()  # being deleted: an apply could only race the garbage collector
-    annotations = meta.get("annotations") or {}
+    annotations = workload.annotations
     enabled = enabled_state(annotations)
     digest = ours_annotations_digest(annotations)
     if isinstance(enabled, PolicyError):
@@ -105,11 +104,11 @@ def decide_workload(workload: Mapping[str, Any], inputs: WorkloadInputs) -> Deci
         return Remove()
     policy = inputs.policy()
     policy_version = None if policy is None else (policy.get("metadata") or {}).get("resourceVersion")
-    fingerprint = (meta.get("generation"), digest, policy_version, inputs.cluster)
+    fingerprint = (workload.generation, digest, policy_version, inputs.cluster)
     if not inputs.force and fingerprint in inputs.done:
         return Leave()
-    state = f"{meta.get('generation')}/{digest}/{policy_version}"
-    settings = resolve_settings(annotations, policy, inputs.defaults, str(meta.get("namespace")))
+    state = f"{workload.generation}/{digest}/{policy_version}"
+    settings = resolve_settings(annotations, policy, inputs.defaults, workload.ref.namespace)
     if isinstance(settings, PolicyError):
         return Reject(settings, state)
     if settings.mode == "node" and not inputs.node_mode:
@@ -117,5 +116,5 @@ def decide_workload(workload: Mapping[str, Any], inputs: WorkloadInputs) -> Deci
     unfit = node_fit_problem(workload, settings, inputs.largest_gpu_node_memory())
     if unfit:
         return Reject(unfit, state)
-    hand_back = inputs.cluster.injection == "admission" and template_injected(workload)
+    hand_back = inputs.cluster.injection == "admission" and workload.template_injected
     return Inject(settings, state, fingerprint, hand_back)
