@@ -18,14 +18,14 @@ from hack.polling import WaitTimedOut
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.api.kube import Kube, load_configuration
-from kvoffload.operator.node.cache_objects import (
+from kvoffload.operator.node.caches import NodeCaches, services_path
+from kvoffload.operator.plan.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
+from kvoffload.operator.plan.node_wiring import (
     cache_keys_secret_name,
     cache_server_url,
     cache_service_name,
     node_shm_host_path,
 )
-from kvoffload.operator.node.caches import NodeCaches, services_path
-from kvoffload.operator.plan.containers import CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 from tests.support.operator_support import (
     OperatorProcess,
     all_containers,

@@ -14,13 +14,9 @@ from kvoffload import contract as c
 from kvoffload.operator.control.policy_status import desired_policy_status
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.node.cache_objects import (
-    cache_keys_secret_name,
     cache_pod_name,
     cache_pod_selector,
-    cache_server_url,
-    cache_service_name,
     cache_settings,
-    node_shm_host_path,
     render_cache_keys_secret,
     render_cache_network_policy,
     render_cache_pod,
@@ -36,6 +32,12 @@ from kvoffload.operator.node.placement import (
 )
 from kvoffload.operator.plan.containers import CACHE_KEYS_MOUNT, CACHE_POD_KEY_FILES, ENGINE_KEY_FILES
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
+from kvoffload.operator.plan.node_wiring import (
+    cache_keys_secret_name,
+    cache_server_url,
+    cache_service_name,
+    node_shm_host_path,
+)
 from kvoffload.policy_values import PolicyError
 from tests.unit.operator.operator_fixtures import applied, container, deployment
 

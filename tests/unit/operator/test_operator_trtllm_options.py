@@ -16,11 +16,10 @@ from kvoffload.operator.intent.trtllm_options import (
     AppendFlag,
     ManualStep,
     MergeFromConfigMap,
-    desired_args,
-    merged_options_yaml,
     plan_options,
     strip_injected_args,
 )
+from kvoffload.operator.plan.options_file import desired_args, merged_options_yaml
 
 pytestmark = pytest.mark.operator
 SERVE = ["trtllm-serve"]

@@ -9,7 +9,8 @@ import pytest
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
-from kvoffload.operator.intent.workload import read_workload
+from kvoffload.operator.intent.trtllm_options import MergeFromConfigMap
+from kvoffload.operator.intent.workload import WorkloadRef, read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo
 from kvoffload.operator.plan.workload_decision import (
     Decision,
@@ -19,14 +20,14 @@ from kvoffload.operator.plan.workload_decision import (
     WorkloadInputs,
     decide_workload,
 )
-from tests.unit.operator.operator_fixtures import deployment
+from tests.unit.operator.operator_fixtures import container, deployment
 
 pytestmark = pytest.mark.operator
 
 CLUSTER = ClusterInfo(True)
 INPUTS = WorkloadInputs(
-    policy=lambda: None, defaults=OperatorDefaults(), cluster=CLUSTER, node_mode=False,
-    largest_gpu_node_memory=lambda: None,
+    policy=lambda namespace, name: None, defaults=OperatorDefaults(), cluster=CLUSTER, node_mode=False,
+    largest_gpu_node_memory=lambda: None, options=lambda workload, source: None,
 )  # fmt: skip
 POLICY = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "7"}, "spec": {}}
 SMALL_NODE = 32 * 2**30
@@ -74,10 +75,10 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, str | None]]] 
     ("an opted-in workload with valid settings is injected", ON, {}, ("Inject", None)),
     ("bad settings are rejected", {**ON, c.ANN_CPU_CACHE_SIZE: "lots"}, {}, ("Reject", "invalid_settings")),
     ("a policy that does not exist is rejected", {**ON, c.ANN_POLICY: "p"}, {}, ("Reject", "policy_missing")),
-    ("a policy that exists is used", {**ON, c.ANN_POLICY: "p"}, {"policy": lambda: POLICY}, ("Inject", None)),
-    ("node mode is refused where the operator runs without it", NODE_MODE, {"policy": lambda: POLICY},
+    ("a policy that exists is used", {**ON, c.ANN_POLICY: "p"}, {"policy": lambda namespace, name: POLICY}, ("Inject", None)),
+    ("node mode is refused where the operator runs without it", NODE_MODE, {"policy": lambda namespace, name: POLICY},
      ("Reject", "unsupported")),
-    ("node mode is injected where the operator runs it", NODE_MODE, {"policy": lambda: POLICY, "node_mode": True},
+    ("node mode is injected where the operator runs it", NODE_MODE, {"policy": lambda namespace, name: POLICY, "node_mode": True},
      ("Inject", None)),
     ("a pod that fits no GPU node is rejected", {**ON, c.ANN_CPU_CACHE_SIZE: "100Gi"},
      {"largest_gpu_node_memory": lambda: SMALL_NODE}, ("Reject", "no_node_fits")),
@@ -109,7 +110,7 @@ def test_inputs_already_reconciled_are_left_unless_forced() -> None:
 
 def test_a_new_generation_or_policy_version_is_not_already_reconciled() -> None:
     obj = workload(**{**ON, c.ANN_POLICY: "p"})
-    done = replace(INPUTS, policy=lambda: POLICY, done=frozenset({fingerprint_of(obj, "6")}))
+    done = replace(INPUTS, policy=lambda namespace, name: POLICY, done=frozenset({fingerprint_of(obj, "6")}))
     decision = decide(obj, done)
     assert isinstance(decision, Inject) and decision.fingerprint == fingerprint_of(obj, "7")
 
@@ -137,7 +138,7 @@ def test_admission_mode_hands_a_template_injected_by_template_mode_back_first(
     assert isinstance(decision, Inject) and decision.hand_back_template is hand_back
 
 
-def unread() -> Any:
+def unread(*_: object) -> Any:
     raise AssertionError("read although the answer does not depend on it")
 
 
@@ -145,10 +146,10 @@ def unread() -> Any:
     ("annotations", "deleting"),
     [(ON, True), ({c.ANN_ENABLED: "false"}, False), ({c.ANN_ENABLED: "yes"}, False), ({}, False)],
 )
-def test_a_pass_that_ends_before_opting_in_reads_neither_the_policy_nor_the_nodes(
+def test_a_pass_that_ends_before_opting_in_reads_neither_the_policy_nor_the_nodes_nor_the_options(
     annotations: dict[str, str], deleting: bool
 ) -> None:
-    inputs = replace(INPUTS, policy=unread, largest_gpu_node_memory=unread)
+    inputs = replace(INPUTS, policy=unread, largest_gpu_node_memory=unread, options=unread)
     assert not isinstance(decide(workload(deleting, **annotations), inputs), Inject)
 
 
@@ -157,4 +158,36 @@ def test_the_nodes_are_read_only_for_settings_that_passed_every_earlier_check() 
     obj = workload(**ON)
     assert decide(obj, replace(no_nodes, done=frozenset({fingerprint_of(obj)}))) == Leave()
     assert isinstance(decide(workload(**{**ON, c.ANN_CPU_CACHE_SIZE: "lots"}), no_nodes), Reject)
-    assert isinstance(decide(workload(**NODE_MODE), replace(no_nodes, policy=lambda: POLICY)), Reject)
+    assert isinstance(decide(workload(**NODE_MODE), replace(no_nodes, policy=lambda namespace, name: POLICY)), Reject)
+
+
+def test_an_injection_carries_its_plan_whose_engine_env_names_the_cache_server() -> None:
+    decision = decide(workload(**ON), INPUTS)
+    assert isinstance(decision, Inject)
+    env = {e["name"]: e.get("value") for e in decision.plan.engine_env}
+    assert env[c.ENV_SERVER_URL] == c.server_url(c.REQUEST_PORT)
+    assert decision.plan.engine.name == "trtllm"
+
+
+def options_workload() -> dict[str, Any]:
+    engine = container(options_file="/etc/trtllm/options.yaml")
+    engine["volumeMounts"] = [{"name": "opts", "mountPath": "/etc/trtllm"}]
+    volume = {"name": "opts", "configMap": {"name": "llm-options"}}
+    return deployment(containers=[engine], volumes=[volume], annotations=ON)
+
+
+def test_the_users_options_configmap_is_read_through_the_reader_and_a_missing_one_is_a_rejection() -> None:
+    asked: list[tuple[str, MergeFromConfigMap | None]] = []
+
+    def missing(ref: WorkloadRef, source: MergeFromConfigMap | None) -> None:
+        asked.append((ref.name, source))
+
+    decision = decide(options_workload(), replace(INPUTS, options=missing))
+    assert isinstance(decision, Reject) and decision.error.reason == "options_missing"
+    assert asked == [("llama", MergeFromConfigMap("llm-options", "options.yaml", "/etc/trtllm/options.yaml"))]
+    decision = decide(options_workload(), replace(INPUTS, options=lambda ref, source: {
+        "data": {"options.yaml": "max_batch_size: 8\n"}}))  # fmt: skip
+    assert isinstance(decision, Inject) and "max_batch_size: 8" in decision.plan.options_text
+    asked.clear()
+    assert isinstance(decide(workload(**ON), replace(INPUTS, options=missing)), Inject)
+    assert asked == [("llama", None)]  # told of a plan without a source: its ConfigMap, if any, is not tracked

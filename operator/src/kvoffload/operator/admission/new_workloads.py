@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvoffload.operator.admission.records import InjectionRecord, record_of, render_admission
-from kvoffload.operator.admission.workload_inputs import plan_for
+from kvoffload.operator.admission.workload_inputs import options_reader
 from kvoffload.operator.admission.workload_updates import template_label_patch
 from kvoffload.operator.api.kube import Kube, KubeApiError, policy_path
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, enabled_state, policy_name, resolve_settings
 from kvoffload.operator.intent.workload import read_workload
-from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
+from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, plan_workload
 from kvoffload.policy_values import PolicyError
 
 Planner = Callable[[Mapping[str, Any]], "InjectionPlan | str"]
@@ -50,7 +50,7 @@ def planner(kube: Kube, defaults: OperatorDefaults, cluster: ClusterInfo) -> Pla
             return settings.message
         if settings.mode != "sidecar":
             return f"mode {settings.mode} is planned by the operator"
-        planned = plan_for(kube, workload, settings, cluster, OptionsSources())
+        planned = plan_workload(workload, settings, cluster, options_reader(kube, OptionsSources()))
         return planned.message if isinstance(planned, PolicyError) else planned
 
     return plan

@@ -29,10 +29,10 @@ from kvoffload.operator.plan.fragment import RenderedInjection, render
 from kvoffload.operator.plan.injection_plan import (
     ClusterInfo,
     InjectionPlan,
-    NodeCacheWiring,
     choose_engine,
     plan_injection,
 )
+from kvoffload.operator.plan.node_wiring import NodeCacheWiring
 from kvoffload.policy_values import PolicyError
 
 

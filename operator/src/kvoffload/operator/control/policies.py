@@ -51,12 +51,8 @@ class Policies:
             previous is None or deleted or (previous.get("metadata") or {}).get("generation") != meta.get("generation")
         )
 
-    def for_workload(self, workload: Workload) -> dict[str, Any] | None:
-        """The KVCachePolicy a workload names (cached from policy events), or None."""
-        name = policy_name(workload.annotations)
-        if not isinstance(name, str):
-            return None
-        namespace = workload.ref.namespace
+    def named(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The KVCachePolicy ``namespace/name`` (cached from policy events), or None."""
         with self._lock:
             cached = self.cache.get((namespace, name))
         if cached is not None:

@@ -17,7 +17,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.records import intent_in_place, render_for
-from kvoffload.operator.admission.workload_inputs import plan_for, replan
+from kvoffload.operator.admission.workload_inputs import options_reader, replan
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from kvoffload.operator.api.retry import RetryQueue
@@ -31,7 +31,7 @@ from kvoffload.operator.control.workload_writes import (
 )
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
-from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, read_workload
+from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, WorkloadRef, read_workload
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
 from kvoffload.operator.node.gpu_nodes import GpuNodeMemory
@@ -39,6 +39,7 @@ from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RenderedInjection
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
 from kvoffload.operator.plan.workload_decision import (
+    Decision,
     Inject,
     Reject,
     Remove,
@@ -107,44 +108,30 @@ class Reconciler:
     def reconcile(self, obj: Mapping[str, Any], force: bool = False) -> str:
         """Bring one Deployment/StatefulSet to its desired state; returns the result label.
 
-        The object is read once (``read_workload``); the pass decides and writes, then its outcome
-        is reported. A pass that fails on the API is queued for a retry with backoff (kopf will
-        not call again until the object changes); any pass that completes clears that retry.
+        One pass: read the object once (``read_workload``), decide (``decide_workload``, which
+        plans), perform the one effect the decision names, report the outcome. A pass that fails on
+        the API is queued for a retry with backoff (kopf will not call again until the object
+        changes); any pass that completes clears that retry.
         """
+        started = time.perf_counter()
         workload = read_workload(obj)
         if workload.ref.kind not in SUPPORTED_KINDS:
             return "skipped"
-        started = time.perf_counter()
         with self._object_lock(workload.ref.uid):
-            outcome = self._attempt(workload, force)
+            try:
+                decision = decide_workload(workload, self._inputs(workload.ref.uid, force))
+                outcome = self._act(workload, decision, force)
+            except KubeApiError as exc:
+                outcome = self._api_failure(workload.ref, exc)
+            except Exception as exc:  # the operator keeps running whatever one workload does
+                log.exception("reconcile %s failed (retrying)", workload.ref)
+                outcome = Outcome("error", errors=["internal"],
+                                  failure=f"internal error, retrying: {type(exc).__name__}: {exc}")  # fmt: skip
         self._report(workload, outcome, time.perf_counter() - started)
         return outcome.result
 
-    def _attempt(self, workload: Workload, force: bool) -> Outcome:
-        """One pass; a failure becomes an outcome that asks for a retry."""
-        try:
-            return self._pass(workload, force)
-        except KubeApiError as exc:
-            if exc.status in (403, 404) and self._gone(workload):
-                log.info("reconcile %s: the workload is gone or being deleted (%s)", workload.ref, exc.reason)
-                return Outcome("skipped")
-            log.warning("reconcile %s: %s (retrying)", workload.ref, exc)
-            return Outcome("error", errors=["api_error"], failure=f"the API call failed, retrying: {exc}")
-        except Exception as exc:  # the operator keeps running whatever one workload does
-            log.exception("reconcile %s failed (retrying)", workload.ref)
-            failure = f"internal error, retrying: {type(exc).__name__}: {exc}"
-            return Outcome("error", errors=["internal"], failure=failure)
-
-    def _pass(self, workload: Workload, force: bool) -> Outcome:
-        """Decide (``workload_decision.decide_workload``) with the inputs it asks for, act on it."""
-        with self._lock:
-            done = self._done.get(workload.ref.uid, frozenset())
-        inputs = WorkloadInputs(
-            policy=lambda: self.policies.for_workload(workload), defaults=self.defaults, cluster=self.cluster,
-            node_mode=self.node_caches is not None, largest_gpu_node_memory=self.node_memory.largest,
-            done=done, force=force,
-        )  # fmt: skip
-        decision = decide_workload(workload, inputs)
+    def _act(self, workload: Workload, decision: Decision, force: bool) -> Outcome:
+        """Perform the one effect the decision names."""
         if isinstance(decision, Reject):
             return rejected(decision.error, decision.state)
         if isinstance(decision, Remove):
@@ -152,6 +139,24 @@ class Reconciler:
         if isinstance(decision, Inject):
             return self._inject(workload, decision, force)
         return Outcome("noop")
+
+    def _api_failure(self, ref: WorkloadRef, exc: KubeApiError) -> Outcome:
+        """A pass that failed on the API: retried, unless the workload is gone."""
+        if exc.status in (403, 404) and self._gone(ref):
+            log.info("reconcile %s: the workload is gone or being deleted (%s)", ref, exc.reason)
+            return Outcome("skipped")
+        log.warning("reconcile %s: %s (retrying)", ref, exc)
+        return Outcome("error", errors=["api_error"], failure=f"the API call failed, retrying: {exc}")
+
+    def _inputs(self, uid: str, force: bool) -> WorkloadInputs:
+        """What the decision reads besides the workload: the readers are called only where the answer depends on them."""
+        with self._lock:
+            done = self._done.get(uid, frozenset())
+        return WorkloadInputs(
+            policy=self.policies.named, defaults=self.defaults, cluster=self.cluster,
+            node_mode=self.node_caches is not None, largest_gpu_node_memory=self.node_memory.largest,
+            options=options_reader(self.kube, self.options_sources), done=done, force=force,
+        )  # fmt: skip
 
     def _report(self, workload: Workload, outcome: Outcome, seconds: float | None = None) -> None:
         """The pass's effects besides its writes: its Events, counters, retry, policy status."""
@@ -177,10 +182,10 @@ class Reconciler:
             self.metrics.reconciles.labels(kind=ref.kind, result=outcome.result).inc()
             self.metrics.duration.labels(kind=ref.kind).observe(seconds)
 
-    def _gone(self, workload: Workload) -> bool:
+    def _gone(self, ref: WorkloadRef) -> bool:
         """Whether the workload no longer exists or is being deleted (its namespace too, maybe)."""
         try:
-            current = self.kube.get(workload_path(workload.ref.kind, workload.ref.namespace, workload.ref.name))
+            current = self.kube.get(workload_path(ref.kind, ref.namespace, ref.name))
         except KubeApiError:
             return False
         return current is None or bool((current.get("metadata") or {}).get("deletionTimestamp"))
@@ -212,13 +217,10 @@ class Reconciler:
         return len(actions)
 
     def _inject(self, workload: Workload, decision: Inject, force: bool) -> Outcome:
-        """Plan (the options ConfigMap is read here), render, apply unless the object carries it already."""
-        plan = plan_for(self.kube, workload, decision.settings, self.cluster, self.options_sources)
-        if isinstance(plan, PolicyError):
-            return rejected(plan, decision.state)
+        """Render the plan and apply it unless the object carries it already."""
         if decision.hand_back_template:
             return self._remove(workload)  # the removal's own event brings the admission label
-        rendered = render_for(plan)
+        rendered = render_for(decision.plan)
         with self._lock:
             first_sight = workload.ref.uid not in self._done
         in_place = self.cluster.injection == "admission" and intent_in_place(workload, rendered)
@@ -227,7 +229,7 @@ class Reconciler:
         else:
             outcome, answer = self._apply_injection(workload, rendered, decision.state)
         if outcome.result in ("applied", "unchanged"):
-            self._remember_done(workload.ref.uid, plan, rendered.config_hash, answer, decision.fingerprint)
+            self._remember_done(workload.ref.uid, decision.plan, rendered.config_hash, answer, decision.fingerprint)
             outcome.notices += [Notice("Warning", "KvoffloadManualStep", w, decision.state) for w in rendered.warnings]
             outcome.injected = True
         return outcome

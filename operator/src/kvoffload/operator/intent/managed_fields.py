@@ -7,7 +7,6 @@ re-reconcile never mistakes its own output for user input.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,16 +14,6 @@ from kvoffload import contract as c
 
 TEMPLATE_SPEC = ("f:spec", "f:template", "f:spec")
 TEMPLATE_META = ("f:spec", "f:template", "f:metadata")
-
-
-def key(**fields: object) -> str:
-    """The fieldsV1 key of one associative-list item, e.g. ``k:{"name":"trtllm"}``."""
-    return "k:" + json.dumps(fields, separators=(",", ":"), sort_keys=True)
-
-
-def container_path(list_name: str, name: str) -> tuple[str, ...]:
-    """Path of one container (``containers`` or ``initContainers``) of a workload's pod template."""
-    return (*TEMPLATE_SPEC, f"f:{list_name}", key(name=name))
 
 
 def _contains(tree: Mapping[str, Any], path: Sequence[str]) -> bool:
@@ -44,6 +33,29 @@ def owners(obj: Mapping[str, Any], path: Sequence[str]) -> set[str]:
         if _contains(tree, path):
             found.add(str(entry.get("manager", "")))
     return found
+
+
+FieldOwners = dict[tuple[str, ...], frozenset[str]]
+"""Every fieldsV1 path of an object (each field and each node above it) -> the managers holding it."""
+
+
+def field_owners(obj: Mapping[str, Any]) -> FieldOwners | None:
+    """Who holds which field, read once from ``managedFields``; None when the object has none (a
+    manifest, not a live object: everything in it is the user's)."""
+    entries = (obj.get("metadata") or {}).get("managedFields") or []
+    if not entries:
+        return None
+    found: dict[tuple[str, ...], set[str]] = {}
+    for entry in entries:
+        manager = str(entry.get("manager", ""))
+        stack: list[tuple[tuple[str, ...], Any]] = [((), entry.get("fieldsV1") or {})]
+        while stack:
+            path, node = stack.pop()
+            if path:
+                found.setdefault(path, set()).add(manager)
+            if isinstance(node, Mapping):
+                stack.extend(((*path, str(k)), v) for k, v in node.items())
+    return {path: frozenset(managers) for path, managers in found.items()}
 
 
 def has_managed_fields(obj: Mapping[str, Any]) -> bool:

@@ -1,6 +1,6 @@
-"""How TensorRT-LLM gets the options YAML that loads our connector.
+"""The user's TensorRT-LLM command line as written, and how it gets the options YAML that loads our connector.
 
-Three cases, decided purely from the engine container and the pod's volumes:
+Three cases, decided purely from the engine container and the pod's volumes (``plan_options``):
 
 * no options file on the command line: append ``--extra_llm_api_options <our file>``;
 * an options file that comes from a ConfigMap volume: merge the user's file into ours and
@@ -8,11 +8,13 @@ Three cases, decided purely from the engine container and the pod's volumes:
   annotation, so removal can put it back);
 * anything else (options baked into the image, an unknown launcher, no command at all):
   change nothing on the command line and tell the user exactly what to add.
+
+Also read here: the model the command line serves, and the args with kvoffload's rewrite undone.
+What kvoffload writes (the args, the merged file) is :mod:`kvoffload.operator.plan.options_file`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -89,7 +91,7 @@ def find_options_arg(argv: Sequence[str]) -> tuple[int, str] | None:
     return None
 
 
-def _set_arg_value(argv: list[str], index: int, value: str) -> None:
+def set_arg_value(argv: list[str], index: int, value: str) -> None:
     arg = argv[index]
     for flag in OPTIONS_FLAGS:
         if arg.startswith(flag + "="):
@@ -161,46 +163,38 @@ def plan_options(container: Mapping[str, Any], volumes: Sequence[Mapping[str, An
     return MergeFromConfigMap(configmap=source[0], key=source[1], path=path)
 
 
-def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
-    """The engine container's args with our options file wired in; None when args stay as they are."""
-    argv = [str(x) for x in args]
-    if isinstance(plan, AppendFlag):
-        return [*argv, APPEND_FLAG, OPTIONS_PATH]
-    if isinstance(plan, MergeFromConfigMap):
-        found = find_options_arg(argv)
-        if found is None:  # pragma: no cover - the plan came from these args
-            return None
-        _set_arg_value(argv, found[0], OPTIONS_PATH)
-        return argv
-    return None
-
-
 def strip_injected_args(args: Sequence[str], original_path: str | None) -> list[str]:
-    """Undo :func:`desired_args`: the args as the user wrote them."""
+    """Undo :func:`kvoffload.operator.plan.options_file.desired_args`: the args as the user wrote them."""
     argv = [str(x) for x in args]
     if len(argv) >= 2 and argv[-2] == APPEND_FLAG and argv[-1] == OPTIONS_PATH and not original_path:
         return argv[:-2]
     found = find_options_arg(argv)
     if found and found[1] == OPTIONS_PATH and original_path:
-        _set_arg_value(argv, found[0], original_path)
+        set_arg_value(argv, found[0], original_path)
     return argv
 
 
-SEVERAL_LAYER_GROUPS = (
-    ("gpt-oss", "GPT-OSS alternates sliding-window and full-attention layers"),
-    ("gemma-2", "Gemma 2 alternates local sliding-window and global attention layers"),
-    ("gemma-3", "Gemma 3 alternates local sliding-window and global attention layers"),
-    ("gemma3", "Gemma 3 alternates local sliding-window and global attention layers"),
-    ("gemma-4", "Gemma 4 alternates local sliding-window and global attention layers"),
-    ("qwen3-next", "Qwen3-Next mixes linear-attention and full-attention layers"),
-)
-"""Model families whose KV cache TensorRT-LLM splits into several layer groups (KVCacheManagerV2,
-main's default for them); matched on the model argument's last path element, lower-cased."""
+@dataclass(frozen=True)
+class CommandLine:
+    """A container's TensorRT-LLM command line as the user wrote it."""
+
+    args: list[str] | None
+    """Its args with kvoffload's rewrite undone (None: it has none)."""
+    options: OptionsPlan
+    """How our options file would reach it, were it the engine."""
+    model: str | None
+    """The model it serves, where ``trtllm-serve`` says so plainly."""
 
 
-MULTI_HEAD_LATENT_ATTENTION = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v4", "kimi-k2")
-"""Model families with multi-head latent attention (one latent head, no value half per layer), which the
-connector refuses at engine start; a distilled model of another architecture (``...-Distill-...``) is not one."""
+def read_command_line(container: Mapping[str, Any], we_own_args: bool, volumes: Sequence[Mapping[str, Any]],
+                      original_path: str | None) -> CommandLine:  # fmt: skip
+    """``container``'s command line; ``we_own_args``: kvoffload's field manager holds its args (so
+    they carry our rewrite, undone with ``original_path``, the user's options path)."""
+    args = container.get("args")
+    if we_own_args:
+        args = strip_injected_args(args or [], original_path)
+    as_written = {**container, "args": args} if args is not None else container
+    return CommandLine(args, plan_options(as_written, volumes, original_path), served_model(as_written))
 
 
 def served_model(container: Mapping[str, Any]) -> str | None:
@@ -214,109 +208,3 @@ def served_model(container: Mapping[str, Any]) -> str | None:
                 rest = rest[1:]
             return rest[0] if rest and not rest[0].startswith("-") else None
     return None
-
-
-def model_layout_problem(model: str) -> str | None:
-    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, or multi-head latent
-    attention), or None."""
-    name = posixpath.basename(model.rstrip("/")).lower()
-    if "distill" not in name and any(family in name for family in MULTI_HEAD_LATENT_ATTENTION):
-        return (
-            f"{posixpath.basename(model.rstrip('/'))} uses multi-head latent attention (one latent head and no "
-            "value half per layer); kvoffload moves key and value halves and the connector would refuse it at "
-            "engine start: opt this workload out"
-        )
-    for family, feature in SEVERAL_LAYER_GROUPS:
-        if family in name:
-            return (
-                f"{feature}, so TensorRT-LLM gives its KV cache several layer groups; kvoffload moves one pool "
-                "of uniform blocks and the connector would refuse it at engine start: opt this workload out"
-            )
-    return None
-
-
-TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
-"""``kv_cache_config.tokens_per_block`` when an options file sets none (TensorRT-LLM's ``KvCacheConfig``)."""
-
-
-@functools.lru_cache(maxsize=256)
-def chunk_size_problem(options_yaml: str, chunk_size: int) -> str | None:
-    """Why LMCache chunks of ``chunk_size`` tokens cannot hold whole KV blocks of the engine these
-    options configure (the connector would refuse them at engine start), or None. Cached: a fleet
-    shares a few options files, and parsing one is most of a reconcile's CPU."""
-    loaded = yaml.safe_load(options_yaml) or {}
-    cache_config = loaded.get("kv_cache_config") if isinstance(loaded, dict) else None
-    block = (cache_config or {}).get("tokens_per_block", TRTLLM_DEFAULT_TOKENS_PER_BLOCK)
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        return None  # TensorRT-LLM refuses such a file itself
-    if chunk_size % block == 0:
-        return None
-    source = "its options file" if "tokens_per_block" in (cache_config or {}) else "TensorRT-LLM's default"
-    return (
-        f"a multiple of the engine's kv_cache_config.tokens_per_block, {block} ({source}): "
-        "LMCache chunks hold whole KV blocks"
-    )
-
-
-CAPACITY_POLICY_FOR_CONNECTORS = "GUARANTEED_NO_EVICT"
-
-
-def user_options_problem(options: Mapping[str, Any]) -> str | None:
-    """Why the user's own TensorRT-LLM options cannot run with kvoffload's connector, or None.
-
-    Each is a setting TensorRT-LLM refuses with a KV connector at engine start (or with which it
-    ignores the connector's offers), or one kvoffload would otherwise have to change silently.
-    """
-    connector = options.get("kv_connector_config")
-    if isinstance(connector, Mapping) and connector.get("connector_module") not in (None, c.CONNECTOR_MODULE):
-        return (f"kv_connector_config: the file already loads connector {connector.get('connector_module')!r}; "
-                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
-    if isinstance(connector, Mapping) and connector.get("connector"):
-        return (f"kv_connector_config.connector: {connector.get('connector')!r} names a connector preset; "
-                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
-    cache = options.get("kv_cache_config")
-    cache = cache if isinstance(cache, Mapping) else {}
-    if cache.get("enable_block_reuse") is False:
-        return ("kv_cache_config.enable_block_reuse: false; a KV connector needs block reuse (without it TensorRT-LLM "
-                "ignores every hit), so kvoffload would have to turn it on: set it to true or remove it")  # fmt: skip
-    host = cache.get("host_cache_size")
-    if isinstance(host, int) and not isinstance(host, bool) and host > 0:
-        return (f"kv_cache_config.host_cache_size: {host}; TensorRT-LLM refuses a KV connector with its own host "
-                "cache tier (kvoffload is that tier): remove it or set 0")  # fmt: skip
-    windows = cache.get("max_attention_window")
-    if isinstance(windows, list) and len(set(windows)) > 1:
-        return (f"kv_cache_config.max_attention_window: {windows}; TensorRT-LLM refuses a KV connector with "
-                "variable sliding-window attention")  # fmt: skip
-    scheduler = options.get("scheduler_config")
-    policy = scheduler.get("capacity_scheduler_policy") if isinstance(scheduler, Mapping) else None
-    if policy not in (None, CAPACITY_POLICY_FOR_CONNECTORS):
-        return (f"scheduler_config.capacity_scheduler_policy: {policy!r}; TensorRT-LLM runs a KV connector only "
-                f"with {CAPACITY_POLICY_FOR_CONNECTORS}: set that or remove the field")  # fmt: skip
-    for key, why in (("pipeline_parallel_size", "pipeline parallelism"), ("max_beam_width", "beam search")):
-        value = options.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return f"{key}: {value}; TensorRT-LLM's KV connector does not support {why}: set 1 or remove it"
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
-    """Our options merged over the user's; (YAML text, error message or None). Cached, as above."""
-    base: dict[str, Any] = {}
-    if user_yaml:
-        try:
-            loaded = yaml.safe_load(user_yaml)
-        except yaml.YAMLError as exc:
-            return "", f"the user's TensorRT-LLM options file is not valid YAML: {exc}"
-        if loaded is not None and not isinstance(loaded, dict):
-            return "", "the user's TensorRT-LLM options file is not a YAML mapping"
-        base = dict(loaded or {})
-        problem = user_options_problem(base)
-        if problem:
-            return "", problem
-    ours = connector_options()
-    merged = dict(base)
-    merged["kv_connector_config"] = ours["kv_connector_config"]
-    cache_config = merged.get("kv_cache_config")
-    merged["kv_cache_config"] = {**(cache_config if isinstance(cache_config, dict) else {}), "enable_block_reuse": True}
-    return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None

@@ -10,21 +10,14 @@ manifest without managedFields (a pod seen by the webhook, a dry run) is all the
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.intent.managed_fields import (
-    TEMPLATE_META,
-    TEMPLATE_SPEC,
-    container_path,
-    key,
-    manages_anything,
-    owned_by,
-    owned_by_others,
-)
-from kvoffload.operator.intent.trtllm_options import strip_injected_args
+from kvoffload.operator.intent.managed_fields import TEMPLATE_META, TEMPLATE_SPEC, FieldOwners, field_owners
+from kvoffload.operator.intent.trtllm_options import CommandLine, OptionsPlan, read_command_line
 
 SUPPORTED_KINDS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1"}
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -33,6 +26,16 @@ OUR_VOLUMES = (c.VOLUME_SHM, c.VOLUME_RUN, c.VOLUME_BUNDLE, c.VOLUME_TRTLLM_OPTI
 RECORD_PATH = ("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}")
 ADMISSION_LABEL_PATH = (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}")
 """Where admission mode's record and the template label naming its hash live in fieldsV1."""
+
+
+def key(**fields: object) -> str:
+    """The fieldsV1 key of one associative-list item, e.g. ``k:{"name":"trtllm"}``."""
+    return "k:" + json.dumps(fields, separators=(",", ":"), sort_keys=True)
+
+
+def container_path(list_name: str, name: str) -> tuple[str, ...]:
+    """The fieldsV1 path of one container (``containers`` or ``initContainers``) of the pod template."""
+    return (*TEMPLATE_SPEC, f"f:{list_name}", key(name=name))
 
 
 def configmap_name(workload_name: str) -> str:
@@ -77,6 +80,10 @@ class Container:
     spec: Mapping[str, Any]
     we_own_args: bool
     """kvoffload's field manager owns the args (it rewrote the options path or appended it)."""
+    options: OptionsPlan
+    """How our options file would reach it, were it the engine."""
+    model: str | None
+    """The model its ``trtllm-serve`` command line serves, where it says so plainly."""
 
     @property
     def name(self) -> str:
@@ -156,65 +163,76 @@ def read_workload(obj: Mapping[str, Any]) -> Workload:
     template = (obj.get("spec") or {}).get("template") or {}
     spec = template.get("spec") or {}
     template_annotations = (template.get("metadata") or {}).get("annotations") or {}
+    held = _Held(field_owners(obj))
     original = None
-    if owned_by(obj, (*TEMPLATE_META, "f:annotations", f"f:{c.ANN_ORIGINAL_OPTIONS_PATH}"), c.FIELD_MANAGER):
+    if held.ours((*TEMPLATE_META, "f:annotations", f"f:{c.ANN_ORIGINAL_OPTIONS_PATH}")):
         original = template_annotations.get(c.ANN_ORIGINAL_OPTIONS_PATH)
-    reserved = _reserved_name_taken(obj, spec)
-    volumes = tuple(v for v in spec.get("volumes") or []
-                    if _users(obj, (*TEMPLATE_SPEC, "f:volumes", key(name=v.get("name")))))  # fmt: skip
-    pod = _pod_fields(obj, spec, template_annotations)
-    template_injected = owned_by(obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECTED}"), c.FIELD_MANAGER)
-    owns_record = owned_by(obj, RECORD_PATH, c.FIELD_MANAGER)
-    owns_label = owned_by(obj, ADMISSION_LABEL_PATH, c.FIELD_MANAGER)
-    containers = [_users_container(obj, x) for x in spec.get("containers") or []]
+    volumes = tuple(v for v in spec.get("volumes") or [] if held.users((*TEMPLATE_SPEC, "f:volumes",
+                                                                         key(name=v.get("name")))))  # fmt: skip
     ref = WorkloadRef(str(obj.get("kind")), str(meta.get("namespace")), str(meta.get("name")),
                       str(meta.get("uid") or ""), meta.get("resourceVersion"))  # fmt: skip
+    reserved, pod = _reserved_name_taken(held, spec), _pod_fields(held, spec, template_annotations)
+    views = [_users_view(held, x) for x in spec.get("containers") or []]
+    lines = [read_command_line(view, we_own_args, volumes, original) for view, we_own_args in views]
     return Workload(
         ref=ref, generation=meta.get("generation"), deleting=bool(meta.get("deletionTimestamp")),
         annotations=meta.get("annotations") or {}, reserved_name_taken=reserved, volumes=volumes, pod=pod,
-        original_options_path=original, template_injected=template_injected,
-        owns_record=owns_record, owns_admission_label=owns_label, manages_anything=manages_anything(obj, c.FIELD_MANAGER),
-        live=obj, containers=tuple(_args_given_back(x, original) for x in containers),
+        original_options_path=original, template_injected=held.ours((*TEMPLATE_META, "f:labels",
+                                                                     f"f:{c.LABEL_INJECTED}")),
+        owns_record=held.ours(RECORD_PATH), owns_admission_label=held.ours(ADMISSION_LABEL_PATH),
+        manages_anything=held.any_ours(), live=obj,
+        containers=tuple(_container(view, owned, line) for (view, owned), line in zip(views, lines, strict=True)),
     )  # fmt: skip
 
 
-def _users(obj: Mapping[str, Any], path: Sequence[str]) -> bool:
-    return owned_by_others(obj, path, c.FIELD_MANAGER)
+@dataclass(frozen=True)
+class _Held:
+    """Lookups in the object's field owners (None: no managedFields, everything is the user's)."""
+
+    owners: FieldOwners | None
+
+    def users(self, path: Sequence[str]) -> bool:
+        """Whether a manager other than kvoffload's holds ``path``."""
+        return self.owners is None or bool(self.owners.get(tuple(path), frozenset()) - {c.FIELD_MANAGER})
+
+    def ours(self, path: Sequence[str]) -> bool:
+        return self.owners is not None and c.FIELD_MANAGER in self.owners.get(tuple(path), frozenset())
+
+    def any_ours(self) -> bool:
+        return self.owners is not None and any(c.FIELD_MANAGER in m for m in self.owners.values())
 
 
-def _users_container(obj: Mapping[str, Any], container: Mapping[str, Any]) -> Container:
-    """The container with only the user's env entries and mounts (its args as they are)."""
+def _users_view(held: _Held, container: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the container with only the user's env entries and mounts, whether kvoffload holds its args)."""
     at = container_path("containers", str(container.get("name")))
     view = copy.deepcopy(dict(container))
-    view["env"] = [e for e in container.get("env") or [] if _users(obj, (*at, "f:env", key(name=e.get("name"))))]
+    view["env"] = [e for e in container.get("env") or [] if held.users((*at, "f:env", key(name=e.get("name"))))]
     view["volumeMounts"] = [m for m in container.get("volumeMounts") or []
-                            if _users(obj, (*at, "f:volumeMounts", key(mountPath=m.get("mountPath"))))]  # fmt: skip
-    return Container(view, owned_by(obj, (*at, "f:args"), c.FIELD_MANAGER))
+                            if held.users((*at, "f:volumeMounts", key(mountPath=m.get("mountPath"))))]  # fmt: skip
+    return view, held.ours((*at, "f:args"))
 
 
-def _args_given_back(container: Container, original: str | None) -> Container:
-    """Where kvoffload owns the args: the user's args, its options flag undone."""
-    if not container.we_own_args:
-        return container
-    view = {**container.spec, "args": strip_injected_args(container.spec.get("args") or [], original)}
-    return Container(view, True)
+def _container(view: dict[str, Any], we_own_args: bool, line: CommandLine) -> Container:
+    if line.args is not None:
+        view["args"] = line.args
+    return Container(view, we_own_args, line.options, line.model)
 
 
-def _reserved_name_taken(obj: Mapping[str, Any], spec: Mapping[str, Any]) -> tuple[str, str] | None:
+def _reserved_name_taken(held: _Held, spec: Mapping[str, Any]) -> tuple[str, str] | None:
     for list_name in ("containers", "initContainers"):
         for x in spec.get(list_name) or []:
-            if x.get("name") in OUR_CONTAINERS and _users(obj, container_path(list_name, str(x.get("name")))):
+            if x.get("name") in OUR_CONTAINERS and held.users(container_path(list_name, str(x.get("name")))):
                 return list_name, str(x.get("name"))
     return None
 
 
-def _pod_fields(obj: Mapping[str, Any], spec: Mapping[str, Any], annotations: Mapping[str, str]) -> PodFields:
+def _pod_fields(held: _Held, spec: Mapping[str, Any], annotations: Mapping[str, str]) -> PodFields:
     return PodFields(
         host_network=spec.get("hostNetwork") is True,
         process_namespace_kept_apart=spec.get("shareProcessNamespace") is False
-        and _users(obj, (*TEMPLATE_SPEC, "f:shareProcessNamespace")),
+        and held.users((*TEMPLATE_SPEC, "f:shareProcessNamespace")),
         runtime_class_name=spec.get("runtimeClassName"),
-        runtime_class_is_users=_users(obj, (*TEMPLATE_SPEC, "f:runtimeClassName")),
+        runtime_class_is_users=held.users((*TEMPLATE_SPEC, "f:runtimeClassName")),
         annotations=annotations,
-        users_annotations=frozenset(k for k in annotations if _users(obj, (*TEMPLATE_META, "f:annotations", f"f:{k}"))),
+        users_annotations=frozenset(k for k in annotations if held.users((*TEMPLATE_META, "f:annotations", f"f:{k}"))),
     )

@@ -16,7 +16,6 @@ engine can never reach another node's cache (the L1 it must map lives in that no
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator import __version__
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
-from kvoffload.operator.intent.workload import Workload, read_workload
+from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.containers import (
     CACHE_POD_KEY_FILES,
     RESTRICTED_SECURITY_CONTEXT,
@@ -32,13 +31,18 @@ from kvoffload.operator.plan.containers import (
     cache_server_container,
 )
 from kvoffload.operator.plan.fragment import RenderedInjection, render_injection_fragment
-from kvoffload.operator.plan.injection_plan import ClusterInfo, NodeCacheWiring
+from kvoffload.operator.plan.injection_plan import ClusterInfo
+from kvoffload.operator.plan.node_wiring import (
+    MAX_NAME,
+    cache_keys_secret_name,
+    cache_service_name,
+    name_digest,
+    node_cache_wiring,
+    node_shm_host_path,
+)
 from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes
 
-MAX_NAME = 63
-CACHE_SETTING_ANNOTATIONS = (c.ANN_CPU_CACHE_SIZE,)
-"""Workload annotations that would size the shared cache: in node mode the policy alone does."""
 SCRAPE_ANNOTATIONS = dict(
     zip(c.PROMETHEUS_SCRAPE_ANNOTATIONS, ("true", str(c.SIDECAR_HTTP_PORT), c.PATH_METRICS), strict=True)
 )
@@ -47,22 +51,10 @@ SHM_PERMISSIONS = "1777"
 in it, and engines running as any user must map it (sticky: nobody deletes another's files)."""
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def policy_key(policy: Mapping[str, Any]) -> tuple[str, str]:
     """A policy's (namespace, name)."""
     meta = policy.get("metadata") or {}
     return str(meta.get("namespace")), str(meta.get("name"))
-
-
-def cache_service_name(policy: str) -> str:
-    """The node-local Service of a policy's cache pods (a DNS-1035 label)."""
-    name = f"kvoffload-{policy}".replace(".", "-")
-    if len(name) <= MAX_NAME:
-        return name
-    return f"kvoffload-{policy[:40].replace('.', '-').rstrip('-')}-{_digest(policy)[:8]}"
 
 
 def cache_pod_name(policy: str, node: str) -> str:
@@ -70,12 +62,7 @@ def cache_pod_name(policy: str, node: str) -> str:
     name = f"{policy}-cache-{node}"
     if len(name) <= MAX_NAME:
         return name
-    return f"{policy[:36].rstrip('-.')}-cache-{_digest(node)[:12]}"
-
-
-def cache_keys_secret_name(policy: str) -> str:
-    """The policy's CURVE key Secret (in the policy's namespace)."""
-    return cache_service_name(policy) + c.CACHE_KEYS_SECRET_SUFFIX
+    return f"{policy[:36].rstrip('-.')}-cache-{name_digest(node)[:12]}"
 
 
 def render_cache_keys_secret(policy: Mapping[str, Any], keys: Mapping[str, str]) -> dict[str, Any]:
@@ -96,17 +83,6 @@ def render_cache_keys_secret(policy: Mapping[str, Any], keys: Mapping[str, str])
         },
         "stringData": dict(sorted(keys.items())),
     }
-
-
-def node_shm_host_path(namespace: str, policy: str) -> str:
-    """The node directory a policy's engines and cache pod share as /dev/shm."""
-    return f"{c.NODE_SHM_HOST_ROOT}/{namespace}/{policy}"
-
-
-def cache_server_url(namespace: str, policy: str) -> str:
-    """What the connector dials: the Service name resolves the same everywhere; the traffic
-    policy makes it land on the dialling pod's own node."""
-    return f"tcp://{cache_service_name(policy)}.{namespace}.svc:{c.REQUEST_PORT}"
 
 
 def cache_pod_selector(policy: str) -> dict[str, str]:
@@ -130,27 +106,6 @@ def cache_settings(policy: Mapping[str, Any], defaults: OperatorDefaults) -> Inj
     """The shared cache's settings: operator defaults < the policy (no workload's annotations)."""
     namespace, name = policy_key(policy)
     return resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: name}, policy, defaults, namespace)
-
-
-def node_cache_wiring(workload: Workload, settings: InjectionSettings) -> NodeCacheWiring | PolicyError:
-    """How a node-mode engine reaches its node's cache pod (Service URL, the node's shared
-    /dev/shm, the policy label), or why its annotations conflict with a shared cache."""
-    annotations = workload.annotations
-    for key in CACHE_SETTING_ANNOTATIONS:
-        if key in annotations:
-            return PolicyError(
-                key, annotations[key],
-                "in mode node the cache is shared by the policy's workloads on a node; set it in the "
-                f"KVCachePolicy {settings.policy_name} (spec.cache.l1Size) and remove the annotation",
-            )  # fmt: skip
-    assert settings.policy_name is not None  # resolve_settings requires one in node mode
-    namespace = workload.ref.namespace
-    return NodeCacheWiring(
-        server_url=cache_server_url(namespace, settings.policy_name),
-        shm_host_path=node_shm_host_path(namespace, settings.policy_name),
-        pod_labels={c.LABEL_NODE_CACHE_POLICY: settings.policy_name},
-        keys_secret=cache_keys_secret_name(settings.policy_name),
-    )
 
 
 def render_node_mode_fragment(
@@ -213,7 +168,7 @@ def render_cache_pod(
     if settings.gpu_access == "nvidia-runtime" and settings.runtime_class_name:
         spec["runtimeClassName"] = settings.runtime_class_name
     # The hash covers what makes the pod differ, not the node: one value per policy version.
-    digest = _digest(json.dumps({"spec": {**spec, "affinity": None}}, sort_keys=True))[:16]
+    digest = name_digest(json.dumps({"spec": {**spec, "affinity": None}}, sort_keys=True))[:16]
     if tolerations:
         # Out of the hash: an engine rollout that changes tolerations must not restart the cache.
         spec["tolerations"] = [dict(t) for t in tolerations]

@@ -13,8 +13,9 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.plan.pod_memory import sidecar_resources
 from kvoffload.policy_values import PolicyError
-from kvoffload.quantity import format_bytes, kubernetes_bytes
+from kvoffload.quantity import format_bytes
 
 RUN_VOLUME_SIZE = "512Mi"
 BUNDLE_VOLUME_SIZE = "1Gi"
@@ -130,29 +131,6 @@ def merge_engine_env(ours: list[dict[str, Any]], user_env: Sequence[Mapping[str,
     return result, None
 
 
-def memory_request_bytes(resources: Mapping[str, Any] | None) -> int:
-    """The memory a container's ``resources`` request: its request, else its limit (which Kubernetes
-    then takes as the request), else none."""
-    res = resources or {}
-    amount = (res.get("requests") or {}).get("memory") or (res.get("limits") or {}).get("memory")
-    return (kubernetes_bytes(amount) or 0) if amount is not None else 0
-
-
-def cache_server_memory_bytes(settings: InjectionSettings) -> int:
-    """The memory the injected cache-server container requests (the resources it is rendered with)."""
-    return memory_request_bytes(_sidecar_resources(settings))
-
-
-def _sidecar_resources(settings: InjectionSettings) -> dict[str, Any]:
-    if settings.sidecar_resources:
-        return copy.deepcopy(dict(settings.sidecar_resources))
-    memory = format_bytes(settings.l1_bytes + settings.sidecar_memory_overhead_bytes)
-    return {
-        "requests": {"cpu": settings.sidecar_cpu_request, "memory": memory},
-        "limits": {"memory": memory},
-    }
-
-
 def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": c.SIDECAR_PORT_NAME, "scheme": "HTTP"},
@@ -263,7 +241,7 @@ def cache_server_container(
         "startupProbe": _http_probe(c.PATH_STARTUP, 2, STARTUP_PROBE_BUDGET_S // 2),
         "readinessProbe": _http_probe(c.PATH_READY, 5, 3),
         "livenessProbe": _http_probe(c.PATH_LIVE, 10, 6),
-        "resources": _sidecar_resources(settings),
+        "resources": sidecar_resources(settings),
         "securityContext": copy.deepcopy(RESTRICTED_SECURITY_CONTEXT),
         "volumeMounts": mounts,
     }

@@ -13,7 +13,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload import GPU_RESOURCE, Workload
-from kvoffload.operator.plan.containers import cache_server_memory_bytes, memory_request_bytes
+from kvoffload.operator.plan.pod_memory import cache_server_memory_bytes, memory_request_bytes
 from kvoffload.policy_values import PolicyError
 from kvoffload.quantity import format_bytes, kubernetes_bytes
 

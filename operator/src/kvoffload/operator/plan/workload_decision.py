@@ -3,10 +3,11 @@
 Every question the pass asks before it writes is answered here, in this order (the first that
 fails wins): is the workload being deleted, is its ``kvoffload.io/enabled`` readable, is it opted
 in, were these inputs reconciled already, are its settings valid, may its mode run in this
-operator, does the injected pod fit a GPU node. The reconciler hands it the inputs, calls it
-once and performs the one effect the decision names. Pure but for the two readers it is handed
-(the policy, the nodes' memory): it calls each only where the answer depends on it, so a pass
-that ends early reads nothing, exactly as the checks were made inline before.
+operator, does the injected pod fit a GPU node, may a node-mode engine share its node's cache, and
+what is the injection's plan (``injection_plan.plan_workload``). The reconciler hands it the workload as read and the inputs,
+calls it once and performs the one effect the decision names. Pure but for the three readers it is
+handed (the policy, the nodes' memory, the user's options ConfigMap): it calls each only where the
+answer depends on it, so a pass that ends early reads nothing.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.operator.intent.settings import (
-    InjectionSettings,
     OperatorDefaults,
     enabled_state,
     ours_annotations_digest,
+    policy_name,
     resolve_settings,
 )
 from kvoffload.operator.intent.workload import Workload
-from kvoffload.operator.plan.injection_plan import ClusterInfo
+from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, OptionsReader, plan_workload
 from kvoffload.operator.plan.node_fit import node_fit_problem
+from kvoffload.operator.plan.node_wiring import node_cache_wiring
 from kvoffload.policy_values import PolicyError
 
 Fingerprint = tuple[object, ...]
@@ -41,14 +43,16 @@ NODE_MODE_OFF = PolicyError(
 class WorkloadInputs:
     """What the decision reads besides the workload itself."""
 
-    policy: Callable[[], Mapping[str, Any] | None]
-    """Reads the KVCachePolicy the workload names (None: it names none, or the policy is missing)."""
+    policy: Callable[[str, str], Mapping[str, Any] | None]
+    """Reads the KVCachePolicy of a (namespace, name) (None: the policy is missing)."""
     defaults: OperatorDefaults
     cluster: ClusterInfo
     node_mode: bool
     """The operator runs node mode's cache pods (else a workload of ``mode: node`` is refused)."""
     largest_gpu_node_memory: Callable[[], int | None]
     """Reads the largest GPU node's allocatable memory (None: unknown, the fit is not checked)."""
+    options: OptionsReader
+    """Reads the user's options ConfigMap, where the engine's options come from one."""
     done: frozenset[Fingerprint] = frozenset()
     """The fingerprints of the inputs already reconciled for this workload."""
     force: bool = False
@@ -77,9 +81,9 @@ class Reject:
 
 @dataclass(frozen=True)
 class Inject:
-    """Opted in with valid settings: plan, render and apply the injection."""
+    """Opted in with valid settings and a plan: render and apply the injection."""
 
-    settings: InjectionSettings
+    plan: InjectionPlan
     state: str
     """The inputs as one string, for the dedupe of this pass's Events."""
     fingerprint: Fingerprint
@@ -102,7 +106,8 @@ def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
         return Reject(enabled, digest)
     if not enabled:
         return Remove()
-    policy = inputs.policy()
+    name = policy_name(annotations)
+    policy = inputs.policy(workload.ref.namespace, name) if isinstance(name, str) else None
     policy_version = None if policy is None else (policy.get("metadata") or {}).get("resourceVersion")
     fingerprint = (workload.generation, digest, policy_version, inputs.cluster)
     if not inputs.force and fingerprint in inputs.done:
@@ -116,5 +121,11 @@ def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
     unfit = node_fit_problem(workload, settings, inputs.largest_gpu_node_memory())
     if unfit:
         return Reject(unfit, state)
+    wiring = node_cache_wiring(workload, settings) if settings.mode == "node" else None
+    if isinstance(wiring, PolicyError):
+        return Reject(wiring, state)
+    plan = plan_workload(workload, settings, inputs.cluster, inputs.options, wiring)
+    if isinstance(plan, PolicyError):
+        return Reject(plan, state)
     hand_back = inputs.cluster.injection == "admission" and workload.template_injected
-    return Inject(settings, state, fingerprint, hand_back)
+    return Inject(plan, state, fingerprint, hand_back)

@@ -1,0 +1,190 @@
+"""What kvoffload writes for TensorRT-LLM: the engine's args with our options file wired in, the
+options file merged over the user's, and the engine setups it refuses before the pod (a model whose
+KV cache it cannot move, a chunk size the engine's blocks do not divide, user options that cannot
+run with a KV connector). Pure; the user's command line is read in
+:mod:`kvoffload.operator.intent.trtllm_options`."""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from kvoffload import contract as c
+from kvoffload.operator.intent.settings import InjectionSettings
+from kvoffload.operator.intent.trtllm_options import (
+    APPEND_FLAG,
+    OPTIONS_PATH,
+    AppendFlag,
+    ManualStep,
+    MergeFromConfigMap,
+    OptionsPlan,
+    connector_options,
+    find_options_arg,
+    set_arg_value,
+)
+from kvoffload.operator.intent.workload import Container
+from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
+
+
+def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
+    """The engine container's args with our options file wired in; None when args stay as they are."""
+    argv = [str(x) for x in args]
+    if isinstance(plan, AppendFlag):
+        return [*argv, APPEND_FLAG, OPTIONS_PATH]
+    if isinstance(plan, MergeFromConfigMap):
+        found = find_options_arg(argv)
+        if found is None:  # pragma: no cover - the plan came from these args
+            return None
+        set_arg_value(argv, found[0], OPTIONS_PATH)
+        return argv
+    return None
+
+
+SEVERAL_LAYER_GROUPS = (
+    ("gpt-oss", "GPT-OSS alternates sliding-window and full-attention layers"),
+    ("gemma-2", "Gemma 2 alternates local sliding-window and global attention layers"),
+    ("gemma-3", "Gemma 3 alternates local sliding-window and global attention layers"),
+    ("gemma3", "Gemma 3 alternates local sliding-window and global attention layers"),
+    ("gemma-4", "Gemma 4 alternates local sliding-window and global attention layers"),
+    ("qwen3-next", "Qwen3-Next mixes linear-attention and full-attention layers"),
+)
+"""Model families whose KV cache TensorRT-LLM splits into several layer groups (KVCacheManagerV2,
+main's default for them); matched on the model argument's last path element, lower-cased."""
+
+
+MULTI_HEAD_LATENT_ATTENTION = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v4", "kimi-k2")
+"""Model families with multi-head latent attention (one latent head, no value half per layer), which the
+connector refuses at engine start; a distilled model of another architecture (``...-Distill-...``) is not one."""
+
+
+def model_layout_problem(model: str) -> str | None:
+    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, or multi-head latent
+    attention), or None."""
+    name = posixpath.basename(model.rstrip("/")).lower()
+    if "distill" not in name and any(family in name for family in MULTI_HEAD_LATENT_ATTENTION):
+        return (
+            f"{posixpath.basename(model.rstrip('/'))} uses multi-head latent attention (one latent head and no "
+            "value half per layer); kvoffload moves key and value halves and the connector would refuse it at "
+            "engine start: opt this workload out"
+        )
+    for family, feature in SEVERAL_LAYER_GROUPS:
+        if family in name:
+            return (
+                f"{feature}, so TensorRT-LLM gives its KV cache several layer groups; kvoffload moves one pool "
+                "of uniform blocks and the connector would refuse it at engine start: opt this workload out"
+            )
+    return None
+
+
+TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
+"""``kv_cache_config.tokens_per_block`` when an options file sets none (TensorRT-LLM's ``KvCacheConfig``)."""
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_size_problem(options_yaml: str, chunk_size: int) -> str | None:
+    """Why LMCache chunks of ``chunk_size`` tokens cannot hold whole KV blocks of the engine these
+    options configure (the connector would refuse them at engine start), or None. Cached: a fleet
+    shares a few options files, and parsing one is most of a reconcile's CPU."""
+    loaded = yaml.safe_load(options_yaml) or {}
+    cache_config = loaded.get("kv_cache_config") if isinstance(loaded, dict) else None
+    block = (cache_config or {}).get("tokens_per_block", TRTLLM_DEFAULT_TOKENS_PER_BLOCK)
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        return None  # TensorRT-LLM refuses such a file itself
+    if chunk_size % block == 0:
+        return None
+    source = "its options file" if "tokens_per_block" in (cache_config or {}) else "TensorRT-LLM's default"
+    return (
+        f"a multiple of the engine's kv_cache_config.tokens_per_block, {block} ({source}): "
+        "LMCache chunks hold whole KV blocks"
+    )
+
+
+CAPACITY_POLICY_FOR_CONNECTORS = "GUARANTEED_NO_EVICT"
+
+
+def user_options_problem(options: Mapping[str, Any]) -> str | None:
+    """Why the user's own TensorRT-LLM options cannot run with kvoffload's connector, or None.
+
+    Each is a setting TensorRT-LLM refuses with a KV connector at engine start (or with which it
+    ignores the connector's offers), or one kvoffload would otherwise have to change silently.
+    """
+    connector = options.get("kv_connector_config")
+    if isinstance(connector, Mapping) and connector.get("connector_module") not in (None, c.CONNECTOR_MODULE):
+        return (f"kv_connector_config: the file already loads connector {connector.get('connector_module')!r}; "
+                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
+    if isinstance(connector, Mapping) and connector.get("connector"):
+        return (f"kv_connector_config.connector: {connector.get('connector')!r} names a connector preset; "
+                "TensorRT-LLM runs one KV connector: remove it, or opt this workload out of kvoffload")  # fmt: skip
+    cache = options.get("kv_cache_config")
+    cache = cache if isinstance(cache, Mapping) else {}
+    if cache.get("enable_block_reuse") is False:
+        return ("kv_cache_config.enable_block_reuse: false; a KV connector needs block reuse (without it TensorRT-LLM "
+                "ignores every hit), so kvoffload would have to turn it on: set it to true or remove it")  # fmt: skip
+    host = cache.get("host_cache_size")
+    if isinstance(host, int) and not isinstance(host, bool) and host > 0:
+        return (f"kv_cache_config.host_cache_size: {host}; TensorRT-LLM refuses a KV connector with its own host "
+                "cache tier (kvoffload is that tier): remove it or set 0")  # fmt: skip
+    windows = cache.get("max_attention_window")
+    if isinstance(windows, list) and len(set(windows)) > 1:
+        return (f"kv_cache_config.max_attention_window: {windows}; TensorRT-LLM refuses a KV connector with "
+                "variable sliding-window attention")  # fmt: skip
+    scheduler = options.get("scheduler_config")
+    policy = scheduler.get("capacity_scheduler_policy") if isinstance(scheduler, Mapping) else None
+    if policy not in (None, CAPACITY_POLICY_FOR_CONNECTORS):
+        return (f"scheduler_config.capacity_scheduler_policy: {policy!r}; TensorRT-LLM runs a KV connector only "
+                f"with {CAPACITY_POLICY_FOR_CONNECTORS}: set that or remove the field")  # fmt: skip
+    for key, why in (("pipeline_parallel_size", "pipeline parallelism"), ("max_beam_width", "beam search")):
+        value = options.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return f"{key}: {value}; TensorRT-LLM's KV connector does not support {why}: set 1 or remove it"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
+    """Our options merged over the user's; (YAML text, error message or None). Cached, as above."""
+    base: dict[str, Any] = {}
+    if user_yaml:
+        try:
+            loaded = yaml.safe_load(user_yaml)
+        except yaml.YAMLError as exc:
+            return "", f"the user's TensorRT-LLM options file is not valid YAML: {exc}"
+        if loaded is not None and not isinstance(loaded, dict):
+            return "", "the user's TensorRT-LLM options file is not a YAML mapping"
+        base = dict(loaded or {})
+        problem = user_options_problem(base)
+        if problem:
+            return "", problem
+    ours = connector_options()
+    merged = dict(base)
+    merged["kv_connector_config"] = ours["kv_connector_config"]
+    cache_config = merged.get("kv_cache_config")
+    merged["kv_cache_config"] = {**(cache_config if isinstance(cache_config, dict) else {}), "enable_block_reuse": True}
+    return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None
+
+
+def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None
+                    ) -> tuple[list[str] | None, str] | PolicyError:  # fmt: skip
+    """The engine's TensorRT-LLM side: (its args to apply or None, the options file it gets), or why
+    its model or options cannot run with kvoffload's connector."""
+    layout_problem = model_layout_problem(engine.model) if engine.model else None
+    if layout_problem:
+        return PolicyError(f"container {engine.name} model", engine.model, layout_problem, reason="unsupported")
+    plan = engine.options
+    args = desired_args(engine.spec.get("args") or [], plan)
+    if args is None and engine.we_own_args:
+        args = list(engine.spec.get("args") or [])  # keep the user's value while we still own the field
+    text, error = merged_options_yaml(user_options_yaml if isinstance(plan, MergeFromConfigMap) else None)
+    if error:
+        assert isinstance(plan, MergeFromConfigMap)
+        return PolicyError(f"ConfigMap {plan.configmap} key {plan.key}", "<file>", error, reason="invalid_options")
+    # Where the engine's options are known (ours, or merged from the user's ConfigMap), a chunk size
+    # its blocks do not divide is refused here, not by the connector when the engine starts.
+    chunk_problem = None if isinstance(plan, ManualStep) else chunk_size_problem(text, settings.chunk_size)
+    if chunk_problem:
+        return PolicyError("cache.chunkSize", settings.chunk_size, chunk_problem, reason=WORKLOAD_DEPENDENT)
+    return args, text
