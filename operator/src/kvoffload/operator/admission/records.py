@@ -23,7 +23,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator.intent.managed_fields import owned_by
 from kvoffload.operator.intent.settings import InjectionSettings, enabled_state
-from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, read_workload
+from kvoffload.operator.intent.workload import RECORD_PATH, SUPPORTED_KINDS, Workload, read_workload
 from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RenderedInjection, render
 from kvoffload.operator.plan.injection_plan import (
@@ -142,7 +142,7 @@ def record_from_workload(workload: Mapping[str, Any] | None, kind: str, name: st
     text = ((workload.get("metadata") or {}).get("annotations") or {}).get(c.ANN_INJECTION_RECORD)
     if text is None:
         return f"the operator has not injected {kind} {name} yet (no {c.ANN_INJECTION_RECORD} annotation)"
-    if not owned_by(workload, ("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}"), c.FIELD_MANAGER):
+    if not owned_by(workload, RECORD_PATH, c.FIELD_MANAGER):
         return f"{kind} {name}: its {c.ANN_INJECTION_RECORD} annotation was not written by kvoffload"
     return InjectionRecord.from_json(text)
 

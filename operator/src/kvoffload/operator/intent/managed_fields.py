@@ -1,16 +1,15 @@
 """Who owns which field of a live object, read from ``metadata.managedFields`` (fieldsV1).
 
-The renderer uses this to tell the user's own settings (owned by another manager) from what
-the operator injected earlier (owned by :data:`kvoffload.contract.FIELD_MANAGER`), so that a
-re-reconcile never mistakes its own output for user input.
+The workload is read through this (``read_workload``) to tell the user's own settings (owned by
+another manager) from what the operator injected earlier (owned by
+:data:`kvoffload.contract.FIELD_MANAGER`), so that a re-reconcile never mistakes its own output
+for user input; the webhook asks single fields (``owned_by``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-from kvoffload import contract as c
 
 TEMPLATE_SPEC = ("f:spec", "f:template", "f:spec")
 TEMPLATE_META = ("f:spec", "f:template", "f:metadata")
@@ -58,34 +57,7 @@ def field_owners(obj: Mapping[str, Any]) -> FieldOwners | None:
     return {path: frozenset(managers) for path, managers in found.items()}
 
 
-def has_managed_fields(obj: Mapping[str, Any]) -> bool:
-    """Whether the apiserver recorded field ownership at all (always true on a live object)."""
-    return bool((obj.get("metadata") or {}).get("managedFields"))
-
-
-def owned_by_others(obj: Mapping[str, Any], path: Sequence[str], manager: str) -> bool:
-    """Whether someone other than ``manager`` owns ``path``.
-
-    Without managedFields (a manifest, not a live object) everything present is the user's.
-    """
-    if not has_managed_fields(obj):
-        return True
-    return bool(owners(obj, path) - {manager})
-
-
 def owned_by(obj: Mapping[str, Any], path: Sequence[str], manager: str) -> bool:
     """Whether ``manager`` owns ``path``."""
     return manager in owners(obj, path)
 
-
-def manages_anything(obj: Mapping[str, Any], manager: str) -> bool:
-    """Whether ``manager`` has any managedFields entry on the object."""
-    return any(
-        entry.get("manager") == manager and entry.get("fieldsV1")
-        for entry in (obj.get("metadata") or {}).get("managedFields") or []
-    )
-
-
-def template_injected(obj: Mapping[str, Any]) -> bool:
-    """Whether the operator owns the injection inside the pod template (template mode's mark)."""
-    return owned_by(obj, (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECTED}"), c.FIELD_MANAGER)

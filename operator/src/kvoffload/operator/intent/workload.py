@@ -153,9 +153,6 @@ class Workload:
         """kvoffload owns both the admission record and the template label naming its hash."""
         return self.owns_record and self.owns_admission_label
 
-    def container(self, name: str) -> Container:
-        return next(x for x in self.containers if x.name == name)
-
 
 def read_workload(obj: Mapping[str, Any]) -> Workload:
     """The workload's facts, read once from the object (any kind: the plan judges its shape)."""
