@@ -169,6 +169,8 @@ class Reconciler:
             outcome.notices.append(Notice("Warning", "KvoffloadRetrying",
                                           f"{outcome.failure} (next try in {delay:.0f} s)", outcome.failure))  # fmt: skip
         for notice in outcome.notices:
+            if notice.type == "Warning" and notice.reason != "KvoffloadRetrying":  # a retry was logged as it failed
+                log.warning("%s: %s: %s", ref, notice.reason, notice.message)
             self.events.post(ref, notice.type, notice.reason, notice.message, notice.state)
         for reason in outcome.errors:
             self.metrics.errors.labels(kind=ref.kind, reason=reason).inc()

@@ -60,4 +60,3 @@ def field_owners(obj: Mapping[str, Any]) -> FieldOwners | None:
 def owned_by(obj: Mapping[str, Any], path: Sequence[str], manager: str) -> bool:
     """Whether ``manager`` owns ``path``."""
     return manager in owners(obj, path)
-
