@@ -1,4 +1,6 @@
-"""The effects around the pure renderer: fetch inputs, apply, record metrics and Events.
+"""One pass over a workload: read it once, decide (pure, with the readers it is handed), perform
+the one effect the decision names (render and apply, or remove), report the outcome (Events,
+counters, retry, the policy's status).
 
 Level-triggered and stateless towards the cluster: every call works from the object as it is
 now, and nothing but the rendered fields lands on user workloads. The only memory is a cache
