@@ -163,11 +163,10 @@ class Reconciler:
     def _report(self, workload: Workload, outcome: Outcome, seconds: float | None = None) -> None:
         """The pass's effects besides its writes: its Events, counters, retry, policy status."""
         ref = workload.ref
-        retry_key = ("workload", ref.kind, ref.namespace, ref.name)
         if outcome.failure is None:
-            self.retries.succeeded(retry_key)
+            self.retries.succeeded(_retry_key(ref))
         else:
-            delay = self.retries.schedule(retry_key, lambda: self._retry_workload(workload), time.monotonic())
+            delay = self.retries.schedule(_retry_key(ref), lambda: self._retry_workload(workload), time.monotonic())
             outcome.notices.append(Notice("Warning", "KvoffloadRetrying",
                                           f"{outcome.failure} (next try in {delay:.0f} s)", outcome.failure))  # fmt: skip
         for notice in outcome.notices:
@@ -201,11 +200,10 @@ class Reconciler:
             current = self.kube.get(workload_path(ref.kind, ref.namespace, ref.name))
         except KubeApiError as exc:
             log.warning("retry %s: %s", ref, exc)
-            self.retries.schedule(("workload", ref.kind, ref.namespace, ref.name),
-                                  lambda: self._retry_workload(workload), time.monotonic())  # fmt: skip
+            self.retries.schedule(_retry_key(ref), lambda: self._retry_workload(workload), time.monotonic())
             return
         if current is None:
-            self.retries.succeeded(("workload", ref.kind, ref.namespace, ref.name))
+            self.retries.succeeded(_retry_key(ref))
             self._forget(workload)
             return
         current.setdefault("apiVersion", "apps/v1")
@@ -343,3 +341,8 @@ class Reconciler:
             if c.ANN_ENABLED in ((item.get("metadata") or {}).get("annotations") or {}):
                 self.reconcile(item, force=True)
         self.policies.recheck_node_caches()
+
+
+def _retry_key(ref: WorkloadRef) -> tuple[str, ...]:
+    """A workload's key in the retry queue (one pending retry per workload)."""
+    return ("workload", ref.kind, ref.namespace, ref.name)

@@ -179,7 +179,7 @@ class CommandLine:
     """A container's TensorRT-LLM command line as the user wrote it."""
 
     args: list[str] | None
-    """Its args with kvoffload's rewrite undone (None: it has none)."""
+    """Its args with kvoffload's rewrite undone, where kvoffload holds them (None: they stand as written)."""
     options: OptionsPlan
     """How our options file would reach it, were it the engine."""
     model: str | None
@@ -190,11 +190,11 @@ def read_command_line(container: Mapping[str, Any], we_own_args: bool, volumes: 
                       original_path: str | None) -> CommandLine:  # fmt: skip
     """``container``'s command line; ``we_own_args``: kvoffload's field manager holds its args (so
     they carry our rewrite, undone with ``original_path``, the user's options path)."""
-    args = container.get("args")
+    args = None
     if we_own_args:
-        args = strip_injected_args(args or [], original_path)
-    as_written = {**container, "args": args} if args is not None else container
-    return CommandLine(args, plan_options(as_written, volumes, original_path), served_model(as_written))
+        args = strip_injected_args(container.get("args") or [], original_path)
+        container = {**container, "args": args}
+    return CommandLine(args, plan_options(container, volumes, original_path), served_model(container))
 
 
 def served_model(container: Mapping[str, Any]) -> str | None:
