@@ -148,3 +148,38 @@ def test_engines_of_one_model_with_other_chunk_bytes_never_read_each_others_chun
     assert own.connector_matched_tokens == WHOLE_CHUNKS and own.output_tokens == cross.output_tokens and bad == 0
     back, bad = first_run(model, url, PromptRequest(4, PROMPT, 2), **ours)
     assert back.connector_matched_tokens == WHOLE_CHUNKS and back.output_tokens == stored.output_tokens and bad == 0
+
+
+SYSTEM = make_prompt(43, 2 * BLOCK)
+"""A shared system prompt of two blocks: a device prefix that ends inside a chunk."""
+
+
+def test_a_parked_request_whose_skipped_device_blocks_another_request_reuses_keeps_its_adapter(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P (adapter 1) parks on an asynchronous load from chunk 0 whose first two blocks are the
+    device's shared system prompt (skipped, never written); Q (adapter 1) reuses those blocks while
+    P's load runs. P is alive: it keeps its state and its adapter's key scope, so what it saves stays
+    adapter 1's, and a base-model request with P's prompt loads none of it. 0 wrong KV."""
+    from kvoffload import contract
+    from tests.integration.connector.test_connector_cancel_during_load import slow_async_loads
+
+    monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
+    slow_async_loads(monkeypatch, 0.05)
+    ex = executor_factory("keys-parked-scope-model", lmcache_server.url, num_blocks=128)
+    body = make_prompt(44, 4 * CHUNK)
+    prompt = [*SYSTEM, *body]
+    run_one(ex, PromptRequest(1, prompt, 1, lora_task_id=1))  # P's prefix stored under adapter 1
+    ex.evict_device_cache()
+    run_one(ex, PromptRequest(2, [*SYSTEM, *make_prompt(45, 40)], 1, lora_task_id=1))  # the system prompt on the device
+    parked, reuser = ex.run([
+        PromptRequest(3, [*prompt, *make_prompt(46, 3 * CHUNK)], 2, lora_task_id=1),
+        PromptRequest(4, [*SYSTEM, *make_prompt(47, 40)], 2, lora_task_id=1, arrive_after=1),
+    ])  # fmt: skip
+    assert not parked.failed and not reuser.failed
+    assert ex.async_loads >= 1 and parked.device_reused_tokens == len(SYSTEM)
+    assert reuser.device_reused_tokens == len(SYSTEM)
+    ex.evict_device_cache()
+    base = run_one(ex, PromptRequest(5, [*prompt, *make_prompt(46, 3 * CHUNK)], 2))
+    assert base.connector_matched_tokens == 0, "the base model loaded adapter 1's KV"
+    assert ex.kv_mismatches == 0

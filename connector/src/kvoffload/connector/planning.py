@@ -167,6 +167,12 @@ def block_slice(block_ids: list[int] | tuple[int, ...], start: int, end: int, to
     return tuple(block_ids[start // tokens_per_block : end // tokens_per_block])
 
 
+def written_blocks(block_ids: tuple[int, ...], skip_tokens: int, tokens_per_block: int) -> tuple[int, ...]:
+    """The blocks a load writes: its op's blocks past the device-reused ones it skips (those are
+    shared with other requests, read-only, and never the load's target)."""
+    return block_ids[skip_tokens // tokens_per_block :]
+
+
 def fresh_blocks(
     new_block_ids: list[int], computed_position: int, tokens_per_block: int, first_report: bool
 ) -> list[int]:

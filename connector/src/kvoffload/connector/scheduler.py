@@ -20,7 +20,7 @@ from kvoffload.connector.runtime import (
     count_skip,
     prompt_tokens,
 )
-from kvoffload.connector.scheduler_state import BlockClaims, RequestState, StepPlan
+from kvoffload.connector.scheduler_state import BlockClaims, ReapedScopes, RequestScope, RequestState, StepPlan
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -41,6 +41,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._session_prefix = uuid.uuid4().hex[:12]
         self._requests: dict[int, RequestState] = {}
         self._claims = BlockClaims()
+        self._reaped_scopes = ReapedScopes()
         self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
         logger.info(
             "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
@@ -152,6 +153,25 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             self._parking.append(state.request_id)
         return decision.matched_tokens, asynchronous
 
+    def _state_without_lookup(self, req: Any) -> RequestState:
+        """State for a request reported without a live lookup state: one reaped while TensorRT-LLM
+        still ran it gets its scope back; one never looked up (a dummy request) has no scope the
+        connector could read (``RequestData`` carries no adapter or multimodal items) and is never
+        saved."""
+        rid = int(req.request_id)
+        scope = self._reaped_scopes.take(rid)
+        state = RequestState(
+            request_id=rid,
+            session_id=self.session_id(rid),
+            salt=scope.salt if scope else "",
+            num_prompt_tokens=len(req.new_tokens),
+            cacheable=scope.cacheable if scope else False,
+            lookup_failure=None if scope else "uncacheable",
+            llm_request=scope.llm_request if scope else None,
+        )
+        self._requests[rid] = state
+        return state
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Step 2, right after allocation: remember the request's blocks (loads target them)."""
         state = self._requests.get(int(request.request_id))
@@ -177,12 +197,18 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             )
             state.secured = None
 
-    def _forget(self, request_id: int) -> RequestState | None:
-        """Drop a request's state and its claim on blocks; end its LMCache session."""
+    def _forget(self, request_id: int, *, ended: bool = True) -> RequestState | None:
+        """Drop a request's state and its claim on blocks; end its LMCache session. A request not
+        known to have ended (``ended`` False: reaped because its blocks went to another) keeps its
+        key scope until its ``LlmRequest`` is finished, should TensorRT-LLM still run it."""
         self._claims.unpark(request_id)
         state = self._requests.pop(request_id, None)
+        if ended:
+            self._reaped_scopes.take(request_id)
         if state is None:
             return None
+        if not ended and getattr(state.llm_request, "is_finished", False) is not True:
+            self._reaped_scopes.keep(request_id, RequestScope(state.salt, state.cacheable, state.llm_request))
         self._claims.unhold(request_id, state.block_ids)
         self._release_promise(state)  # promised, never loaded (the request ended first)
         self._backend.end_session(state.session_id)
@@ -190,7 +216,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
 
     def _reap_vanished(self, fresh: list[int], reused: list[int], owner: int) -> None:
         for rid in self._claims.vanished(fresh, reused, owner):
-            self._forget(rid)
+            self._forget(rid, ended=False)
             logger.debug("event=request_vanished request=%d", rid)
 
     def _reap_finished(self) -> list[int]:
@@ -200,6 +226,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         rank's dummy request), so no queued save of them may outlive it and a parked one's load lands
         first. A request that finished normally was forgotten in ``request_finished`` before this runs."""
         freed: list[int] = []
+        self._reaped_scopes.drop_finished()
         for rid, state in list(self._requests.items()):
             if getattr(state.llm_request, "is_finished", False) is True:
                 self._forget(rid)
@@ -241,7 +268,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         op = self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
         step.async_loads.append(op)
         parked.secured = None
-        self._claims.park(parked.request_id, op.block_ids)
+        self._claims.park(parked.request_id, planning.written_blocks(op.block_ids, op.skip_tokens, self._block))
         self._count_sources(parked, parked.device_tokens)
         parked.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
 
@@ -250,8 +277,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         rid = int(req.request_id)
         self._first_report(step, req.new_block_ids, req.computed_position, rid)
         state = self._requests.get(rid)
-        if state is None:  # never looked up (e.g. dummy request): still save it
-            state = self._state_for(req, len(req.new_tokens))
+        if state is None:
+            state = self._state_without_lookup(req)
         self._claims.unpark(rid)  # back from an asynchronous load: computed_position counts it
         state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
         if not state.block_ids:

@@ -3,6 +3,7 @@ block, and what one ``build_connector_meta`` gathers for the workers."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,43 @@ class RequestState:
     """``planning.computed_reasons`` of the scheduled prompt, set when the engine first schedules it."""
     llm_request: Any = None
     """TensorRT-LLM's ``LlmRequest`` of the lookup (its ``is_finished`` tells a cancelled parked request)."""
+
+
+@dataclass(frozen=True)
+class RequestScope:
+    """What a request's keys are scoped by, read from its ``LlmRequest`` at its first lookup."""
+
+    salt: str
+    cacheable: bool
+    llm_request: Any
+
+
+class ReapedScopes:
+    """Key scopes of requests whose state was reaped while TensorRT-LLM may still run them: a
+    request that comes back (``new_requests`` carries only its tokens, blocks and salt, no adapter
+    or multimodal items) gets its scope back, never one rebuilt from ``RequestData``. A scope goes
+    once its ``LlmRequest`` is finished; beyond ``limit`` the oldest go (such a request then comes
+    back unscoped, which the scheduler never saves)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._scopes: OrderedDict[int, RequestScope] = OrderedDict()
+        self._limit = limit
+
+    def keep(self, request_id: int, scope: RequestScope) -> None:
+        self._scopes[request_id] = scope
+        while len(self._scopes) > self._limit:
+            self._scopes.popitem(last=False)
+
+    def take(self, request_id: int) -> RequestScope | None:
+        return self._scopes.pop(request_id, None)
+
+    def drop_finished(self) -> None:
+        """Forget the scopes of requests TensorRT-LLM finished (they never come back)."""
+        for rid in [r for r, s in self._scopes.items() if getattr(s.llm_request, "is_finished", False) is True]:
+            del self._scopes[rid]
+
+    def __len__(self) -> int:
+        return len(self._scopes)
 
 
 class BlockClaims:
