@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+
 def poisoning_payload() -> bytes:
     """``_rebuild_tensor_v2.__defaults__ = ({'neg': True},)`` through BUILD, then an empty list."""
     key = b"__defaults__"
@@ -28,7 +29,9 @@ def poisoning_payload() -> bytes:
         b"\x80\x02"  # PROTO 2
         + b"ctorch._utils\n_rebuild_tensor_v2\n"  # GLOBAL: the function the guard resolves
         + b"N"  # NONE: no __dict__ state
-        + b"}X" + len(key).to_bytes(4, "little") + key  # {"__defaults__":
+        + b"}X"
+        + len(key).to_bytes(4, "little")
+        + key  # {"__defaults__":
         + b"}X\x03\x00\x00\x00neg\x88s"  # ({"neg": True}
         + b"\x85s"  # ,)}
         + b"\x86b"  # TUPLE2, BUILD: setattr(function, "__defaults__", ...)
@@ -50,7 +53,7 @@ class _Tensor:
         self.storage, self.shape = storage, tuple(shape)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        args = (self.storage, 0, self.shape, _contiguous(self.shape), False, OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, self.shape, _contiguous(self.shape), False, OrderedDict())
         return torch._utils._rebuild_tensor_v2, args
 
 

@@ -37,7 +37,7 @@ from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make ``tests`` importable
-from tests.support.hostile_payloads import poisoning_payload, unfilled_storage_payload  # noqa: E402
+from tests.support.hostile_payloads import poisoning_payload, unfilled_storage_payload
 
 NUM_TOKENS = 512  # two 256-token chunks
 
@@ -99,14 +99,14 @@ def unfilled_store(client: ServerBenchClient, sequence: int) -> dict[str, object
     def unfilled(chunks: list[torch.Tensor]) -> bytes:
         return unfilled_storage_payload([tuple(c.shape) for c in chunks], chunks[0].dtype)
 
-    transport.pickle = types.SimpleNamespace(dumps=unfilled, loads=pickle.loads)  # type: ignore[attr-defined]
+    transport.pickle = types.SimpleNamespace(dumps=unfilled, loads=pickle.loads)
     try:
         request = client.create_request(sequence, f"kvo-unfilled-{sequence}", "store")
         assert request is not None
         stored = client.store(request, 0, request.num_full_tokens)
         client.end_session(request)
     finally:
-        transport.pickle = pickle  # type: ignore[attr-defined]
+        transport.pickle = pickle
     warm = client.create_request(sequence, f"kvo-unfilled-read-{sequence}", "warm")
     assert warm is not None
     hit = client.lookup(warm).hit_chunks

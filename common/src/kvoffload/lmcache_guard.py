@@ -26,16 +26,13 @@ handshake, so none of its frames reaches a handler (store, lookup, clear, the un
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import importlib.metadata
-import io
 import logging
 import pickle
 import sys
 import threading
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any

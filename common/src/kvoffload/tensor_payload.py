@@ -144,7 +144,7 @@ class _StackMachine:
                     if len(stack) != 1 or stack[0] is _MARK:
                         raise _refuse(f"STOP at byte {pos} leaves {len(stack)} values, not one")
                     return stack[0]
-                self._step(name, arg, pos, stack, memo)
+                self._step(name, arg, pos or 0, stack, memo)
         except TensorPayloadError:
             raise
         except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
@@ -200,7 +200,9 @@ class _StackMachine:
                 attribute, module = stack.pop(), stack.pop()
             found = self._names.get((module, attribute)) if isinstance(module, str) else None
             if found is None:
-                raise TensorPayloadError(f"kvoffload refused a pickled global {module}.{attribute}: not a tensor payload")
+                raise TensorPayloadError(
+                    f"kvoffload refused a pickled global {module}.{attribute}: not a tensor payload"
+                )
             stack.append(found)
         elif name == "REDUCE" and self._reduce is not None:
             args = stack.pop()
@@ -295,7 +297,7 @@ def _check_geometry(numel: int, offset: object, size: object, stride: object) ->
         if offset > numel:  # type: ignore[operator]
             raise _refuse(f"storage offset {offset} lies past its storage of {numel} elements")
         return
-    last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))  # type: ignore[operator]
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
     if last >= numel:
         raise _refuse(f"shape {size} strides {stride} at offset {offset} reach element {last} of a storage of {numel}")
 
@@ -332,7 +334,7 @@ def _reduce_outer(call: object, args: tuple[Any, ...]) -> object:
             raise _refuse("backward hooks other than an empty OrderedDict")
         return _EMPTY_HOOKS
     if call in (_Call.REBUILD_TENSOR_V2, _Call.REBUILD_TENSOR_V3):
-        return _rebuild_tensor(call, args)  # type: ignore[arg-type]
+        return _rebuild_tensor(call, args)
     raise _refuse(f"REDUCE of {type(call).__name__}, which is not a callable name of a tensor payload")
 
 
