@@ -9,6 +9,14 @@ like any client sends a COMMIT_STORE whose pickle payload, if unpickled freely, 
 (3 s wait each), then tries to register (6 s) and, registered, to store and to COMMIT a pickle that
 would create ``MARKER_PATH``; prints ``{"answered": [CLEAR/LOOKUP answered, error answers
 included], "registered": ..., and when registered "stored", "committed", "error"}``.
+``lmcache_client.py REQUEST_PORT HTTP_PORT roundtrip SEQUENCE``: stores the sequence (cold pass), then
+zeroes its blocks, looks it up and retrieves it (warm pass); prints ``{"stored", "hit", "retrieved",
+"bit_exact"}`` (bit_exact: the retrieved blocks hash as the stored ones did).
+``lmcache_client.py REQUEST_PORT HTTP_PORT poison-commit -``: a keyholder COMMITs
+``hostile_payloads.poisoning_payload()``; prints ``{"committed": ..., "error": ...}``.
+``lmcache_client.py REQUEST_PORT HTTP_PORT unfilled-store SEQUENCE``: a keyholder stores the sequence
+with storages its payload never fills (``hostile_payloads.unfilled_storage_payload``, shaped as the
+real chunks), then looks it up and retrieves it; prints ``{"stored", "hit", "retrieved"}``.
 With ``KVOFFLOAD_CACHE_KEYS_DIR`` set, every connection is a CURVE client with the keys there (as the
 connector's in node mode); without it, a plain one.
 Uses ``lmcache bench server``'s client in CPU mode: ``auto`` transfer picks the
@@ -21,9 +29,15 @@ import json
 import os
 import pickle
 import sys
+import types
+from pathlib import Path
 
+import torch
 from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make ``tests`` importable
+from tests.support.hostile_payloads import poisoning_payload, unfilled_storage_payload
 
 NUM_TOKENS = 512  # two 256-token chunks
 
@@ -40,17 +54,66 @@ class _RunsCode:
 
 def foreign_commit(client: ServerBenchClient, marker: str) -> dict[str, object]:
     """COMMIT_STORE a code-running pickle under this client's registered instance."""
+    return commit_payload(client, pickle.dumps([_RunsCode(f"touch {marker}")]))
+
+
+def commit_payload(client: ServerBenchClient, payload: bytes) -> dict[str, object]:
+    """COMMIT_STORE ``payload`` as this registered client's ``cpu_data``."""
     from lmcache.cli.commands.bench.server_bench.helpers import _INSTANCE_ID_BASE, _make_key
 
     request = client.create_request(0, "kvo-foreign-0", "store")
     assert request is not None
     key = _make_key(request.token_ids, request.request_id, start=0, end=request.num_full_tokens, worker_id=0)
-    payload = pickle.dumps([_RunsCode(f"touch {marker}")])
     try:
         committed = client._req_client.commit_store(key, _INSTANCE_ID_BASE, payload).result(timeout=5)
     except Exception as exc:
         return {"committed": None, "error": repr(exc)}
     return {"committed": bool(committed), "error": None}
+
+
+def roundtrip(client: ServerBenchClient, sequence: int) -> dict[str, object]:
+    """Store ``sequence`` (cold pass), then zero, look up and retrieve it (warm pass), as
+    ``lmcache bench server`` checks its data: the warm blocks must hash as the cold ones did."""
+    cold = client.create_request(sequence, f"kvo-cold-{sequence}", "cold")
+    assert cold is not None
+    stored_from = client.compute_checksums(cold, 0, cold.num_full_tokens)
+    stored = client.store(cold, 0, cold.num_full_tokens)
+    client.end_session(cold)
+    warm = client.create_request(sequence, f"kvo-warm-{sequence}", "warm")
+    assert warm is not None
+    hit = client.lookup(warm).hit_chunks
+    client.zero_destination(warm, 0, warm.num_full_tokens)
+    retrieved = client.retrieve(warm, 0, warm.num_full_tokens)
+    read_back = client.compute_checksums(warm, 0, warm.num_full_tokens)
+    client.end_session(warm)
+    return {"stored": bool(stored and stored.succeeded), "hit": hit,
+            "retrieved": bool(retrieved and retrieved.succeeded),
+            "bit_exact": bool(stored_from) and stored_from == read_back}  # fmt: skip
+
+
+def unfilled_store(client: ServerBenchClient, sequence: int) -> dict[str, object]:
+    """Store ``sequence`` through the pickle transport with storages the payload never fills (shaped
+    as the real chunks), then look it up and retrieve it: what a keyholder reads back."""
+    import lmcache.v1.multiprocess.transfer_context.pickle as transport
+
+    def unfilled(chunks: list[torch.Tensor]) -> bytes:
+        return unfilled_storage_payload([tuple(c.shape) for c in chunks], chunks[0].dtype)
+
+    transport.pickle = types.SimpleNamespace(dumps=unfilled, loads=pickle.loads)
+    try:
+        request = client.create_request(sequence, f"kvo-unfilled-{sequence}", "store")
+        assert request is not None
+        stored = client.store(request, 0, request.num_full_tokens)
+        client.end_session(request)
+    finally:
+        transport.pickle = pickle
+    warm = client.create_request(sequence, f"kvo-unfilled-read-{sequence}", "warm")
+    assert warm is not None
+    hit = client.lookup(warm).hit_chunks
+    retrieved = client.retrieve(warm, 0, warm.num_full_tokens) if hit else None
+    client.end_session(warm)
+    return {"stored": bool(stored and stored.succeeded), "hit": hit,
+            "retrieved": bool(retrieved and retrieved.succeeded)}  # fmt: skip
 
 
 STRANGER_WAIT_S = 3.0
@@ -140,9 +203,15 @@ def main() -> int:
         os._exit(0)  # a client that never got in may still be retrying its handshake
     client = ServerBenchClient(_bench_config(port, http_port), log=lambda m: print(m, file=sys.stderr))
     client.start()
-    if op == "foreign-commit":
+    single = {
+        "foreign-commit": lambda: foreign_commit(client, sys.argv[4]),
+        "poison-commit": lambda: commit_payload(client, poisoning_payload()),
+        "roundtrip": lambda: roundtrip(client, int(sys.argv[4])),
+        "unfilled-store": lambda: unfilled_store(client, int(sys.argv[4])),
+    }
+    if op in single:
         try:
-            print(json.dumps(foreign_commit(client, sys.argv[4])), flush=True)
+            print(json.dumps(single[op]()), flush=True)
         finally:
             client.close()
         return 0

@@ -9,10 +9,12 @@ Why: LMCache 0.5.6 unpickles the ``cpu_data`` of every engine-driven COMMIT_STOR
 carries bytes (``v1/multiprocess/modules/server_transfer.py``, ``pickle.loads``), from any
 client that reaches its request port, authenticated or not. A pickle may name any callable,
 so a foreign client could run code in the cache server. Here that module's ``pickle`` is
-replaced by one whose ``loads`` builds only what LMCache's pickle transport sends: a list of
-CPU tensors (``torch._utils._rebuild_tensor_v2`` over storages that ``torch.load`` reads with
-``weights_only=True``, torch's own restricted unpickler). Anything else is refused
-before it is built, and the COMMIT fails as a bad payload would.
+replaced by one whose ``loads`` runs no pickle machinery at all: ``kvoffload.tensor_payload`` reads
+the opcodes of what LMCache's pickle transport sends (a list of CPU tensors) with a stack machine of
+its own, hands no real function or existing object to the payload, fills each storage from exactly
+the bytes sent and checks every tensor's geometry against it. Anything else is refused before a
+tensor is built, and the COMMIT fails as a bad payload would: one keyholder can neither change how
+the server rebuilds other clients' tensors nor make it store (and hand back) memory it never wrote.
 
 Node mode also authenticates the request port (``require_curve_clients``): LMCache 0.5.6 builds its
 request server on ``zmq.Context.instance()`` (``transport/zmq_impl/server.py``); here that module's
@@ -24,16 +26,13 @@ handshake, so none of its frames reaches a handler (store, lookup, clear, the un
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import importlib.metadata
-import io
 import logging
 import pickle
 import sys
 import threading
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,38 +55,12 @@ class LMCacheVersionError(RuntimeError):
     """The installed LMCache is not one this seam was written for."""
 
 
-def _storage_from_bytes(data: bytes) -> Any:
-    """``torch.storage._load_from_bytes`` without its ``weights_only=False``: a storage's bytes
-    are a pickle too, read here by torch's own restricted unpickler."""
-    import torch
+def restricted_loads(data: bytes) -> list[Any]:
+    """``pickle.loads`` for LMCache's tensor payloads only (``tensor_payload.decode_tensor_list``: no
+    pickle machinery runs); raises ``TensorPayloadError`` (a ``pickle.UnpicklingError``) for anything else."""
+    from kvoffload.tensor_payload import decode_tensor_list  # torch is imported only by servers
 
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-@functools.cache
-def _allowed_globals() -> dict[tuple[str, str], Callable[..., Any]]:
-    import torch._utils
-
-    return {
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
-        ("collections", "OrderedDict"): OrderedDict,
-    }
-
-
-class TensorListUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals a pickled list of CPU tensors names."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _allowed_globals().get((module, name))
-        if found is None:
-            raise pickle.UnpicklingError(f"kvoffload refused a pickled global {module}.{name}: not a tensor payload")
-        return found
-
-
-def restricted_loads(data: bytes) -> Any:
-    """``pickle.loads`` for tensor payloads only; raises ``pickle.UnpicklingError`` for any other global."""
-    return TensorListUnpickler(io.BytesIO(data)).load()
+    return decode_tensor_list(data)
 
 
 def installed_lmcache_version() -> str:

@@ -1,4 +1,5 @@
-"""The restricted unpickler the sidecar puts in LMCache's server: tensor payloads load, nothing else runs."""
+"""The decoder the sidecar puts in LMCache's server in place of ``pickle.loads``: tensor payloads load,
+nothing else runs (``test_tensor_payload`` pins the decoder itself)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class _Calls:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8])
 def test_pickled_tensor_lists_load_as_lmcache_sends_them(dtype: torch.dtype) -> None:
-    """Every KV dtype plain pickle round-trips (torch cannot pickle float8 CPU tensors at all)."""
+    """Every KV dtype plain pickle round-trips (float8 too: ``test_tensor_payload``)."""
     base = torch.arange(48).reshape(4, 12).to(dtype)
     chunks = [base, base[1:3], base.t(), base.reshape(-1)[5:]]
     loaded = restricted_loads(pickle.dumps(chunks))
@@ -55,7 +56,8 @@ def test_a_payload_that_would_run_code_is_refused_before_it_runs(payload: Any, t
 
 
 def test_code_hidden_in_a_tensor_storage_is_refused(tmp_path: Path) -> None:
-    """torch's own storage hook reads its bytes with a full unpickler; ours reads them weights-only."""
+    """torch's own storage hook reads its bytes with a full unpickler; ours reads a storage record
+    with no names but the storage types."""
     marker = tmp_path / "ran"
     inner = pickle.dumps(_Calls(os.system, f"touch {marker}"), protocol=2)
     buf = io.BytesIO()
