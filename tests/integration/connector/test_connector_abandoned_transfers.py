@@ -27,9 +27,17 @@ from kvoffload.connector.backends import pool_transfers
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.wire import TransferOp
 from kvoffload.sidecar.metrics import ServerTransferState, transfer_state
-from tests.support.direct_backend import backend_pair, direct_backend
+from tests.support.direct_backend import backend_pair, direct_backend, pool_for
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import BLOCK, CHUNK, REPO_ROOT, PromptRequest, make_prompt
+from tests.support.trtllm_executor import (
+    BLOCK,
+    CHUNK,
+    REPO_ROOT,
+    PromptRequest,
+    StandinExecutor,
+    connector_llm_args,
+    make_prompt,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -72,6 +80,15 @@ def l1_used_bytes(server: LMCacheServer) -> int:
     return int(server.status()["storage_manager"]["l1_manager"]["memory_used_bytes"])
 
 
+def run_then_close(model: str, server: LMCacheServer, prompt: list[int]) -> None:
+    """One engine runs ``prompt``, then closes (its connector unregisters its context)."""
+    engine = StandinExecutor(connector_llm_args(model, server.url), num_blocks=64)
+    try:
+        engine.run([PromptRequest(1, prompt)])
+    finally:
+        engine.close()
+
+
 def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     """Wait (bounded) for ``condition``: releases go out on the connector's own threads."""
     deadline = time.monotonic() + timeout_s
@@ -98,11 +115,9 @@ def test_a_store_whose_copy_raises_publishes_nothing_and_the_next_engines_read_o
         return gather(*args, **kwargs)
 
     monkeypatch.setattr(pool_transfers, "gather_chunks", gather_failing)
-    first = executor_factory(model, guarded_server.url)
-    first.run([PromptRequest(1, prompt)])
+    run_then_close(model, guarded_server, prompt)  # its close unregisters: nothing pending may be published
     assert copies >= failing_copy, "the store never reached the failing copy"
     monkeypatch.setattr(pool_transfers, "gather_chunks", gather)
-    first.close()  # the engine's close unregisters its context: no pending reservation may be published
 
     assert held(guarded_server).reserved_chunks == held_before.reserved_chunks
     assert l1_used_bytes(guarded_server) == used_before, "the failed store's slots stayed in L1"
@@ -123,7 +138,7 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
     PREPARE_STORE times out here, the server makes the reservation once it runs again."""
     tokens, blocks = CHUNK, CHUNK // BLOCK
     env = {**ENV, "KVOFFLOAD_STORE_TIMEOUT_MS": "300"}
-    worker, scheduler = backend_pair(guarded_server, "stalled-store", env, blocks)
+    worker = direct_backend(guarded_server, "stalled-store", "worker", env, pool_for(blocks + 1))
     prompt = tuple(make_prompt(97, tokens))
     used_before = l1_used_bytes(guarded_server)
     try:
@@ -136,12 +151,13 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
         worker.close()
     eventually(lambda: held(guarded_server).reserved_chunks == 0, "the reservation dropped")
     assert l1_used_bytes(guarded_server) == used_before
+    next_worker, scheduler = backend_pair(guarded_server, "stalled-store", ENV, blocks)  # the engine after it
     try:
-        eventually(scheduler.is_up, "the scheduler's connection")
         assert scheduler.lookup("after-stall", prompt, tokens, "t") == 0, "an uncopied reservation was published"
     finally:
         scheduler.end_session("after-stall")
         scheduler.close()
+        next_worker.close()
 
 
 def test_an_engine_killed_between_prepare_and_commit_leaves_nothing_its_successor_could_read(
@@ -204,11 +220,9 @@ def test_two_identical_prompts_loading_at_once_leave_no_read_lock_behind(
     guarded_server: LMCacheServer, executor_factory: Any
 ) -> None:
     prompt = make_prompt(99, PROMPT_TOKENS)
-    writer = executor_factory("twin-loads", guarded_server.url)
-    writer.run([PromptRequest(1, prompt)])
-    writer.close()
+    run_then_close("twin-loads", guarded_server, prompt)
     before = held(guarded_server)
-    reader = executor_factory("twin-loads", guarded_server.url)
+    reader = executor_factory("twin-loads", guarded_server.url, num_blocks=128)
     results = reader.run([PromptRequest(2, prompt), PromptRequest(3, prompt)])
     assert max(r.connector_matched_tokens for r in results) > 0
     assert reader.kv_mismatches == 0
