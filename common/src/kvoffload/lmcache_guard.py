@@ -417,7 +417,9 @@ def _guard_shm_strategy(shm_cls: Any, clock: _ReservationClock) -> None:
         return response
 
     @functools.wraps(original_commit)
-    def commit_store(self: Any, key: Any, instance_id: int, cpu_data: bytes, context: Any, resolve_obj_keys: Any) -> bool:
+    def commit_store(
+        self: Any, key: Any, instance_id: int, cpu_data: bytes, context: Any, resolve_obj_keys: Any
+    ) -> bool:
         transfer_key = self._transfer_key_factory(key, instance_id)
         if cpu_data != contract.STORE_ABORT_PAYLOAD:
             clock.take(transfer_key)
@@ -439,7 +441,9 @@ def _guard_pickle_strategy(pickle_cls: Any) -> None:
     original_commit = pickle_cls.commit_store
 
     @functools.wraps(original_commit)
-    def commit_store(self: Any, key: Any, instance_id: int, cpu_data: bytes, context: Any, resolve_obj_keys: Any) -> bool:
+    def commit_store(
+        self: Any, key: Any, instance_id: int, cpu_data: bytes, context: Any, resolve_obj_keys: Any
+    ) -> bool:
         if cpu_data == contract.STORE_ABORT_PAYLOAD:
             return True  # the pickle transport reserves nothing before its COMMIT: nothing to drop
         return bool(original_commit(self, key, instance_id, cpu_data, context, resolve_obj_keys))

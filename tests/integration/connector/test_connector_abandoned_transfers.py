@@ -194,9 +194,8 @@ def test_a_lookup_answered_too_late_leaves_no_read_lock_and_no_prefetch_job_behi
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0)
         before = held(guarded_server)
-        with guarded_server.paused():
-            with pytest.raises(BackendError):
-                scheduler.lookup("late", prompt, tokens, "t")
+        with guarded_server.paused(), pytest.raises(BackendError):
+            scheduler.lookup("late", prompt, tokens, "t")
         # Running again, the server starts the prefetch and read-locks every chunk of the prompt.
         eventually(lambda: held(guarded_server).read_locked_chunks == before.read_locked_chunks + 8,
                    "the late prefetch's locks")  # fmt: skip
@@ -206,9 +205,8 @@ def test_a_lookup_answered_too_late_leaves_no_read_lock_and_no_prefetch_job_behi
         scheduler.end_session("late")
         eventually(lambda: held(guarded_server) == before, "the late lookup's locks and job released")
         # Late again, and the request ends: its end settles it.
-        with guarded_server.paused():
-            with pytest.raises(BackendError):
-                scheduler.lookup("late-then-ended", prompt, tokens, "t")
+        with guarded_server.paused(), pytest.raises(BackendError):
+            scheduler.lookup("late-then-ended", prompt, tokens, "t")
         scheduler.end_session("late-then-ended")
         eventually(lambda: held(guarded_server) == before, "the ended request's locks and job released")
     finally:
@@ -227,4 +225,3 @@ def test_two_identical_prompts_loading_at_once_leave_no_read_lock_behind(
     assert max(r.connector_matched_tokens for r in results) > 0
     assert reader.kv_mismatches == 0
     eventually(lambda: held(guarded_server) == before, "both loads' locks released")
-

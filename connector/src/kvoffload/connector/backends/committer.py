@@ -85,7 +85,9 @@ class Committer:
 
     def _keep_abort(self, item: DeferredCommit) -> None:
         """Keep an unanswered abort (or the abort of a store whose COMMIT's fate is unknown) for later."""
-        abort = item if item.operation == "abort" else DeferredCommit("abort", item.transfer, item.key, None, item.segment)
+        abort = (
+            item if item.operation == "abort" else DeferredCommit("abort", item.transfer, item.key, None, item.segment)
+        )
         abort = dataclasses.replace(abort, on_done=None)
         with self._unaborted_lock:
             self._unaborted.append(abort)
