@@ -119,3 +119,70 @@ def test_a_latent_pool_and_a_key_value_pool_of_one_model_never_read_each_others_
     assert kv.rank0.worker.backend.cache_model != mla.rank0.worker.backend.cache_model
     assert kv.run([PromptRequest(2, prompt, 2)])[0].connector_matched_tokens == 0
     assert kv.kv_mismatches == 0 and mla.kv_mismatches == 0
+
+
+def test_salts_and_lora_adapters_scope_latent_chunks_as_they_scope_key_value_chunks(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """One copy per TP group does not mean one copy per tenant: a salted or adapter request neither
+    loads the plain one's latent nor leaves its own to it, and each loads its own back, bit-exact."""
+    ex = executor_factory("mla-scope-model", lmcache_server.url, mla=True, **SMALL_MLA,
+                          llm_args={"tp": 2, "kv_cache_manager_v2": True})  # fmt: skip
+    prompt = make_prompt(51, 3 * CHUNK + 7)
+    plain = ex.run([PromptRequest(1, prompt, 2)])[0]
+    ex.evict_device_cache()
+    salted = ex.run([PromptRequest(2, prompt, 2, cache_salt="tenant-a")])[0]
+    lora = ex.run([PromptRequest(3, prompt, 2, lora_task_id=7)])[0]
+    assert salted.connector_matched_tokens == 0 and lora.connector_matched_tokens == 0
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(4, prompt, 2, cache_salt="tenant-a"), PromptRequest(5, prompt, 2, lora_task_id=7)])
+    assert [r.connector_matched_tokens for r in again] == [3 * CHUNK, 3 * CHUNK]
+    assert [r.output_tokens for r in again] == [salted.output_tokens, lora.output_tokens]
+    assert lora.output_tokens != plain.output_tokens, "the stand-in's latent does not depend on the adapter"
+    assert ex.kv_mismatches == 0
+
+
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_cancelled_requests_never_leak_a_latent_into_later_requests(
+    lmcache_server: LMCacheServer, executor_factory: Any, manager_v2: bool
+) -> None:
+    """``test_cancelled_requests_never_leak_kv_into_later_requests`` on a latent pool (fewer rounds):
+    cancellations mid chunked prefill behind a busy server, then every prefix again from LMCache."""
+    from tests.integration.connector.test_connector_on_real_executor import (
+        PREFIXES,
+        cancellation_stream,
+        make_server_busy,
+    )
+
+    ex = executor_factory(f"mla-cancel-{manager_v2}-model", lmcache_server.url, mla=True, num_blocks=88,
+                          context_chunk_size=CHUNK, **SMALL_MLA, llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
+    make_server_busy(ex, 0.03)
+    cancelled = 0
+    for batch in cancellation_stream(seed=13, rounds=20, per_round=4):
+        results = ex.run(batch)
+        cancelled += sum(r.cancelled for r in results)
+        assert not any(r.failed for r in results)
+        ex.evict_device_cache()
+    again = [PromptRequest(9000 + i, [*make_prompt(500 + i, 4 * CHUNK), 7, 8, 9], 2) for i in range(PREFIXES)]
+    results = [r for half in (again[:3], again[3:]) for r in ex.run(half)]
+    assert not any(r.failed for r in results) and sum(r.connector_matched_tokens for r in results) > 0
+    assert cancelled >= 50 and ex.kv_mismatches == 0
+    assert ex.scheduler.tracked_request_ids == frozenset()
+
+
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_a_replayed_request_keeps_its_latent_load_when_its_old_blocks_go_to_another_request(
+    lmcache_server: LMCacheServer, executor_factory: Any, manager_v2: bool
+) -> None:
+    """MAX_UTILIZATION's destroy and replay on a latent pool: the replay is asked again and loads bit-exact."""
+    ex = executor_factory(f"mla-replay-{manager_v2}-model", lmcache_server.url, mla=True, **SMALL_MLA,
+                          llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
+    prompt = make_prompt(77, 4 * CHUNK + 5)
+    assert not ex.run([PromptRequest(1, prompt, 1)])[0].failed
+    ex.evict_device_cache()
+    replayed, other = ex.run(
+        [PromptRequest(2, prompt, 3, replay_on_admission=True), PromptRequest(3, make_prompt(78, 100), 3)]
+    )
+    assert not replayed.failed and not other.failed
+    assert replayed.connector_matched_tokens == 4 * CHUNK
+    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
