@@ -5,6 +5,7 @@ attention-DP ranks. Real ``lmcache server`` on CPU, every KV position checked bi
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -186,3 +187,44 @@ def test_a_replayed_request_keeps_its_latent_load_when_its_old_blocks_go_to_anot
     assert not replayed.failed and not other.failed
     assert replayed.connector_matched_tokens == 4 * CHUNK
     assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+
+
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_a_tp2_latent_load_secured_before_a_server_kill_arrives_bit_exact_on_every_rank(
+    doomed_server: LMCacheServer, executor_factory: Any, manager_v2: bool
+) -> None:
+    """The one copy of a TP group's latent is secured once at lookup; the server is SIGKILLed right
+    after it, before the load: both ranks still copy it from the mapped segment, no request fails,
+    and once the server is back the group stores and loads again."""
+    ex = executor_factory(f"mla-kill-{manager_v2}-model", doomed_server.url, mla=True, **SMALL_MLA,
+                          llm_args={"tp": 2, "kv_cache_manager_v2": manager_v2})  # fmt: skip
+    prompt = make_prompt(61, 4 * CHUNK + 3)
+    first = ex.run([PromptRequest(1, prompt, 2)])[0]
+    ex.evict_device_cache()
+    lookup = ex.scheduler.get_num_new_matched_tokens
+    killed: list[int] = []
+
+    def lookup_then_kill(request: Any, computed: int) -> tuple[int, bool]:
+        result = lookup(request, computed)
+        if result[0] > 0 and not killed:
+            killed.append(result[0])
+            doomed_server.kill()
+        return result
+
+    ex.scheduler.get_num_new_matched_tokens = lookup_then_kill
+    loaded = ex.run([PromptRequest(2, prompt, 2)])[0]
+    assert killed == [4 * CHUNK] and not loaded.failed
+    assert loaded.connector_matched_tokens == 4 * CHUNK and loaded.output_tokens == first.output_tokens
+    doomed_server.start()
+    later = make_prompt(62, 3 * CHUNK + 1)
+    deadline, rid, matched = time.monotonic() + 120, 10, 0  # the deadline only stops a hang
+    while matched == 0:  # the heartbeat re-registers the pool with the restarted server
+        assert time.monotonic() < deadline, "the group never stored again after the restart"
+        assert not ex.run([PromptRequest(rid, later, 2)])[0].failed
+        assert settle_commits()
+        ex.evict_device_cache()
+        matched = ex.run([PromptRequest(rid + 1, later, 2)])[0].connector_matched_tokens
+        ex.evict_device_cache()
+        rid += 2
+    assert matched == 3 * CHUNK
+    assert ex.kv_mismatches == 0
