@@ -28,6 +28,12 @@ the request honoured for half the offer (``py_num_connector_matched_tokens``, as
 leaves it) and pages only up to one block past that: the honoured blocks must be bit-exact and the
 next page untouched.
 
+With ``--pool deepseek-v3`` the pool is DeepSeek-V3's multi-head latent attention (61 layers of a
+576-wide bf16 latent, no value half: ``[blocks, 61, 1, 32 * 576]``) instead of Llama-3-8B's K/V.
+Each round also copies the same blocks pool -> pinned host -> pool by hand (``raw_d2h_gbps``,
+``raw_h2d_gbps``) in the same process, and reports the hooks' store and load rates over those
+bytes (``--busy 0`` leaves out the "forward pass" work that the save and load otherwise wait for).
+
 With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
 between the last round's lookup and its load: the secured load must still arrive bit-exact.
 A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
@@ -68,9 +74,16 @@ def _kill_tree(pid: int) -> None:
             proc.send_signal(signal.SIGKILL)
 
 
+POOLS = {
+    "llama-3-8b": ("meta-llama/Llama-3.1-8B-Instruct", gt.LAYERS, 2, gt.KV_HEADS * gt.HEAD_DIM),
+    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", 61, 1, 512 + 64),
+}
+"""Pool shapes: (model, layers, kv_factor, elements per token, layer and plane)."""
+
+
 @contextlib.contextmanager
 def connector_hooks(
-    l1: str, nblocks: int, device: str, env: dict[str, str], layout: bool = False
+    l1: str, nblocks: int, device: str, env: dict[str, str], layout: bool = False, pool_kind: str = "llama-3-8b"
 ) -> Iterator[tuple[subprocess.Popen[bytes], Any, Any, torch.Tensor, Callable[[dict[str, str]], Any]]]:
     """The real sidecar, and the connector's scheduler and worker over it with a Llama-3-8B-shaped
     bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool,
@@ -89,11 +102,12 @@ def connector_hooks(
     try:
         from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
 
-        llm_args = connector_llm_args("meta-llama/Llama-3.1-8B-Instruct", url, block=gt.TOKENS_PER_BLOCK)
+        model, layers, kv_factor, width = POOLS[pool_kind]
+        llm_args = connector_llm_args(model, url, block=gt.TOKENS_PER_BLOCK)
         scheduler = KvoffloadConnectorScheduler(llm_args)
         worker = KvoffloadConnectorWorker(llm_args)
         pool = torch.zeros(
-            (2 * nblocks + 8, gt.LAYERS, 2, gt.KV_HEADS * gt.TOKENS_PER_BLOCK * gt.HEAD_DIM),
+            (2 * nblocks + 8, layers, kv_factor, gt.TOKENS_PER_BLOCK * width),
             dtype=torch.bfloat16,
             device=device,
         )
@@ -107,7 +121,7 @@ def connector_hooks(
         if layout:  # KVCacheManagerV2: one layer group, handed over as a layout
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
 
-            worker.register_kv_cache_layout(KvCacheLayout((KvCacheLayoutGroup(pool, tuple(range(gt.LAYERS))),)))
+            worker.register_kv_cache_layout(KvCacheLayout((KvCacheLayoutGroup(pool, tuple(range(layers))),)))
         else:
             worker.register_kv_caches(pool)
         yield sidecar, scheduler, worker, pool, another_scheduler
@@ -135,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-cache-manager-v2", action="store_true", help="layout registration; the load honoured for half the offer"
     )
+    parser.add_argument("--pool", default="llama-3-8b", choices=sorted(POOLS))
+    parser.add_argument("--busy", type=int, default=20, help="matmuls of the 'forward pass' before each write/clear")
     args = parser.parse_args(argv)
     args.async_load = args.async_load or args.cancel_during_load
     dev = args.device
@@ -164,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         contract.ENV_ASYNC_SAVE: "false" if args.sync_save else "true",
         contract.ENV_ASYNC_LOAD_MIN_TOKENS: "1" if args.async_load else "0",
     }
-    with connector_hooks(args.l1, nblocks, dev, env, args.kv_cache_manager_v2) as (sidecar, scheduler, worker, pool, _):
+    hooks = connector_hooks(args.l1, nblocks, dev, env, args.kv_cache_manager_v2, args.pool)
+    with hooks as (sidecar, scheduler, worker, pool, _):
         engine = torch.cuda.Stream() if dev == "cuda" else None
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if dev == "cuda" else None
         for rnd in range(args.rounds):
@@ -175,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             fresh = torch.randn((nblocks, *pool.shape[1:]), device=dev).to(pool.dtype)
             sync()
             with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
-                for _ in range(20 if a is not None else 0):  # the forward pass: busy, then it writes the KV
+                for _ in range(args.busy if a is not None else 0):  # the forward pass: busy, then it writes the KV
                     a @ a
                 pool.index_copy_(0, src_idx, fresh)
             save = TransferOp(rid, f"hooks-save-{rnd}", tuple(prompt[: args.tokens]), 0, args.tokens, src, 0, "")
@@ -196,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             lookup_ms = (time.perf_counter() - t_lookup) * 1e3
             sync()
             with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
-                for _ in range(20 if a is not None else 0):  # the engine's earlier work, then it clears the blocks
+                for _ in range(
+                    args.busy if a is not None else 0
+                ):  # the engine's earlier work, then it clears the blocks
                     a @ a
                 pool.index_fill_(0, dst_idx, float("nan"))
             killed = args.kill_before_last_load and rnd == args.rounds - 1
@@ -232,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             worker.get_finished([], [])  # rank 0 releases the loaded chunks after the iteration
             scheduler.request_finished(request, [])
             sync()
+            nbytes = nblocks * pool[0].numel() * pool.element_size()
+            raw_d2h, raw_h2d = raw_copy_s(pool, src_idx, dst_idx, sync)
             # blocks the load wrote; V2: the next page stays as the engine left it
             got = honoured // gt.TOKENS_PER_BLOCK
             exact = matched == args.tokens and bool(
@@ -245,10 +266,30 @@ def main(argv: list[str] | None = None) -> int:
                 "wait_for_save_returned_ms": round(returned_ms, 2), "save_done_ms": round(saved_ms, 2),
                 "lookup_ms": round(lookup_ms, 2), "load_done_incl_engine_work_ms": round(load_ms, 2), "bit_exact": exact,
                 "server_killed_before_load": killed, "async_save": not args.sync_save, "async_load": is_async,
-                "retry_read_bit_exact": retry_exact, "honoured": honoured,
+                "retry_read_bit_exact": retry_exact, "honoured": honoured, "pool": args.pool,
+                "pool_shape": list(pool.shape), "bytes": nbytes, "busy_matmuls": args.busy,
+                "store_gbps": round(nbytes / saved_ms / 1e6, 2), "load_gbps": round(nbytes / load_ms / 1e6, 2),
+                "raw_d2h_gbps": round(nbytes / raw_d2h / 1e9, 2), "raw_h2d_gbps": round(nbytes / raw_h2d / 1e9, 2),
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
+
+
+def raw_copy_s(
+    pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, sync: Callable[[], None]
+) -> tuple[float, float]:
+    """Seconds to copy the ``src`` blocks to pinned host memory and that back into the ``dst`` blocks'
+    place (a scratch tensor), by hand: the copy the hooks' rates compare with."""
+    host = torch.empty((len(src), *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.is_cuda)
+    gathered = pool[src]
+    sync()
+    t0 = time.perf_counter()
+    host.copy_(gathered, non_blocking=True)
+    sync()
+    t1 = time.perf_counter()
+    gathered.copy_(host, non_blocking=True)
+    sync()
+    return t1 - t0, time.perf_counter() - t1
 
 
 if __name__ == "__main__":

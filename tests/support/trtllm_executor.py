@@ -442,7 +442,13 @@ class RankState:
         os.environ[RANK_ENV] = str(rank)
         self.rank = rank
         # Tensor parallelism splits KV heads across ranks; under attention DP every rank holds them all.
-        self.tp = 1 if getattr(llm_args, "enable_attention_dp", False) else llm_args.tensor_parallel_size
+        # Multi-head latent attention's latent is computed before heads split: every TP rank holds
+        # all of it, the same bytes (DeepseekV3's kv_a_proj_with_mqa is not tensor-parallel).
+        self.tp = (
+            1
+            if getattr(llm_args, "enable_attention_dp", False) or geometry["kv_factor"] == 1
+            else (llm_args.tensor_parallel_size)
+        )
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.layers = geometry["num_layers"]
         self.heads = geometry["num_kv_heads"] // self.tp
@@ -714,8 +720,9 @@ class StandinExecutor:
         sliding_window: int = 0,
     ) -> None:
         """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``commits_lagging``);
-        ``mla``: DeepSeek's multi-head latent attention, one latent head per layer and no value half
-        (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key" buffer);
+        ``mla``: DeepSeek's multi-head latent attention, one latent head of ``head_dim`` per layer and no
+        value half (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key"
+        buffer), the same bytes on every tensor-parallel rank;
         ``sliding_window``: every layer attends to this many tokens (0: all), one V2 layer group with that
         ``window_size`` (the -1 pages of passed blocks are not modelled: the connector refuses the layout)."""
         _ensure_paths()

@@ -24,7 +24,6 @@ from tests.support.trtllm_executor import (
 pytestmark = pytest.mark.connector
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
-DEEPSEEK = "deepseek-ai/DeepSeek-V3"
 MINIMAX = "MiniMaxAI/MiniMax-M2"
 
 on_every_v2_version = pytest.mark.parametrize("version", KV_CACHE_MANAGER_V2_VERSIONS)
@@ -105,18 +104,6 @@ def test_on_a_1_3_rc_before_the_v2_connector_path_the_engine_runs_v1_whatever_th
     again = ex.run([PromptRequest(2, prompt, 3)])[0]
     assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
     assert ex.kv_mismatches == 0
-
-
-@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
-def test_a_multi_head_latent_attention_pool_is_refused_at_engine_start_naming_the_model(
-    lmcache_server: LMCacheServer, manager_v2: bool
-) -> None:
-    """DeepSeek-V3's pool has one latent head and no value half per layer (``kv_factor`` 1; V2 registers
-    one "key" buffer). LMCache's transfer reads two halves, so every store would fail and mark the
-    server down: the worker refuses the pool when it is registered, before any request, naming the model."""
-    args = connector_llm_args(f"{DEEPSEEK}-mla-{manager_v2}", lmcache_server.url, kv_cache_manager_v2=manager_v2)
-    with pytest.raises(RuntimeError, match=r"DeepSeek-V3-mla-.*multi-head latent attention"):
-        StandinExecutor(args, mla=True, head_dim=64)
 
 
 @on_every_v2_version

@@ -85,7 +85,7 @@ class FakeBackend:
     def commits_pending(self, session_id: str) -> bool:
         return session_id in self.publishing
 
-    def register(self, pool: Any, geometry: Any) -> None:
+    def register(self, pool: Any, geometry: Any, layout: Any = None) -> None:
         pass
 
     def close(self) -> None:

@@ -17,7 +17,6 @@ from kvoffload.connector.settings import (
     SettingsError,
     layer_groups_problem,
     parse_settings,
-    pool_layout_problem,
 )
 from kvoffload.policy import Policy
 
@@ -226,11 +225,3 @@ def test_metrics_bound_once_and_errors_bounded() -> None:
 def test_only_one_full_attention_layer_group_is_served(windows: list[int | None], refused_for: str | None) -> None:
     problem = layer_groups_problem(windows)
     assert problem is None if refused_for is None else refused_for in (problem or "")
-
-
-@pytest.mark.parametrize(("kv_factor", "served"), [(2, True), (1, False)])
-def test_a_pool_without_a_value_half_is_refused_naming_the_model(kv_factor: int, served: bool) -> None:
-    problem = pool_layout_problem(kv_factor, "deepseek-ai/DeepSeek-V3")
-    assert (problem is None) is served
-    if not served:
-        assert "'deepseek-ai/DeepSeek-V3'" in (problem or "") and "latent attention" in (problem or "")

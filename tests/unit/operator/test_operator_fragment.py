@@ -528,19 +528,22 @@ def test_a_model_with_several_kv_layer_groups_is_refused_before_the_pod_naming_i
 
 
 @pytest.mark.parametrize(
-    "args",
-    [["serve", "deepseek-ai/DeepSeek-V3"], ["/models/deepseek-ai/DeepSeek-R1-0528"], ["moonshotai/Kimi-K2-Instruct"]],
+    ("args", "feature"),
+    [
+        (["serve", "deepseek-ai/DeepSeek-V3.2-Exp"], "DeepSeek-V3.2 adds sparse attention"),
+        (["/models/deepseek-ai/DeepSeek-V4"], "DeepSeek-V4 keeps KV layer groups of different tokens per block"),
+    ],
 )
-def test_a_model_with_multi_head_latent_attention_is_refused_before_the_pod_naming_it(args: list[str]) -> None:
-    """DeepSeek's and Kimi K2's KV pool has one latent head and no value half, which the connector
-    refuses at engine start (``settings.pool_layout_problem``): the operator says so first, naming the model."""
+def test_a_latent_attention_model_the_connector_cannot_serve_is_refused_before_the_pod_naming_why(
+    args: list[str], feature: str
+) -> None:
+    """Sparse or compressed attention beside the latent: refused at engine start (by TensorRT-LLM or
+    the connector), so the operator says so first, from the model argument."""
     engine = container()
     engine["args"] = args
     r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
     assert isinstance(r, PolicyError) and r.reason == "unsupported", r
-    model = args[-1].rsplit("/", 1)[-1]
-    assert r.field == "container trtllm model" and f"{model} uses multi-head latent attention" in r.message
-    assert "opt this workload out" in r.message
+    assert r.field == "container trtllm model" and feature in r.message and "opt this workload out" in r.message
 
 
 @pytest.mark.parametrize(
@@ -548,10 +551,14 @@ def test_a_model_with_multi_head_latent_attention_is_refused_before_the_pod_nami
     [
         ["meta-llama/Llama-3.1-8B-Instruct"],
         ["serve", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B"],  # a Llama: no latent attention
+        ["serve", "deepseek-ai/DeepSeek-V3"],  # multi-head latent attention: one latent per layer, served
+        ["/models/deepseek-ai/DeepSeek-R1-0528"],
+        ["moonshotai/Kimi-K2-Instruct"],
+        ["deepseek-ai/DeepSeek-V2-Lite"],
         ["--host", "0.0.0.0", "openai/gpt-oss-120b"],  # not said plainly: left to the engine's own check
     ],
 )
-def test_models_of_one_layer_group_or_unknown_ones_are_injected(args: list[str]) -> None:
+def test_models_of_one_layer_group_latent_attention_or_unknown_ones_are_injected(args: list[str]) -> None:
     engine = container()
     engine["args"] = args
     r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)

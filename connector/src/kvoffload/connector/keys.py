@@ -123,12 +123,14 @@ class ChunkLayout:
     """The pool's element type (torch's name: ``bfloat16``, ``float8_e4m3fn``, ...)."""
     tokens_per_block: int
     block_bytes: int
-    """One block of the pool: every layer, K and V, this rank's KV heads."""
+    """One block of the pool: every layer, K and V, this rank's KV heads (MLA: the latent)."""
+    pool_tag: str = ""
+    """The pool's kind and geometry where it is not key/value (``layout.PoolLayout.tag``: ``mla-l61-w576``)."""
 
 
-def chunk_layout(pool_dtype: object, tokens_per_block: int, block_bytes: int) -> ChunkLayout:
+def chunk_layout(pool_dtype: object, tokens_per_block: int, block_bytes: int, pool_tag: str = "") -> ChunkLayout:
     """The layout of chunks copied from a pool of ``pool_dtype`` (a torch dtype or its name)."""
-    return ChunkLayout(str(pool_dtype).removeprefix("torch."), tokens_per_block, block_bytes)
+    return ChunkLayout(str(pool_dtype).removeprefix("torch."), tokens_per_block, block_bytes, pool_tag)
 
 
 def cache_model_name(model_name: str, layout: ChunkLayout) -> str:
@@ -137,9 +139,11 @@ def cache_model_name(model_name: str, layout: ChunkLayout) -> str:
     Chunks hold TensorRT-LLM's block bytes (``blockcopy``), not LMCache's own layout, so a client
     that expects LMCache's layout (LMCache's own adapter, another connector version) must never
     find them in a shared or persistent tier, nor this connector find theirs; nor may a deployment
-    with another KV dtype, block size or block shape read them as its own.
+    with another KV dtype, block size or block shape read them as its own. A pool that is not
+    key/value (multi-head latent attention) says so with its geometry (``-mla-l61-w576``).
     """
-    return f"{model_name}~{CHUNK_LAYOUT_TAG}~{layout.kv_dtype}-t{layout.tokens_per_block}-b{layout.block_bytes}"
+    name = f"{model_name}~{CHUNK_LAYOUT_TAG}~{layout.kv_dtype}-t{layout.tokens_per_block}-b{layout.block_bytes}"
+    return f"{name}-{layout.pool_tag}" if layout.pool_tag else name
 
 
 def chunk_floor(tokens: int, chunk_size: int) -> int:

@@ -240,23 +240,6 @@ def engine_config_problem(llm_args: Any) -> str | None:
     return None
 
 
-def pool_layout_problem(kv_factor: int, model_name: str) -> str | None:
-    """Why the connector cannot move a KV pool of ``kv_factor`` halves per layer, or None.
-
-    A pool with no value half (``kv_factor`` 1) is multi-head latent attention's (DeepSeek V2/V3/R1,
-    Kimi K2: one latent head per layer; V1 builds it for ``SELFKONLY``, KVCacheManagerV2 registers one
-    "key" buffer). LMCache 0.5.6's transfer of a TensorRT-LLM pool reads a key and a value half, so
-    every store would fail and mark the cache server down: refused at start instead.
-    """
-    if kv_factor == 2:
-        return None
-    return (
-        f"model {model_name!r} has a KV pool of {kv_factor} half per layer (multi-head latent attention, as "
-        "DeepSeek V2/V3/R1 and Kimi K2 use): kvoffload moves key and value halves and cannot serve it; "
-        "run this model without the kvoffload connector"
-    )
-
-
 def layer_groups_problem(window_sizes: Sequence[int | None]) -> str | None:
     """Why the connector cannot move a KVCacheManagerV2 layout of layer groups with these attention
     windows (None: full attention), or None.

@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 from kvoffload.connector import wire
-from kvoffload.connector.backends.base import BackendError, LoadResult, kv_geometry, read_hf_config
+from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, kv_geometry, read_hf_config
+from kvoffload.connector.layout import PoolLayoutError, describe_pool
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
     ConnectorRole,
@@ -20,7 +21,7 @@ from kvoffload.connector.runtime import (
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import layer_groups_problem, pool_layout_problem
+from kvoffload.connector.settings import layer_groups_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -64,19 +65,24 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         return self._saves.pending_requests()
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
-        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, heads*block*head_dim]``;
-        a pool it cannot move (multi-head latent attention) is refused here, before any request."""
-        problem = pool_layout_problem(int(kv_cache_tensor.shape[2]), self._settings.model_name)
-        if problem is not None:
-            raise RuntimeError(f"kvoffload: {problem}")
-        geometry = kv_geometry(
-            int(kv_cache_tensor.shape[-1]),
-            self._block,
-            read_hf_config(self._settings.model_name),
-            self._settings.world_size,
-        )
+        """Step 0 (once): register TensorRT-LLM's pool ``[num_blocks, num_layers, kv_factor, block_elems]``:
+        key/value halves (``kv_factor`` 2) or multi-head latent attention's one latent (``kv_factor`` 1,
+        ``layout``); a pool it cannot move is refused here, before any request."""
+        try:
+            pool_layout = describe_pool(tuple(kv_cache_tensor.shape), self._block)
+        except PoolLayoutError as exc:
+            raise RuntimeError(f"kvoffload: model {self._settings.model_name!r}: {exc}") from None
+        if pool_layout.kind == "mla":  # one latent "head" of token_width; the HF config's heads do not apply
+            geometry = KvGeometry(1, self._block, pool_layout.token_width // 2)
+        else:
+            geometry = kv_geometry(
+                int(kv_cache_tensor.shape[-1]),
+                self._block,
+                read_hf_config(self._settings.model_name),
+                self._settings.world_size,
+            )
         self._kv_device = kv_cache_tensor.device
-        self._backend.register(kv_cache_tensor, geometry)
+        self._backend.register(kv_cache_tensor, geometry, pool_layout)
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one full-attention layer group is one pool

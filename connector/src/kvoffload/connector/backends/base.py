@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvoffload.connector.layout import PoolLayout
 from kvoffload.connector.wire import SecuredLoad, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
@@ -105,8 +106,8 @@ class KVBackend(Protocol):
     def end_session(self, session_id: str) -> None:
         """Forget per-request server state (fire and forget)."""
 
-    def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
-        """Register the worker's KV pool."""
+    def register(self, kv_pool: Any, geometry: KvGeometry, layout: PoolLayout | None = None) -> None:
+        """Register the worker's KV pool (``layout``: what it holds; described from its shape when None)."""
 
     def retrieve(self, op: TransferOp) -> int:
         """Load ``op``'s chunks into its blocks; returns bytes moved; raises BackendError."""

@@ -39,6 +39,7 @@ from kvoffload.connector.backends.segments import RETIRED_GRACE_S, Segment, Segm
 from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.keys import cache_model_name, chunk_layout
+from kvoffload.connector.layout import PoolLayout, describe_pool, key_ranks, transfer_shape
 from kvoffload.connector.lmcache_seam import EngineType, MPTransferMode, create_transfer_context
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings
@@ -78,7 +79,7 @@ class CacheServerBackend:
         self.committer = Committer(role, self._instance_id, self.connection, self.segments, process.pending,
                                     metrics, reports)  # fmt: skip
         self._securing = None if self._instance_id is None else Securing(
-            instance_id=self._instance_id, world_size=settings.world_size, chunk_size=self.chunk_size,
+            instance_id=self._instance_id, chunk_size=self.chunk_size,
             retrieve_timeout_s=self._timeouts.retrieve_s, connection=self.connection, segments=self.segments,
             keys=self._keys, committer=self.committer, metrics=metrics,
         )  # fmt: skip
@@ -97,6 +98,11 @@ class CacheServerBackend:
         """The model name in this backend's keys, tagged with the layout of the pool it registered
         (``keys.cache_model_name``); None before a pool was registered."""
         return self._keys.model
+
+    @property
+    def server_keys(self) -> ServerKeys:
+        """How this backend names chunks on the server (model, key world and rank)."""
+        return self._keys
 
     @property
     def segment(self) -> Segment | None:
@@ -149,9 +155,18 @@ class CacheServerBackend:
         return server_chunk
 
     # --- registration and heartbeat -------------------------------------------------------------
-    def register(self, kv_pool: Any, geometry: KvGeometry) -> None:
-        """Register the pool now (on failure the heartbeat keeps trying); rank 0 secures this process's loads."""
+    def register(self, kv_pool: Any, geometry: KvGeometry, layout: PoolLayout | None = None) -> None:
+        """Register the pool now (on failure the heartbeat keeps trying); rank 0 secures this process's loads.
+
+        ``layout`` (``layout.describe_pool`` of the pool's shape when None) decides the keys: a pool
+        every tensor-parallel rank holds alike (MLA) is keyed as one rank's and stored by rank 0 only,
+        and LMCache is shown its two-plane view (``layout.transfer_shape``).
+        """
         assert self._instance_id is not None, "only a worker registers a pool"
+        if layout is None:
+            layout = describe_pool(tuple(kv_pool.shape), self._settings.tokens_per_block)
+        kv_pool = kv_pool.view(transfer_shape(tuple(kv_pool.shape), layout))
+        self._keys.use(key_ranks(layout, self._settings.world_size, self._rank))
         if self._rank == 0:
             self._process.attach(self._settings.server_url, self)
         self._geometry = geometry
@@ -161,8 +176,8 @@ class CacheServerBackend:
             connection=self.connection, segments=self.segments, keys=self._keys, committer=self.committer,
             securing=self._securing if self._rank == 0 else None, metrics=self._metrics,
         )  # fmt: skip
-        layout = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes)
-        self._keys.model = cache_model_name(self._settings.model_name, layout)
+        chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, layout.tag())
+        self._keys.model = cache_model_name(self._settings.model_name, chunks)
         try:
             self._register_now()
         except Exception as exc:
@@ -181,7 +196,7 @@ class CacheServerBackend:
             transfer.register(
                 kv,
                 self._keys.model,
-                self._settings.world_size,
+                self._keys.world_size,
                 self.chunk_size // self._settings.tokens_per_block,
                 max(self._timeouts.store_s, self._timeouts.retrieve_s),
                 layout_hints=geometry.layout_hints(),
@@ -300,10 +315,9 @@ class CacheServerBackend:
         (TensorRT-LLM runs the scheduler in rank 0's process); without one nothing is looked up,
         as nothing could be loaded."""
         local = self._process.worker(self._settings.server_url)
-        model = local.cache_model if local is not None else None
-        if model is None:
+        if local is None or local.cache_model is None:
             raise BackendError("lookup", "unavailable", "no worker in this process registered its KV pool")
-        self._keys.model = model
+        self._keys.adopt(local.server_keys)
 
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str

@@ -11,11 +11,14 @@ process has pending on their chain. The in-process backend's cache server is one
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.connector.backends.commits import PendingCommits
 from kvoffload.connector.backends.inprocess import InProcessServer
 from kvoffload.connector.wire import SecuredLoad
+
+if TYPE_CHECKING:
+    from kvoffload.connector.backends.server_keys import ServerKeys
 
 
 class LocalWorker(Protocol):
@@ -23,6 +26,9 @@ class LocalWorker(Protocol):
 
     @property
     def cache_model(self) -> str | None: ...
+
+    @property
+    def server_keys(self) -> ServerKeys: ...
 
     def prepare_secured(
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str

@@ -140,7 +140,8 @@ class PoolTransfers:
         if transfer is None:
             raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
         edc = transfer.engine_driven_context
-        return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in secured.slots[self._rank]]
+        slots = secured.slots[self._keys.rank]  # a replicated pool's one copy (rank 0's) serves every rank
+        return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in slots]
 
     def expect_async_load(self) -> None:
         """An asynchronous load will be issued (or dropped): until then its segment stays mapped."""
@@ -286,7 +287,10 @@ class PoolTransfers:
         return ok
 
     def store(self, op: TransferOp) -> int:
-        """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache)."""
+        """Copy ``op``'s blocks into the server (chunks it already holds are skipped by LMCache); 0
+        bytes on a rank whose chunks another rank stores (a replicated pool's, rank 0 writes them)."""
+        if not self._keys.stores:
+            return 0
         issued = self._run_transfer("store", self._timeouts.store_s, op, self._store_fast, lambda transfer, key: (
             transfer.submit_store(
                 op.session_id, key, {KV_POOL_NAME: self.pool}, [list(op.block_ids)],

@@ -30,11 +30,10 @@ class _Unsecured(Exception):
 class Securing:
     """PREPARE_RETRIEVE and COMMIT_RETRIEVE of secured loads, under one worker instance (rank 0's)."""
 
-    def __init__(self, *, instance_id: int, world_size: int, chunk_size: int, retrieve_timeout_s: float,
+    def __init__(self, *, instance_id: int, chunk_size: int, retrieve_timeout_s: float,
                  connection: ServerConnection, segments: Segments, keys: ServerKeys, committer: Committer,
                  metrics: ConnectorMetrics) -> None:  # fmt: skip
         self._instance_id = instance_id
-        self._world_size = world_size
         self._chunk_size = chunk_size
         self._timeout_s = retrieve_timeout_s
         self._connection = connection
@@ -127,7 +126,7 @@ class Securing:
                     per_rank.append(tuple(
                         SlotRef(int(d["offset"]), int(d["length"]), tuple(d["shape"]), str(d["dtype"])) for d in slots
                     ))  # fmt: skip
-            if len(per_rank) != self._world_size:
+            if len(per_rank) != self._keys.world_size:
                 raise _Unsecured
             self._segments.secured_opened(segment)  # its segment stays mapped until commit
             return SecuredLoad(segment, tuple(per_rank))

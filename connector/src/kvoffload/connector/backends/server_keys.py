@@ -1,9 +1,11 @@
 """The keys a backend names chunks with on an LMCache server: the model tagged with the pool's chunk
-layout, the world size, and (for a worker's transfers) the rank."""
+layout, the world size, and (for a worker's transfers) the rank: the deployment's, or one rank's
+worth for a pool every rank holds alike (``layout.key_ranks``: multi-head latent attention)."""
 
 from __future__ import annotations
 
 from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.layout import KeyRanks
 from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 
@@ -13,8 +15,28 @@ class ServerKeys:
     def __init__(self, world_size: int, rank: int) -> None:
         self._world_size = world_size
         self._rank = rank
+        self.stores = True
+        """Whether this rank writes chunks (False: another rank stores the bytes this one holds too)."""
         self.model: str | None = None
         """The model name in the keys, tagged with the layout of the registered pool (``keys.cache_model_name``)."""
+
+    @property
+    def world_size(self) -> int:
+        """The world size in the keys: how many ranks' chunks make one prefix."""
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        """The rank in this worker's transfer keys (its index among a secured load's ranks)."""
+        return self._rank
+
+    def use(self, ranks: KeyRanks) -> None:
+        """Key as ``ranks`` says (set when a pool is registered, from its layout)."""
+        self._world_size, self._rank, self.stores = ranks.world_size, ranks.rank, ranks.stores
+
+    def adopt(self, other: ServerKeys) -> None:
+        """Key lookups as ``other`` (the local worker that registered the pool) keys its chunks."""
+        self.model, self._world_size = other.model, other.world_size
 
     def key(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, worker: bool,
             rank: int | None = None) -> IPCCacheServerKey:  # fmt: skip

@@ -56,21 +56,23 @@ SEVERAL_LAYER_GROUPS = (
 main's default for them); matched on the model argument's last path element, lower-cased."""
 
 
-MULTI_HEAD_LATENT_ATTENTION = ("deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-v4", "kimi-k2")
-"""Model families with multi-head latent attention (one latent head, no value half per layer), which the
-connector refuses at engine start; a distilled model of another architecture (``...-Distill-...``) is not one."""
+NOT_SERVED_LATENT_ATTENTION = (
+    ("deepseek-v3.2", "DeepSeek-V3.2 adds sparse attention (an indexer cache beside the latent), whose KV layout "
+     "TensorRT-LLM's connector path rejects at engine start (\"KV connector layout is not supported\")"),
+    ("deepseek-v4", "DeepSeek-V4 keeps KV layer groups of different tokens per block (compressed attention), "
+     "which the connector refuses at engine start"),
+)  # fmt: skip
+"""Latent-attention families the connector does not serve (plain multi-head latent attention, DeepSeek
+V2/V3/R1 and Kimi K2, is served: one latent per layer, ``connector/layout.py``)."""
 
 
 def model_layout_problem(model: str) -> str | None:
-    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, or multi-head latent
-    attention), or None."""
+    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, sparse or compressed
+    attention), or None; matched on the model argument's last path element, lower-cased."""
     name = posixpath.basename(model.rstrip("/")).lower()
-    if "distill" not in name and any(family in name for family in MULTI_HEAD_LATENT_ATTENTION):
-        return (
-            f"{posixpath.basename(model.rstrip('/'))} uses multi-head latent attention (one latent head and no "
-            "value half per layer); kvoffload moves key and value halves and the connector would refuse it at "
-            "engine start: opt this workload out"
-        )
+    for family, feature in NOT_SERVED_LATENT_ATTENTION:
+        if "distill" not in name and family in name:
+            return f"{feature}: opt this workload out"
     for family, feature in SEVERAL_LAYER_GROUPS:
         if family in name:
             return (
