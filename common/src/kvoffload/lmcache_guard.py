@@ -26,7 +26,6 @@ handshake, so none of its frames reaches a handler (store, lookup, clear, the un
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import importlib.metadata
 import logging
