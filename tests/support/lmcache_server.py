@@ -10,6 +10,7 @@ back to pickling every chunk through ZMQ).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hack.ports import free_port
 
@@ -121,6 +123,12 @@ class LMCacheServer:
                 return int(resp.status) == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def status(self) -> dict[str, Any]:
+        """The server's ``GET /status`` (LMCache's own report of its modules and storage)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+        return body
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -75,6 +75,8 @@ PATH_METRICS: Final = "/metrics"
 PATH_STARTUP: Final = "/startupz"
 PATH_READY: Final = "/readyz"
 PATH_LIVE: Final = "/livez"
+LMCACHE_PATH_STATUS: Final = "/status"
+"""The LMCache server's own status page on its loopback HTTP port (read by the sidecar's metrics)."""
 
 # --- Mount paths --------------------------------------------------------------
 SHM_MOUNT_PATH: Final = "/dev/shm"
@@ -182,6 +184,13 @@ CONNECTOR_WORKER_CLASS: Final = "KvoffloadConnectorWorker"
 BACKEND_SIDECAR: Final = "sidecar"
 BACKEND_INPROCESS: Final = "inprocess"
 
+# --- The cache server's wire, beyond LMCache's own ------------------------------
+STORE_ABORT_PAYLOAD: Final = b"kvoffload:abort-store"
+"""The payload of a COMMIT_STORE that aborts its PREPARE_STORE's reservation instead of publishing it:
+sent by the connector for a store it will not finish, read by the server's transfer guard
+(``lmcache_guard.install_transfer_guard``), which discards the reservation. LMCache 0.5.6 has no
+abort call; a server without the guard fails such a COMMIT (it tries to unpickle the payload)."""
+
 # --- Metric names (as exposed; counters carry prometheus_client's _total) ----
 
 # Connector (labels: model, backend; errors also operation, reason).
@@ -199,6 +208,12 @@ M_STORE_BYTES: Final = "kvoffload_connector_store_bytes"
 M_STORE_SECONDS: Final = "kvoffload_connector_store_duration_seconds"
 M_CONNECTOR_ERRORS: Final = "kvoffload_connector_errors"
 M_BACKEND_UP: Final = "kvoffload_connector_backend_up"
+M_STORES_ABORTED: Final = "kvoffload_connector_stores_aborted"
+"""Stores the connector abandoned after PREPARE_STORE (a copy that raised, a timeout, a reset, the
+engine's close before COMMIT): their reservations were aborted, never published."""
+M_LOOKUPS_ABANDONED: Final = "kvoffload_connector_lookups_abandoned"
+"""Lookups whose answer came too late (counted a miss); the server's prefetch of each is consumed and
+its read locks released before the session's next lookup and at its end."""
 M_PROMPT_TOKENS: Final = "kvoffload_connector_prompt_tokens"
 """Prompt tokens the engine scheduled, by ``source`` (PROMPT_TOKEN_SOURCES) and, for computed ones,
 the ``reason`` they were not reused (COMPUTED_REASONS; ``none`` for the other sources)."""
@@ -221,6 +236,12 @@ neither looked up nor saved."""
 M_SIDECAR_SERVER_RESTARTS: Final = "kvoffload_sidecar_server_restarts"
 M_SIDECAR_SERVER_UP: Final = "kvoffload_sidecar_server_up"
 M_SIDECAR_CONFIG_INFO: Final = "kvoffload_sidecar_config"
+M_SIDECAR_SERVER_READ_LOCKED_CHUNKS: Final = "kvoffload_sidecar_server_read_locked_chunks"
+"""L1 chunks the cache server holds read-locked now (lookups, prefetches and loads not released)."""
+M_SIDECAR_SERVER_RESERVED_CHUNKS: Final = "kvoffload_sidecar_server_reserved_chunks"
+"""L1 chunks reserved for a store and not yet committed or dropped (live write reservations)."""
+M_SIDECAR_SERVER_PREFETCH_JOBS: Final = "kvoffload_sidecar_server_prefetch_jobs"
+"""Prefetch jobs the cache server keeps whose result nobody took yet."""
 
 # Operator.
 M_OPERATOR_RECONCILES: Final = "kvoffload_operator_reconciles"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -11,10 +12,12 @@ import pytest
 from kvoffload import contract
 from kvoffload.multiproc import clean_dead_writers, writer_pids
 from kvoffload.sidecar.metrics import (
+    ServerTransferState,
     SidecarMetricsState,
     filter_lmcache_families,
     inflight_work,
     render_pod_metrics,
+    transfer_state,
 )
 
 pytestmark = pytest.mark.sidecar
@@ -92,3 +95,24 @@ def test_render_has_own_series_and_lmcache_series(tmp_path: Path) -> None:
     assert "lmcache_mp_l1_usage_ratio" in body and "python_gc" not in body
     without = render_pod_metrics(lambda: state, None, None).decode()
     assert "lmcache_mp_" not in without and contract.M_SIDECAR_SERVER_UP in without
+
+
+STATUS = {
+    "active_prefetch_jobs": 2,
+    "storage_manager": {"l1_manager": {"read_locked_count": 8, "write_locked_count": 3, "memory_used_bytes": 1}},
+}
+
+
+def test_the_servers_locks_reservations_and_prefetch_jobs_are_read_from_its_status_page() -> None:
+    assert transfer_state(json.dumps(STATUS).encode()) == ServerTransferState(8, 3, 2)
+    assert transfer_state(b"{}") is None and transfer_state(b"not json") is None
+
+
+def test_render_shows_the_servers_locks_only_when_its_status_answered(tmp_path: Path) -> None:
+    answered = SidecarMetricsState(3, True, {}, ServerTransferState(8, 3, 2))
+    body = render_pod_metrics(lambda: answered, None, None).decode()
+    assert f"{contract.M_SIDECAR_SERVER_READ_LOCKED_CHUNKS} 8.0" in body
+    assert f"{contract.M_SIDECAR_SERVER_RESERVED_CHUNKS} 3.0" in body
+    assert f"{contract.M_SIDECAR_SERVER_PREFETCH_JOBS} 2.0" in body
+    silent = render_pod_metrics(lambda: SidecarMetricsState(3, True, {}), None, None).decode()
+    assert contract.M_SIDECAR_SERVER_READ_LOCKED_CHUNKS not in silent

@@ -80,3 +80,19 @@ def test_lmcache_server_unpickles_request_data_through_the_guard_once_installed(
 
     assert site.pickle.loads is restricted_loads
     assert site.pickle.dumps is pickle.dumps
+
+
+def test_an_lmcache_version_it_was_not_written_for_gets_no_transfer_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.5.7")
+    with pytest.raises(LMCacheVersionError, match=r"LMCache 0\.5\.7 is installed"):
+        lmcache_guard.install_transfer_guard()
+
+
+def test_the_transfer_guard_replaces_the_release_that_publishes_pending_reservations_once() -> None:
+    from lmcache.v1.multiprocess.modules.engine_driven_transfer import EngineDrivenTransferModule
+
+    lmcache_guard.install_transfer_guard()
+    release = EngineDrivenTransferModule._release_entry
+    lmcache_guard.install_transfer_guard()  # a second install (the in-process server's) changes nothing
+    assert lmcache_guard.transfer_guard_installed()
+    assert EngineDrivenTransferModule._release_entry is release

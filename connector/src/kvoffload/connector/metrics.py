@@ -74,6 +74,8 @@ class ConnectorMetrics:
     store_bytes: Any
     store_seconds: Any
     backend_up: Any
+    stores_aborted: Any
+    lookups_abandoned: Any
 
     def __init__(self, model: str, backend: str, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -84,7 +86,7 @@ class ConnectorMetrics:
             self.lookup_seconds = _NOOP
             self.retrieve_requests = self.retrieve_tokens = self.retrieve_bytes = self.retrieve_seconds = _NOOP
             self.store_requests = self.store_tokens = self.store_bytes = self.store_seconds = _NOOP
-            self.backend_up = _NOOP
+            self.backend_up = self.stores_aborted = self.lookups_abandoned = _NOOP
             self._errors: dict[tuple[str, str], Any] = {}
             self._prompt_tokens: list[Any] = [_NOOP] * len(PROMPT_SERIES)
             return
@@ -118,6 +120,12 @@ class ConnectorMetrics:
         self.store_tokens = counter(contract.M_STORE_TOKENS, "Tokens stored from the KV pool.").labels(*values)
         self.store_bytes = counter(contract.M_STORE_BYTES, "KV bytes stored from the KV pool.").labels(*values)
         self.store_seconds = histogram(contract.M_STORE_SECONDS, "Store latency.").labels(*values)
+        self.stores_aborted = counter(
+            contract.M_STORES_ABORTED, "Stores abandoned after PREPARE_STORE whose reservations were aborted."
+        ).labels(*values)
+        self.lookups_abandoned = counter(
+            contract.M_LOOKUPS_ABANDONED, "Lookups answered too late (a miss) whose server locks were released later."
+        ).labels(*values)
         up = Gauge(
             contract.M_BACKEND_UP,
             "1 when the KV store backend answers (min over ranks).",

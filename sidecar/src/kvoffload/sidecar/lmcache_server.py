@@ -1,5 +1,6 @@
 """The sidecar's LMCache server: LMCache's own CLI run behind kvoffload's restricted unpickler
-(``kvoffload.lmcache_guard``), so no client of the request port can make it run code, and, where
+(``kvoffload.lmcache_guard``), so no client of the request port can make it run code, behind its
+transfer guard, so no store that was not finished is ever admitted, and, where
 ``KVOFFLOAD_CACHE_KEYS_DIR`` names the policy's keys (node mode), behind CURVE: only the policy's
 client key completes a connection.
 
@@ -17,6 +18,7 @@ from kvoffload.cache_keys import CacheKeysError, read_server_keys
 from kvoffload.lmcache_guard import (
     LMCacheVersionError,
     install_restricted_unpickler,
+    install_transfer_guard,
     require_curve_clients,
     run_lmcache_cli,
 )
@@ -25,6 +27,7 @@ from kvoffload.lmcache_guard import (
 def guard_server(env: Mapping[str, str]) -> None:
     """Put this process's LMCache server behind the guards ``env`` asks for (before it starts)."""
     install_restricted_unpickler()
+    install_transfer_guard()
     keys_dir = env.get(contract.ENV_CACHE_KEYS_DIR)
     if keys_dir:
         require_curve_clients(read_server_keys(keys_dir))

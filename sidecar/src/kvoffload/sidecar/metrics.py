@@ -28,6 +28,7 @@ metrics) cannot have its fresh files removed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -93,12 +94,39 @@ def inflight_work(lmcache_metrics_text: str) -> int:
 
 
 @dataclass(frozen=True)
+class ServerTransferState:
+    """What the cache server holds for requests now, from its ``GET /status`` (``transfer_state``)."""
+
+    read_locked_chunks: int
+    reserved_chunks: int
+    prefetch_jobs: int
+
+
+def transfer_state(status_body: bytes) -> ServerTransferState | None:
+    """Locks, reservations and prefetch jobs from LMCache 0.5.6's ``/status`` JSON (its single L1's
+    ``read_locked_count`` and ``write_locked_count``, the lookup module's ``active_prefetch_jobs``);
+    None when the body is not that shape."""
+    try:
+        status = json.loads(status_body)
+        l1 = status["storage_manager"]["l1_manager"]
+        return ServerTransferState(
+            read_locked_chunks=int(l1["read_locked_count"]),
+            reserved_chunks=int(l1["write_locked_count"]),
+            prefetch_jobs=int(status["active_prefetch_jobs"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
 class SidecarMetricsState:
     """The sidecar's own numbers at scrape time."""
 
     server_restarts: int
     server_up: bool
     config: dict[str, str]
+    transfers: ServerTransferState | None = None
+    """None when the server did not answer its status page (its series are then left out)."""
 
 
 class SidecarCollector(Collector):
@@ -125,6 +153,16 @@ class SidecarCollector(Collector):
             "The sidecar's effective, non-secret settings.",
             value=state.config,
         )
+        if state.transfers is not None:
+            for name, doc, value in (
+                (contract.M_SIDECAR_SERVER_READ_LOCKED_CHUNKS, "L1 chunks the cache server holds read-locked now.",
+                 state.transfers.read_locked_chunks),
+                (contract.M_SIDECAR_SERVER_RESERVED_CHUNKS, "L1 chunks reserved for stores not yet committed or dropped.",
+                 state.transfers.reserved_chunks),
+                (contract.M_SIDECAR_SERVER_PREFETCH_JOBS, "Prefetch jobs whose result nobody took yet.",
+                 state.transfers.prefetch_jobs),
+            ):  # fmt: skip
+                yield GaugeMetricFamily(name, doc, value=value)
 
 
 def render_pod_metrics(

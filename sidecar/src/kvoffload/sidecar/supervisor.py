@@ -33,7 +33,7 @@ from .lifecycle import (
     plan_drain,
     restart_delay,
 )
-from .metrics import SidecarMetricsState, inflight_work
+from .metrics import SidecarMetricsState, inflight_work, transfer_state
 from .settings import SidecarSettings
 from .standby_handle import ServerProcess, Standby
 
@@ -138,7 +138,10 @@ class Supervisor:
         with self._lock:
             up = self._checks_ok and self._phase in (Phase.RUNNING, Phase.DRAINING)
             restarts = self._restarts
-        return SidecarMetricsState(server_restarts=restarts, server_up=up, config=self.settings.describe())
+        answer = http_get(self._lmcache_base + contract.LMCACHE_PATH_STATUS, CHECK_TIMEOUT_SECONDS) if up else None
+        transfers = transfer_state(answer[1]) if answer is not None and answer[0] == 200 else None
+        return SidecarMetricsState(server_restarts=restarts, server_up=up, config=self.settings.describe(),
+                                   transfers=transfers)  # fmt: skip
 
     def lmcache_metrics_text(self) -> str | None:
         """LMCache's own exposition, ``None`` when the server is not up to answer."""

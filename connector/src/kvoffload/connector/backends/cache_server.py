@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvoffload.connector.backends.abandoned_lookups import AbandonedLookups
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, instance_id
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
@@ -82,6 +83,8 @@ class CacheServerBackend:
             retrieve_timeout_s=self._timeouts.retrieve_s, connection=self.connection, segments=self.segments,
             keys=self._keys, committer=self.committer, metrics=metrics,
         )  # fmt: skip
+        self.abandoned_lookups = AbandonedLookups(self.connection, metrics)
+        """Lookups answered too late, whose server prefetch is settled before the session's next lookup and at its end."""
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"kvoffload-heartbeat-{role}", daemon=True)
         self._heartbeat.start()
 
@@ -231,6 +234,7 @@ class CacheServerBackend:
                 self._needs_register = True
                 return
         self.connection.mark_up()
+        self.committer.retry_aborts()
 
     def _reset(self) -> None:
         """A fresh socket; the transfer context on the old one goes (retired until nothing reads it)."""
@@ -242,18 +246,23 @@ class CacheServerBackend:
         old.close()
 
     def close(self) -> None:
-        """Send the queued COMMITs, stop the heartbeat, unregister and close the connection; this
-        process secures no more loads here."""
+        """Send the queued COMMITs and aborts, stop the heartbeat, unregister and close the connection;
+        this process secures no more loads here. A context that may still hold a reservation (an abort
+        never answered) is not unregistered: the server's release of it is not where a store ends."""
         self._process.detach(self._settings.server_url, self)
         self.segments.stop_waiting()  # a COMMIT waiting for a registration gives up
         self.committer.close(timeout_s=max(5.0, self._timeouts.store_s))
+        self.abandoned_lookups.close(timeout_s=5.0)
         self.connection.stop()
         self._heartbeat.join(timeout=5)
         transfer = self.segments.detach()
         if self.transfers is not None:
             self.transfers.store_copies.synchronize()  # a store's copies may still write into the segment
         if transfer is not None:
-            if self.connection.is_up():
+            if self.committer.unaborted:
+                logger.warning("event=unregister_skipped backend=sidecar reason=unaborted_stores count=%d",
+                               self.committer.unaborted)  # fmt: skip
+            elif self.connection.is_up():
                 try:
                     future = transfer.unregister()
                     if future is not None:
@@ -275,18 +284,31 @@ class CacheServerBackend:
         self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
         client = self.connection.client
         deadline = time.monotonic() + self._lookup_timeout_s
+        sent = False
         try:
+            # A lookup of this session that was answered too late is settled first (its locks go);
+            # while its prefetch still runs no new LOOKUP goes (it would replace that job).
+            if not self.abandoned_lookups.settle(client, session_id, deadline - time.monotonic()):
+                raise self.connection.slow("lookup", "the session's previous prefetch still runs")
             # The server may run LOOKUP and WAIT on different threads: WAIT before LOOKUP has
             # registered the prefetch job answers 0 (a miss for KV that is there), so LOOKUP's
             # answer comes first.
+            sent = True
             client.lookup(key, 1).result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
             # WAIT (not QUERY) so a prefetch still running is not misread as a miss.
             chunks = client.wait_prefetch_status(session_id, self._lookup_timeout_s).result(
                 timeout=max(0.0, deadline - time.monotonic()) + 0.05
             )
+        except BackendError:
+            raise
         except Exception as exc:
+            if sent:  # the server may have started the prefetch: its locks are settled later
+                self.abandoned_lookups.abandoned(session_id, key)
             raise self.connection.request_failed("lookup", exc, client) from exc
-        return int(chunks or 0) * self.chunk_size
+        if chunks is None:  # the prefetch outlived the lookup timeout: a miss now, its locks settled later
+            self.abandoned_lookups.abandoned(session_id, key)
+            raise self.connection.slow("lookup", "prefetch outlived the lookup timeout")
+        return int(chunks) * self.chunk_size
 
     def _key_as_local_worker(self) -> None:
         """Key lookups with the chunk layout of the pool rank 0's worker in this process registered
@@ -313,6 +335,11 @@ class CacheServerBackend:
         """Tell the server the request ended, after the session's queued COMMITs (the server sees
         a session's COMMIT before its end, as with synchronous COMMITs)."""
         self._process.pending.wait_session(session_id, self._lookup_timeout_s)
+        if self.abandoned_lookups.end(session_id, lambda: self._end_session_now(session_id)):
+            return  # settled off the engine's path first
+        self._end_session_now(session_id)
+
+    def _end_session_now(self, session_id: str) -> None:
         if self.connection.is_up():
             self.connection.client.end_session(session_id)
 

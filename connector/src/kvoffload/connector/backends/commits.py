@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,8 @@ class DeferredCommit:
     segment: Segment | None = None
     """The server segment its PREPARE reserved in (None in pickle mode): the COMMIT goes to whichever
     connection reaches that segment's server, and nowhere once the server is gone."""
+    on_done: Callable[[], None] | None = None
+    """Called once the COMMIT was answered or dropped (a secured load's key is free again)."""
 
 
 class PendingCommits:

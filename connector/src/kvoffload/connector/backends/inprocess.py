@@ -72,9 +72,10 @@ class InProcessServer:
             if self._running is not None:
                 return self._running[0]
             from kvoffload.connector.lmcache_seam import run_inprocess_server
-            from kvoffload.lmcache_guard import install_restricted_unpickler
+            from kvoffload.lmcache_guard import install_restricted_unpickler, install_transfer_guard
 
             install_restricted_unpickler()  # the engine's own server unpickles no stranger's code either
+            install_transfer_guard()  # and admits no store its worker did not finish
             port = _free_port()
             l1 = settings.l1_bytes or DEFAULT_L1_BYTES
             shm_name = f"kvo_inproc_{uuid.uuid4().hex[:10]}"

@@ -4,6 +4,11 @@ asynchronous), stores, and LMCache's own retrieve where our copies do not apply.
 Our copies (``blockcopy``) run inside LMCache's PREPARE/COMMIT on two streams: loads on one, stores
 on another (a store may wait for a forward pass). A store's chunks go in groups, each PREPAREd while
 the previous group copies; COMMITs go to the committer once the copies are done.
+
+A store that fails anywhere between its first PREPARE_STORE and its COMMITs (a copy that raises, a
+PREPARE that times out, the wait for its copies failing) publishes nothing: once its copies are
+waited for, every group it PREPAREd is aborted (``Committer.abort``), the group whose PREPARE failed
+too (the server may make that reservation after the PREPARE timed out here).
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ class IssuedStore:
     prepared_on: tuple[Any, Segment | None]
     """The transfer context and server segment that prepared it (its COMMITs go to that server)."""
     keys: list[IPCCacheServerKey] = dataclasses.field(default_factory=list)
+    """The groups whose chunks were copied (their COMMITs publish them)."""
+    prepared: list[IPCCacheServerKey] = dataclasses.field(default_factory=list)
+    """Every group a PREPARE_STORE was sent for (what an abandoned store aborts)."""
     blocks: int = 0
     prepare_s: float = 0.0
 
@@ -196,6 +204,15 @@ class PoolTransfers:
         """Bytes a finished load of ``op`` wrote into the pool (its blocks after the skipped ones)."""
         return (len(op.block_ids) - op.skip_tokens // self._tokens_per_block) * self.block_bytes
 
+    def _abort(self, issued: IssuedStore) -> None:
+        """Abort every reservation of an abandoned store (counted once per store)."""
+        if not issued.prepared:
+            return
+        self._metrics.stores_aborted.inc()
+        for group_key in issued.prepared:
+            self._committer.abort(group_key, issued.prepared_on)
+        logger.warning("event=store_aborted session=%s groups=%d", issued.prepared[0].request_id, len(issued.prepared))
+
     # --- stores and LMCache's retrieve ------------------------------------------------------
     def _fast_copies(self) -> bool:
         """Own block<->chunk copies (``blockcopy``) inside LMCache's PREPARE/COMMIT; else LMCache's gather/scatter."""
@@ -301,6 +318,7 @@ class PoolTransfers:
                     op.session_id, op.token_ids[:b], a, b, op.salt, worker=True
                 )  # fmt: skip
                 t0 = time.perf_counter()
+                issued.prepared.append(group_key)  # before the PREPARE: the server may reserve even if it times out
                 prepared = edc.prepare_store(group_key, self._instance_id)
                 issued.prepare_s += time.perf_counter() - t0
                 if prepared is None:
@@ -319,13 +337,21 @@ class PoolTransfers:
         return issued
 
     def finish_store(self, issued: IssuedStore, commit: bool) -> None:
-        """The last step of a store (``store`` calls it once the transfer context is free): wait for a store's copies (the slots hold the KV before COMMIT publishes them), then queue
-        its COMMITs for the context that prepared them (a refused COMMIT is counted by the committer)."""
+        """The last step of a store (``store`` calls it once the transfer context is free): wait for a
+        store's copies (the slots hold the KV before COMMIT publishes them), then queue its COMMITs for
+        the context that prepared them (a refused COMMIT is counted by the committer). Without
+        ``commit``, or when the wait fails, every group it PREPAREd is aborted instead, after its copies
+        stopped writing (the server frees the slots)."""
         t0 = time.perf_counter()
         try:
             self.store_copies.synchronize()
+        except BaseException:
+            commit = False
+            raise
         finally:
             self._segments.copies_finished()
+            if not commit:
+                self._abort(issued)
         t1 = time.perf_counter()
         if commit:
             for group_key in issued.keys:

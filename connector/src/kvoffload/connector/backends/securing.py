@@ -1,9 +1,18 @@
 """Secured loads: the server hands out and read-locks a load's chunks for every rank before the
-load is promised to TensorRT-LLM, and gets them back once every rank copied them (or never will)."""
+load is promised to TensorRT-LLM, and gets them back once every rank copied them (or never will).
+
+At most one secured load of a key at a time in a process: LMCache 0.5.6 files a pending read under
+``(instance, key)`` and ``IPCCacheServerKey.request_id`` is excluded from equality, so a second
+PREPARE_RETRIEVE of the same range (two identical prompts loading at once) would overwrite the
+first's pending read and leave one read lock per chunk and rank behind both. A load of a key still
+secured is declined (its lookup locks freed); one whose release is queued waits for that release to
+be answered first (a replay's release comes before its re-secure)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection
@@ -32,6 +41,47 @@ class Securing:
         self._keys = keys
         self._committer = committer
         self._metrics = metrics
+        self._held: dict[IPCCacheServerKey, bool] = {}
+        """Keys of loads secured and not yet given back; True once their release is queued."""
+        self._released = threading.Condition()
+
+    def held(self) -> int:
+        """Secured loads not yet given back to the server (their releases answered)."""
+        with self._released:
+            return len(self._held)
+
+    def _hold(self, key: IPCCacheServerKey, deadline: float) -> bool:
+        """Take ``key`` for one load: False while another load holds it (waiting, until ``deadline``,
+        only for one whose release is already queued)."""
+        with self._released:
+            while key in self._held:
+                remaining = deadline - time.monotonic()
+                if not self._held[key] or remaining <= 0:
+                    return False
+                self._released.wait(remaining)
+            self._held[key] = False
+            return True
+
+    def _releasing(self, key: IPCCacheServerKey) -> None:
+        with self._released:
+            if key in self._held:
+                self._held[key] = True
+
+    def _free(self, key: IPCCacheServerKey) -> None:
+        with self._released:
+            self._held.pop(key, None)
+            self._released.notify_all()
+
+    def _queue_release(self, keys: list[IPCCacheServerKey], held: IPCCacheServerKey,
+                       prepared_on: tuple[Any, Segment | None]) -> None:  # fmt: skip
+        """Queue the COMMIT_RETRIEVEs of ``keys``; ``held`` is free once the last one was answered."""
+        self._releasing(held)
+        if not keys:
+            self._free(held)
+            return
+        for key in keys[:-1]:
+            self._committer.later("retrieve", key, None, prepared_on)
+        self._committer.later("retrieve", keys[-1], None, prepared_on, on_done=lambda: self._free(held))
 
     def prepare(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
                 ) -> SecuredLoad | None:  # fmt: skip
@@ -46,12 +96,20 @@ class Securing:
         if not self._connection.is_up() or self._segments.segment is None:
             return None
         deadline = time.monotonic() + self._timeout_s
-        if not self._segments.lock.acquire(timeout=self._timeout_s):
+        held = self._keys.key(session_id, token_ids, start, end, salt, worker=True, rank=0)
+        if not self._hold(held, deadline):
+            self._metrics.error("retrieve", "miss")
+            self._free_lookup_locks(session_id, token_ids, start, end, salt)
+            return None
+        if not self._segments.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._free(held)
+            self._free_lookup_locks(session_id, token_ids, start, end, salt)
             return None
         asked: list[IPCCacheServerKey] = []
         transfer, segment = self._segments.transfer, self._segments.segment
         try:
             if transfer is None or segment is None:
+                self._free(held)
                 return None
             client = transfer.engine_driven_context.req_client
             chunks = (end - start) // self._chunk_size
@@ -78,14 +136,25 @@ class Securing:
             self._connection.request_failed("retrieve", exc, transfer.engine_driven_context.req_client)
         finally:
             self._segments.lock.release()
-        for key in asked:  # whatever was handed out goes back
-            self._committer.later("retrieve", key, None, (transfer, segment))
+        self._queue_release(asked, held, (transfer, segment))  # whatever was handed out goes back
+        if not asked:
+            self._free_lookup_locks(session_id, token_ids, start, end, salt)
         return None
+
+    def _free_lookup_locks(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
+        """Release the lookup read locks of ``[start, end)`` that no PREPARE_RETRIEVE took over."""
+        if not self._connection.is_up():
+            return
+        key = self._keys.key(session_id, token_ids, start, end, salt, worker=False)
+        try:
+            self._connection.client.free_lookup_locks(key, 1)
+        except Exception as exc:
+            self._connection.request_failed("retrieve", exc, self._connection.client)
 
     def commit(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str,
                segment: Segment) -> None:  # fmt: skip
         """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
         segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
-        for key in self._keys.of_every_rank(session_id, token_ids, start, end, salt):
-            self._committer.later("retrieve", key, None, (None, segment))
+        keys = self._keys.of_every_rank(session_id, token_ids, start, end, salt)
+        self._queue_release(keys, keys[0], (None, segment))
         self._segments.secured_closed(segment)
