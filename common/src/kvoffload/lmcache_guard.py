@@ -36,6 +36,7 @@ the abandoned reservation's release could discard it under that writer).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
 import logging

@@ -1,17 +1,19 @@
 """Secured loads: the server hands out and read-locks a load's chunks for every rank before the
 load is promised to TensorRT-LLM, and gets them back once every rank copied them (or never will).
 
-At most one secured load of a key at a time in a process: LMCache 0.5.6 files a pending read under
+One PREPARE_RETRIEVE of a key at a time in a process: LMCache 0.5.6 files a pending read under
 ``(instance, key)`` and ``IPCCacheServerKey.request_id`` is excluded from equality, so a second
 PREPARE_RETRIEVE of the same range (two identical prompts loading at once) would overwrite the
-first's pending read and leave one read lock per chunk and rank behind both. A load of a key still
-secured is declined (its lookup locks freed); one whose release is queued waits for that release to
-be answered first (a replay's release comes before its re-secure)."""
+first's pending read and leave one read lock per chunk and rank behind both. A second load of a key
+still secured shares the first's slots (the bytes are read-locked and only read), its own lookup
+locks freed; the chunks go back once its last user gave them back. A load of a key whose release is
+queued waits for that release to be answered first (a replay's release comes before its re-secure)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.connector.backends.committer import Committer
@@ -25,6 +27,16 @@ from kvoffload.connector.wire import SecuredLoad, SlotRef
 
 class _Unsecured(Exception):
     """PREPARE_RETRIEVE handed out fewer chunks than the load needs (a miss, not a failure)."""
+
+
+@dataclass
+class _Holding:
+    """One key's secured load in this process: being secured (``load`` None), shared by ``users``
+    loads, or given back (``releasing``: its COMMIT_RETRIEVEs queued, not yet answered)."""
+
+    load: SecuredLoad | None = None
+    users: int = 0
+    releasing: bool = False
 
 
 class Securing:
@@ -41,44 +53,65 @@ class Securing:
         self._keys = keys
         self._committer = committer
         self._metrics = metrics
-        self._held: dict[IPCCacheServerKey, bool] = {}
-        """Keys of loads secured and not yet given back; True once their release is queued."""
-        self._released = threading.Condition()
+        self._held: dict[IPCCacheServerKey, _Holding] = {}
+        """Keys of loads secured (or being secured) and not yet given back to the server."""
+        self._changed = threading.Condition()
 
     def held(self) -> int:
         """Secured loads not yet given back to the server (their releases answered)."""
-        with self._released:
+        with self._changed:
             return len(self._held)
 
-    def _hold(self, key: IPCCacheServerKey, deadline: float) -> bool:
-        """Take ``key`` for one load: False while another load holds it (waiting, until ``deadline``,
-        only for one whose release is already queued)."""
-        with self._released:
-            while key in self._held:
+    def _hold(self, key: IPCCacheServerKey, deadline: float) -> tuple[bool, SecuredLoad | None]:
+        """Take ``key`` for one load: (True, None) to secure it, (True, load) to share a load of it
+        already secured, (False, None) if neither came by ``deadline`` (another load still secures it,
+        or its release is still unanswered)."""
+        with self._changed:
+            while True:
+                holding = self._held.get(key)
+                if holding is None:
+                    self._held[key] = _Holding()
+                    return True, None
+                if holding.load is not None and not holding.releasing:
+                    holding.users += 1
+                    return True, holding.load
                 remaining = deadline - time.monotonic()
-                if not self._held[key] or remaining <= 0:
-                    return False
-                self._released.wait(remaining)
-            self._held[key] = False
+                if remaining <= 0:
+                    return False, None
+                self._changed.wait(remaining)
+
+    def _secured(self, key: IPCCacheServerKey, load: SecuredLoad) -> None:
+        with self._changed:
+            self._held[key] = _Holding(load=load, users=1)
+            self._changed.notify_all()
+
+    def _give_back(self, key: IPCCacheServerKey) -> bool:
+        """One user of ``key``'s load is done: True if it was the last (its release is queued next)."""
+        with self._changed:
+            holding = self._held.get(key)
+            if holding is None:
+                return True
+            holding.users -= 1
+            if holding.users > 0:
+                return False
+            holding.releasing = True
             return True
 
-    def _releasing(self, key: IPCCacheServerKey) -> None:
-        with self._released:
-            if key in self._held:
-                self._held[key] = True
-
     def _free(self, key: IPCCacheServerKey) -> None:
-        with self._released:
+        with self._changed:
             self._held.pop(key, None)
-            self._released.notify_all()
+            self._changed.notify_all()
 
     def _queue_release(self, keys: list[IPCCacheServerKey], held: IPCCacheServerKey,
                        prepared_on: tuple[Any, Segment | None]) -> None:  # fmt: skip
         """Queue the COMMIT_RETRIEVEs of ``keys``; ``held`` is free once the last one was answered."""
-        self._releasing(held)
         if not keys:
             self._free(held)
             return
+        with self._changed:
+            holding = self._held.get(held)
+            if holding is not None:
+                holding.releasing = True
         for key in keys[:-1]:
             self._committer.later("retrieve", key, None, prepared_on)
         self._committer.later("retrieve", keys[-1], None, prepared_on, on_done=lambda: self._free(held))
@@ -97,7 +130,12 @@ class Securing:
             return None
         deadline = time.monotonic() + self._timeout_s
         held = self._keys.key(session_id, token_ids, start, end, salt, worker=True, rank=0)
-        if not self._hold(held, deadline):
+        taken, shared = self._hold(held, deadline)
+        if shared is not None:  # read from the slots another load of this key secured
+            self._segments.secured_opened(shared.segment)
+            self._free_lookup_locks(session_id, token_ids, start, end, salt)
+            return shared
+        if not taken:
             self._metrics.error("retrieve", "miss")
             self._free_lookup_locks(session_id, token_ids, start, end, salt)
             return None
@@ -129,7 +167,9 @@ class Securing:
             if len(per_rank) != self._keys.world_size:
                 raise _Unsecured
             self._segments.secured_opened(segment)  # its segment stays mapped until commit
-            return SecuredLoad(segment, tuple(per_rank))
+            load = SecuredLoad(segment, tuple(per_rank))
+            self._secured(held, load)
+            return load
         except _Unsecured:
             self._metrics.error("retrieve", "miss")
         except Exception as exc:
@@ -156,5 +196,6 @@ class Securing:
         """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
         segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
         keys = self._keys.of_every_rank(session_id, token_ids, start, end, salt)
-        self._queue_release(keys, keys[0], (None, segment))
+        if self._give_back(keys[0]):
+            self._queue_release(keys, keys[0], (None, segment))
         self._segments.secured_closed(segment)
