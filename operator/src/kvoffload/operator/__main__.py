@@ -27,6 +27,7 @@ from kvoffload.operator.admission.new_workloads import Planner, planner
 from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.webhook import WebhookServer
 from kvoffload.operator.admission.webhook_tls import (
+    ReviewScope,
     WebhookRegistrationMissing,
     delete_webhook_configuration,
     ensure_tls,
@@ -314,7 +315,8 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
         service = args.webhook_service
         hosts = [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
     tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
-    server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan)
+    scope = ReviewScope.of_registration(namespace, namespaces)
+    server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan, scope=scope)
     server.start()
     try:
         patch_ca_bundle(kube, c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem)

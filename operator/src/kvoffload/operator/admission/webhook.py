@@ -7,7 +7,7 @@ import json
 import logging
 import ssl
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,9 @@ from kvoffload.operator.admission.records import (
     record_from_workload,
 )
 from kvoffload.operator.admission.review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
-from kvoffload.operator.admission.webhook_tls import TlsMaterial
-from kvoffload.operator.admission.workload_updates import review_update
-from kvoffload.operator.api.kube import Kube, KubeApiError
+from kvoffload.operator.admission.webhook_tls import ReviewScope, TlsMaterial
+from kvoffload.operator.admission.workload_updates import kvoffload_injects, review_update
+from kvoffload.operator.api.kube import Kube, KubeApiError, workload_path
 from kvoffload.operator.api.pod_owners import resolve_owner
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.plan.injection_plan import InjectionPlan
@@ -57,21 +57,49 @@ def review_pod(kube: Kube, review: PodReview, plan: Planner | None = None) -> Ad
     return admit(review.pod, review.namespace, record, owner)
 
 
-def review_workload(review: WorkloadReview, plan: Planner) -> Admission:
+LiveReader = Callable[[str, str, str], "Mapping[str, Any] | None"]
+"""(kind, namespace, name) -> the workload as the apiserver holds it now, or None."""
+
+
+def review_workload(review: WorkloadReview, plan: Planner, read_live: LiveReader) -> Admission:
     """The answer for a Deployment or StatefulSet CREATE: an opted-in one gets the template label
     the operator would write; anything else is admitted as written. An UPDATE of one kvoffload
-    injects keeps kvoffload's record and label, as the plan gives them (``workload_updates``)."""
+    injects keeps kvoffload's record and label, as the plan gives them (``workload_updates``),
+    judged from the workload as the operator reads it (``live_before_update``), never from the
+    caller's ``oldObject``."""
 
     def plan_of(workload: Mapping[str, Any]) -> InjectionPlan | str:
         return plan({"kind": review.kind, **workload,
                      "metadata": {**(workload.get("metadata") or {}), "namespace": review.namespace}})  # fmt: skip
 
     if review.old is not None:
-        return review_update(review.old, {"kind": review.kind, **review.workload}, review.field_manager, plan_of)
+        if not kvoffload_injects(review.old):  # nothing of kvoffload's to keep (no read needed to say so)
+            return Admission([], (), "ignored")
+        live = live_before_update(review, read_live)
+        if isinstance(live, str):
+            log.debug("webhook: workload update %s ignored: %s", review.uid, live)
+            return Admission([], (), "ignored")
+        return review_update(live, {"kind": review.kind, **review.workload}, review.field_manager, plan_of)
     planned = plan_of(review.workload)
     if isinstance(planned, str):
         return Admission([], (), "ignored")
     return Admission(label_for_new_workload(review.workload, planned), (), "injected")
+
+
+def live_before_update(review: WorkloadReview, read_live: LiveReader) -> Mapping[str, Any] | str:
+    """The workload an UPDATE writes, as the apiserver holds it now, or why there is none to judge
+    it by: the object must name itself and its uid, and the live one must have that uid (a review
+    the apiserver sends always does; a forged one naming another namespace's workload does not)."""
+    meta = review.workload.get("metadata") or {}
+    name, uid = meta.get("name"), meta.get("uid")
+    if not isinstance(name, str) or not name or not isinstance(uid, str) or not uid:
+        return "the object names no workload and uid"
+    live = read_live(review.kind, review.namespace, name)
+    if live is None:
+        return f"{review.kind} {review.namespace}/{name} is not there"
+    if (live.get("metadata") or {}).get("uid") != uid:
+        return f"{review.kind} {review.namespace}/{name} has another uid"
+    return live
 
 
 def server_context(tls: TlsMaterial) -> ssl.SSLContext:
@@ -101,8 +129,11 @@ class WebhookServer:
         port: int,
         host: str = "0.0.0.0",
         plan: Planner | None = None,
+        scope: ReviewScope | None = None,
     ) -> None:
         self.kube, self.metrics, self.plan = kube, metrics, plan
+        self.scope = scope or ReviewScope.of_registration("")
+        """Namespaces the webhook answers about; a review from any other is admitted untouched, unread."""
         self.server = HttpsServer(server_context(tls), host, port, self.handle, MAX_REVIEW_BYTES)
         self.port = self.server.port
 
@@ -130,7 +161,10 @@ class WebhookServer:
             return refusal(400, review)
         assert self.plan is not None
         try:
-            admission = review_workload(review, self.plan)
+            if not self.scope.covers(review.namespace):
+                admission = Admission([], (), "ignored")
+            else:
+                admission = review_workload(review, self.plan, self._read_workload)
         except Exception as exc:  # admit it as written
             log.exception("webhook: reviewing a workload failed")
             admission = Admission([], (f"kvoffload: not labelled: internal error {type(exc).__name__}",), "error")
@@ -141,7 +175,10 @@ class WebhookServer:
     def answer(self, review: PodReview) -> dict[str, Any]:
         """The AdmissionReview response for a valid pod CREATE; a pod is never refused for our bug."""
         try:
-            admission = review_pod(self.kube, review, self.plan)
+            if not self.scope.covers(review.namespace):
+                admission = Admission([], (), "ignored")
+            else:
+                admission = review_pod(self.kube, review, self.plan)
         except Exception as exc:  # admit it as written
             log.exception("webhook: reviewing a pod failed")
             admission = Admission([], (f"kvoffload: not injected: internal error {type(exc).__name__}",), "error")
@@ -149,6 +186,9 @@ class WebhookServer:
         if admission.result != "ignored":
             log.info("webhook: pod %s: %s %s", review.uid, admission.result, "; ".join(admission.warnings))
         return admission_response(review.uid, admission)
+
+    def _read_workload(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        return self.kube.get(workload_path(kind, namespace, name))
 
     def start(self) -> None:
         self.server.start()

@@ -184,6 +184,22 @@ NEVER_INJECTED_NAMESPACES = ("kube-system",)
 own components must not wait on (or be changed by) it."""
 
 
+@dataclass(frozen=True)
+class ReviewScope:
+    """The namespaces the registration sends reviews from: none of ``excluded``, and only ``watched``
+    when that is set. The webhook answers nothing about any other namespace, whoever asks."""
+
+    excluded: frozenset[str]
+    watched: frozenset[str] = frozenset()
+
+    @classmethod
+    def of_registration(cls, own_namespace: str, watched: Sequence[str] = ()) -> ReviewScope:
+        return cls(frozenset({*NEVER_INJECTED_NAMESPACES, own_namespace} - {""}), frozenset(watched))
+
+    def covers(self, namespace: str) -> bool:
+        return namespace not in self.excluded and (not self.watched or namespace in self.watched)
+
+
 def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], namespaces: Sequence[str],
                           own_namespace: str) -> dict[str, Any]:  # fmt: skip
     """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
@@ -211,10 +227,10 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
         ],
         "clientConfig": {**client, "caBundle": base64.b64encode(ca_pem).decode()},
     }
-    excluded = sorted({*NEVER_INJECTED_NAMESPACES, own_namespace} - {""})
-    selector = [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded}]
-    if namespaces:
-        selector.append({"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(namespaces)})
+    scope = ReviewScope.of_registration(own_namespace, namespaces)
+    selector = [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": sorted(scope.excluded)}]
+    if scope.watched:
+        selector.append({"key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(scope.watched)})
     hook["namespaceSelector"] = {"matchExpressions": selector}
     workloads = {
         **hook, "name": WEBHOOK_NAMES[1],

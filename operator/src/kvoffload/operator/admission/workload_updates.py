@@ -55,16 +55,22 @@ def _plan_inputs_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool
             != ours_annotations_digest(new_meta.get("annotations") or {}))  # fmt: skip
 
 
+def kvoffload_injects(workload: Mapping[str, Any]) -> bool:
+    """Whether ``workload`` carries an injection record held by kvoffload's field manager."""
+    return owned_by(workload, RECORD_PATH, c.FIELD_MANAGER) and record_value(workload) is not None
+
+
 def review_update(old: Mapping[str, Any], new: Mapping[str, Any], field_manager: str,
                   plan: Callable[[Mapping[str, Any]], InjectionPlan | str]) -> Admission:  # fmt: skip
-    """The answer for an UPDATE of a workload kvoffload injects: ``ignored`` unless the record or
+    """The answer for an UPDATE of a workload kvoffload injects (``old``: the workload as the
+    operator read it from the API, never the caller's ``oldObject``): ``ignored`` unless the record or
     label the write leaves differ from the plan's (or are no longer kvoffload's); then a JSON patch
     setting both and handing them back to kvoffload's field manager. ``plan`` is called only when
     the write changed a plan input or kvoffload's fields."""
     name = f"{new.get('kind', 'workload')} {(new.get('metadata') or {}).get('name')}"
     if field_manager in OPERATOR_MANAGERS:
         return Admission([], (), "ignored")
-    if not owned_by(old, RECORD_PATH, c.FIELD_MANAGER) or record_value(old) is None:
+    if not kvoffload_injects(old):
         return Admission([], (), "ignored")  # not injected (yet, or any more): the operator's to decide
     if enabled_state((new.get("metadata") or {}).get("annotations")) is not True:
         return Admission([], (), "ignored")  # opted out: the operator takes the injection out
