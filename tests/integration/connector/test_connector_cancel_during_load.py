@@ -14,6 +14,7 @@ from kvoffload import contract
 from kvoffload.connector.backends.cache_server import CacheServerBackend
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
+    BLOCK,
     CHUNK,
     KV_CACHE_MANAGER_V2_VERSIONS,
     TRTLLM_VERSIONS,
@@ -119,3 +120,49 @@ def test_a_replayed_request_keeps_its_load_when_its_old_blocks_go_to_another_req
     assert replayed.connector_matched_tokens == LOADED
     assert ex.kv_mismatches == 0
     assert ex.scheduler.tracked_request_ids == frozenset()
+
+
+PARTIAL = LOADED - BLOCK // 2
+"""Tokens a retry shares with its cancelled parked request: whole blocks, then half of the last block
+the load writes, which partial reuse copies into the retry's own block in ``prepare_resources``."""
+
+
+@pytest.mark.parametrize(
+    ("manager_v2", "overlap"),
+    [(False, False), (False, True), (True, False)],
+    ids=["v1", "v1-overlap", "kv-cache-manager-v2"],
+)
+def test_a_partial_reuse_copy_never_reads_a_block_a_cancelled_parked_request_is_still_loading(
+    lmcache_server: LMCacheServer,
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    manager_v2: bool,
+    overlap: bool,
+) -> None:
+    """Partial reuse and copy-on-partial-reuse (on by default in ``KvCacheConfig``): the retry matches
+    part of a block the cancelled request's load still writes, and TensorRT-LLM copies that block in
+    ``prepare_resources``, before any hook of the connector in that iteration. The copy must read
+    the loaded KV, never what the block held before. (Loads are asynchronous with one rank only:
+    ``planning.load_is_async``.)"""
+    monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
+    slow_async_loads(monkeypatch, 0.05)
+    ex = executor_factory(f"partial-copy-{manager_v2}-{overlap}-model", lmcache_server.url,
+                          num_blocks=2 * PAIRS_PER_ROUND * 12, overlap_scheduler=overlap, enable_partial_reuse=True,
+                          llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
+    rid = 50_000
+    prompts = [make_prompt(rid + i, LOADED + 5) for i in range(PAIRS_PER_ROUND)]
+    assert not any(r.failed for r in ex.run([PromptRequest(rid + i, p, 1) for i, p in enumerate(prompts)]))
+    ex.evict_device_cache()
+    rid += PAIRS_PER_ROUND
+    batch = []
+    for i, prompt in enumerate(prompts):
+        batch.append(PromptRequest(rid + 2 * i, prompt, 2, cancel_after=1))
+        batch.append(PromptRequest(rid + 2 * i + 1, prompt[:PARTIAL] + make_prompt(rid + 2 * i + 1, 40), 2,
+                                   arrive_after=1))  # fmt: skip
+    results = ex.run(batch)
+    assert all(r.cancelled for r in results[0::2]), "every P was cancelled while parked"
+    assert [r.device_reused_tokens for r in results[1::2]] == [PARTIAL] * PAIRS_PER_ROUND, (
+        "every retry copied part of a block"
+    )
+    assert ex.async_loads == PAIRS_PER_ROUND
+    assert ex.kv_mismatches == 0

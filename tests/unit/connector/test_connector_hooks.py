@@ -76,6 +76,18 @@ class FakeBackend:
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
         pass
 
+    def wait_async_loads(self, blocks: frozenset[int]) -> None:
+        pass
+
+    def park_load(self, request_id: int, llm_request: Any, blocks: frozenset[int]) -> None:
+        pass
+
+    def unpark_load(self, request_id: int) -> None:
+        pass
+
+    def abandoned_load_blocks(self) -> frozenset[int]:
+        return frozenset()
+
     def store(self, op: wire.TransferOp) -> int:
         if self.fail:
             raise BackendError("store", self.fail)

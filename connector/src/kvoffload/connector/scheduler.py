@@ -197,11 +197,15 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             )
             state.secured = None
 
+    def _unpark(self, request_id: int) -> None:
+        self._claims.unpark(request_id)
+        self._backend.unpark_load(request_id)
+
     def _forget(self, request_id: int, *, ended: bool = True) -> RequestState | None:
         """Drop a request's state and its claim on blocks; end its LMCache session. A request not
         known to have ended (``ended`` False: reaped because its blocks went to another) keeps its
         key scope until its ``LlmRequest`` is finished, should TensorRT-LLM still run it."""
-        self._claims.unpark(request_id)
+        self._unpark(request_id)
         state = self._requests.pop(request_id, None)
         if ended:
             self._reaped_scopes.take(request_id)
@@ -268,7 +272,9 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         op = self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
         step.async_loads.append(op)
         parked.secured = None
-        self._claims.park(parked.request_id, planning.written_blocks(op.block_ids, op.skip_tokens, self._block))
+        written = planning.written_blocks(op.block_ids, op.skip_tokens, self._block)
+        self._claims.park(parked.request_id, written)
+        self._backend.park_load(parked.request_id, parked.llm_request, frozenset(written))
         self._count_sources(parked, parked.device_tokens)
         parked.load = planning.NO_LOAD  # back in new_requests, its computed_position counts the load
 
@@ -279,7 +285,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         state = self._requests.get(rid)
         if state is None:
             state = self._state_without_lookup(req)
-        self._claims.unpark(rid)  # back from an asynchronous load: computed_position counts it
+        self._unpark(rid)  # back from an asynchronous load: computed_position counts it
         state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
         if not state.block_ids:
             state.block_ids = list(req.new_block_ids)

@@ -160,6 +160,16 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             self._issue_async_load(op, None)
         self._backend.order_after_async_loads(touched)
 
+    def _land_abandoned_loads(self, blocks: frozenset[int]) -> None:
+        """Loads of parked requests TensorRT-LLM finished (cancelled) while they ran land now, before
+        its next ``prepare_resources``: that frees and stores their blocks for reuse, and may copy one
+        into another request (partial reuse, copy-on-partial-reuse: both on by default) or hand it
+        out, all before ``start_load_kv``'s fence. Queued ones are issued now; the wait is host-side,
+        as the engine's copy may run on a stream of its own. Rank 0 (the scheduler's process) knows
+        of the cancel; other ranks land a cancelled request's load in ``start_load_kv`` as before."""
+        self._fence_async_loads(blocks)
+        self._backend.wait_async_loads(blocks)
+
     def _loaded(self, op: wire.TransferOp, result: LoadResult) -> None:
         if result.error is not None:
             logger.error("event=retrieve_failed request=%d reason=%s", op.request_id, result.error.reason)
@@ -239,6 +249,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
         KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
+        abandoned = self._backend.abandoned_load_blocks()
+        if abandoned:
+            self._land_abandoned_loads(abandoned)
         with self._failures_lock:
             failures, self._load_failures = self._load_failures, []
         for op, error in failures:  # reported as loaded: the request's first forward then fails it

@@ -140,6 +140,18 @@ class KVBackend(Protocol):
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
         """Worker: order the next forward after asynchronous loads still copying into ``blocks``."""
 
+    def wait_async_loads(self, blocks: frozenset[int]) -> None:
+        """Worker: return once no asynchronous load copies into ``blocks`` any more (host-side)."""
+
+    def park_load(self, request_id: int, llm_request: Any, blocks: frozenset[int]) -> None:
+        """Scheduler: a parked request's asynchronous load writes ``blocks`` (``abandoned_load_blocks``)."""
+
+    def unpark_load(self, request_id: int) -> None:
+        """Scheduler: the request is back from its load, or gone."""
+
+    def abandoned_load_blocks(self) -> frozenset[int]:
+        """Worker: blocks written by loads of parked requests TensorRT-LLM finished (cancelled) meanwhile."""
+
     def store(self, op: TransferOp) -> int:
         """Store ``op``'s blocks; returns bytes moved; raises BackendError."""
 

@@ -143,6 +143,11 @@ class CopyMark:
     def done(self) -> bool:
         return self._event is None or bool(self._event.query())
 
+    def wait(self) -> None:
+        """Block the calling thread until the marked copies are done (host-side)."""
+        if self._event is not None:
+            self._event.synchronize()
+
     def order_current_stream_after(self) -> None:
         """The calling thread's current stream runs later work only after the marked copies (device-side)."""
         if self._event is not None:

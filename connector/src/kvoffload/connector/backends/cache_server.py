@@ -394,6 +394,19 @@ class CacheServerBackend:
         if self.transfers is not None:
             self.transfers.order_after_async_loads(blocks)
 
+    def wait_async_loads(self, blocks: frozenset[int]) -> None:
+        if self.transfers is not None:
+            self.transfers.wait_async_loads(blocks)
+
+    def park_load(self, request_id: int, llm_request: Any, blocks: frozenset[int]) -> None:
+        self._process.parked_loads(self._settings.server_url).park(request_id, llm_request, blocks)
+
+    def unpark_load(self, request_id: int) -> None:
+        self._process.parked_loads(self._settings.server_url).unpark(request_id)
+
+    def abandoned_load_blocks(self) -> frozenset[int]:
+        return self._process.parked_loads(self._settings.server_url).abandoned_blocks()
+
     def release_loaded(self) -> None:
         if self.transfers is not None:
             self.transfers.release_loaded()

@@ -11,7 +11,7 @@ process has pending on their chain. The in-process backend's cache server is one
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.connector.backends.commits import PendingCommits
 from kvoffload.connector.backends.inprocess import InProcessServer
@@ -39,15 +39,49 @@ class LocalWorker(Protocol):
     ) -> None: ...  # fmt: skip
 
 
+class ParkedLoads:
+    """The asynchronous loads rank 0's scheduler issued for parked requests, by request: the blocks
+    each writes and the request's ``LlmRequest``. TensorRT-LLM (1.2, main) frees a parked request it
+    cancels at once and stores its blocks for reuse; its next ``prepare_resources`` may copy one
+    (partial reuse) or hand it out before any hook of the connector runs, so the worker in this
+    process lands such loads in ``get_finished`` (``abandoned_blocks``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loads: dict[int, tuple[Any, frozenset[int]]] = {}
+
+    def park(self, request_id: int, llm_request: Any, blocks: frozenset[int]) -> None:
+        with self._lock:
+            self._loads[request_id] = (llm_request, blocks)
+
+    def unpark(self, request_id: int) -> None:
+        with self._lock:
+            self._loads.pop(request_id, None)
+
+    def abandoned_blocks(self) -> frozenset[int]:
+        """Blocks written by loads of parked requests that TensorRT-LLM has finished (cancelled)."""
+        with self._lock:
+            loads = list(self._loads.values())
+        return frozenset(
+            block for request, blocks in loads if getattr(request, "is_finished", False) is True for block in blocks
+        )
+
+
 class EngineProcess:
-    """Rank 0's worker backend per server URL, the COMMITs pending in this process, and the cache
-    server the in-process backend hosts here."""
+    """Rank 0's worker backend and parked requests' loads per server URL, the COMMITs pending in this
+    process, and the cache server the in-process backend hosts here."""
 
     def __init__(self) -> None:
         self.pending = PendingCommits()
         self.inprocess = InProcessServer()
         self._workers: dict[str, LocalWorker] = {}
+        self._parked: dict[str, ParkedLoads] = {}
         self._lock = threading.Lock()
+
+    def parked_loads(self, url: str) -> ParkedLoads:
+        """The parked requests' loads of the engine using ``url`` in this process."""
+        with self._lock:
+            return self._parked.setdefault(url, ParkedLoads())
 
     def attach(self, url: str, worker: LocalWorker) -> None:
         """Rank 0's worker for ``url`` registered its pool in this process."""

@@ -184,6 +184,13 @@ class PoolTransfers:
         for load in touching:
             load.copied.order_current_stream_after()
 
+    def wait_async_loads(self, blocks: frozenset[int]) -> None:
+        """Return once no asynchronous load copies into one of ``blocks`` any more (host-side wait)."""
+        with self._async_lock:
+            touching = [load.copied for load in self._async_loads if not blocks.isdisjoint(load.op.block_ids)]
+        for copied in touching:
+            copied.wait()
+
     def release_loaded(self) -> None:
         """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank
         unmaps replaced segments (a synchronous load is secured and copied in the same iteration, so
