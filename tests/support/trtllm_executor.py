@@ -67,6 +67,29 @@ def _ensure_paths() -> None:
             sys.path.insert(0, path)
 
 
+def _text_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") % _MOD
+
+
+def _adapter_bytes(directory: str) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(Path(directory).glob("*")) if p.is_file())
+
+
+_ADAPTERS: dict[int, str] = {}
+
+
+def standin_adapter(task_id: int) -> str:
+    """A LoRA checkpoint directory for ``task_id`` (its config and weights), made once per process."""
+    if task_id not in _ADAPTERS:
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix=f"standin-lora-{task_id}-"))
+        (directory / "adapter_config.json").write_text(json.dumps({"r": 8, "task": task_id}))
+        (directory / "adapter_model.safetensors").write_bytes(hashlib.sha256(str(task_id).encode()).digest() * 64)
+        _ADAPTERS[task_id] = str(directory)
+    return _ADAPTERS[task_id]
+
+
 def prefix_hashes(tokens: list[int], start: int = 0, prev: int = 0, extras: dict[int, int] | None = None) -> list[int]:
     """Rolling hash of every prefix: element i identifies ``tokens[:start+i+1]`` and the ``extras``
     (position -> value: a multimodal item's digest at its placeholder tokens) among them."""
@@ -124,6 +147,16 @@ class PromptRequest:
     ``reset_request_state``): its blocks go back to the pool, the connector is asked again."""
     lora_task_id: int | None = None
     """The LoRA adapter it runs under (``LoraConfig.task_id``): its KV differs at every position."""
+    lora_path: str | None = None
+    """The adapter's checkpoint (``LoRARequest.path``; the PyTorch backend sets ``py_lora_path`` on
+    every request of an adapter). None with a task id: ``standin_adapter(task id)``'s directory."""
+    lora_path_unset: bool = False
+    """The request carries the task id only (no path, no weights), as a C++-path request whose
+    adapter an earlier request already put in the PEFT cache."""
+    prompt_table: tuple[float, ...] | None = None
+    """A prompt-tuning table (``prompt_embedding_table``): its values change the KV at every position."""
+    multimodal_embedding: tuple[float, ...] | None = None
+    """Multimodal embeddings passed in (``py_multimodal_data``) with no content hash."""
     multimodal_hashes: list[list[int]] | None = None
     """Per multimodal item, its content hash (``multimodal_hash``); the item's placeholder tokens are
     ``prompt[multimodal_positions[i] : multimodal_positions[i] + multimodal_lengths[i]]``."""
@@ -164,6 +197,18 @@ class StandinLlmRequest:
         self.max_new_tokens = req.max_new_tokens
         # What LlmRequest carries besides the tokens: None when absent, as its nanobind properties are.
         self.lora_task_id = req.lora_task_id
+        self.py_lora_path = (
+            None
+            if req.lora_task_id is None or req.lora_path_unset
+            else (req.lora_path or standin_adapter(req.lora_task_id))
+        )
+        self.lora_weights = self.lora_config = None
+        self.prompt_embedding_table = None if req.prompt_table is None else torch.tensor(req.prompt_table)
+        self.py_multimodal_data = (
+            None
+            if req.multimodal_embedding is None
+            else {"multimodal_embedding": torch.tensor(req.multimodal_embedding)}
+        )
         self.multimodal_hashes = req.multimodal_hashes
         self.multimodal_positions = req.multimodal_positions
         self.multimodal_lengths = req.multimodal_lengths
@@ -172,6 +217,16 @@ class StandinLlmRequest:
         # device-reuse key derive from carries both, as the C++ BlockKey carries loraTaskId and the
         # items' hashes (extraKeys), so the device never hands KV across adapters or images.
         self.chain_seed = 0 if req.lora_task_id is None else (req.lora_task_id * 2654435761 + 1) % _MOD
+        if req.lora_path is not None:  # another adapter under the same id: other weights, other KV
+            self.chain_seed = (
+                self.chain_seed * 1000003
+                + _text_hash(
+                    Path(req.lora_path).read_bytes() if Path(req.lora_path).is_file() else _adapter_bytes(req.lora_path)
+                )
+            ) % _MOD
+        for source in (req.prompt_table, req.multimodal_embedding):
+            if source is not None:
+                self.chain_seed = (self.chain_seed * 1000003 + _text_hash(repr(source).encode())) % _MOD
         self.image_spans: list[tuple[int, int]] = []
         extras: dict[int, int] = {}
         for i, digest in enumerate(req.multimodal_hashes or ()):

@@ -6,6 +6,8 @@ shows as KV mismatches and other output tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,4 +184,82 @@ def test_a_parked_request_whose_skipped_device_blocks_another_request_reuses_kee
     ex.evict_device_cache()
     base = run_one(ex, PromptRequest(5, [*prompt, *make_prompt(46, 3 * CHUNK)], 2))
     assert base.connector_matched_tokens == 0, "the base model loaded adapter 1's KV"
+    assert ex.kv_mismatches == 0
+
+
+def adapter_dir(root: Path, weights: bytes) -> str:
+    """A LoRA checkpoint directory (config and weights) under ``root``."""
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (root / "adapter_model.safetensors").write_bytes(weights)
+    return str(root)
+
+
+def test_two_deployments_with_one_task_id_and_two_adapters_never_share_kv(
+    lmcache_server: LMCacheServer, connector_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Task ids are each deployment's own numbering: deployment B's adapter 3 is not A's. B neither
+    loads A's chunks nor A B's; a third engine of A's adapter loads A's bit-exact."""
+    ours, theirs = adapter_dir(tmp_path / "a", b"\x01" * 4096), adapter_dir(tmp_path / "b", b"\x02" * 4096)
+    first, wrong = first_run("keys-deployments-model", lmcache_server.url,
+                             PromptRequest(1, PROMPT, 2, lora_task_id=3, lora_path=ours))  # fmt: skip
+    other, other_wrong = first_run("keys-deployments-model", lmcache_server.url,
+                                   PromptRequest(1, PROMPT, 2, lora_task_id=3, lora_path=theirs))  # fmt: skip
+    assert other.connector_matched_tokens == 0, "deployment B loaded deployment A's adapter 3"
+    assert other.output_tokens != first.output_tokens, "the stand-in's KV does not depend on the adapter's weights"
+    again, again_wrong = first_run("keys-deployments-model", lmcache_server.url,
+                                   PromptRequest(1, PROMPT, 2, lora_task_id=3, lora_path=ours))  # fmt: skip
+    assert again.connector_matched_tokens == WHOLE_CHUNKS and again.output_tokens == first.output_tokens
+    assert wrong == other_wrong == again_wrong == 0
+
+
+def test_one_model_path_with_other_weights_never_shares_kv(
+    lmcache_server: LMCacheServer, connector_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two deployments name their model by the same path, with other weights behind it (another
+    volume, a new checkpoint in place): the second computes; the same weights again load."""
+    model = tmp_path / "models" / "llama"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"hidden_size": 4096}')
+    (model / "model.safetensors").write_bytes(b"\x01" * 8192)
+    first, _ = first_run(str(model), lmcache_server.url, PromptRequest(1, PROMPT, 2))
+    assert first.connector_matched_tokens == 0
+    same, _ = first_run(str(model), lmcache_server.url, PromptRequest(2, PROMPT, 2))
+    assert same.connector_matched_tokens == WHOLE_CHUNKS
+    (model / "model.safetensors").write_bytes(b"\x02" * 8192)
+    other, _ = first_run(str(model), lmcache_server.url, PromptRequest(3, PROMPT, 2))
+    assert other.connector_matched_tokens == 0, "other weights behind the same path loaded the first's KV"
+
+
+def test_two_prompt_tables_behind_the_same_virtual_tokens_never_share_kv(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    ex = executor_factory("keys-prompt-table-model", lmcache_server.url)
+    first = run_one(ex, PromptRequest(1, PROMPT, 2, prompt_table=(0.5,) * 16))
+    ex.evict_device_cache()
+    other = run_one(ex, PromptRequest(2, PROMPT, 2, prompt_table=(0.25,) * 16))
+    assert other.connector_matched_tokens == 0, "another prompt-tuning table loaded the first's KV"
+    ex.evict_device_cache()
+    again = run_one(ex, PromptRequest(3, PROMPT, 2, prompt_table=(0.5,) * 16))
+    assert again.connector_matched_tokens == WHOLE_CHUNKS and again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        PromptRequest(1, PROMPT, 2, lora_task_id=4, lora_path_unset=True),
+        PromptRequest(1, PROMPT, 2, multimodal_embedding=(0.125, 0.5)),
+    ],
+    ids=["adapter-known-only-by-its-task-id", "embeddings-without-hashes"],
+)
+def test_a_request_whose_kv_cannot_be_named_is_computed_and_never_saved(
+    lmcache_server: LMCacheServer, executor_factory: Any, request_: PromptRequest
+) -> None:
+    ex = executor_factory(f"keys-unnamed-{request_.lora_task_id}-model", lmcache_server.url)
+    run_one(ex, request_)
+    ex.evict_device_cache()
+    again = run_one(ex, dataclasses.replace(request_, request_id=2))
+    assert again.connector_matched_tokens == 0
+    assert token_sources(ex)["computed", "uncacheable"] == 2 * WHOLE_CHUNKS
     assert ex.kv_mismatches == 0

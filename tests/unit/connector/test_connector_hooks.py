@@ -279,26 +279,32 @@ def test_off_thread_copies_wait_on_the_device_for_the_stream_passed_to_the_hook(
 class AdapterReq(Req):
     """An ``LlmRequest`` under a LoRA adapter (``RequestData`` never carries it)."""
 
-    def __init__(self, rid: int, tokens: list[int], lora_task_id: int) -> None:
+    def __init__(self, rid: int, tokens: list[int], lora_task_id: int, lora_path: str) -> None:
         super().__init__(rid, tokens)
         self.lora_task_id = lora_task_id
+        self.py_lora_path = lora_path
         self.is_finished = False
 
 
-def test_a_reaped_request_that_comes_back_saves_under_its_own_scope(fake: FakeBackend, trtllm: Any) -> None:
+def test_a_reaped_request_that_comes_back_saves_under_its_own_scope(
+    fake: FakeBackend, trtllm: Any, tmp_path: Path
+) -> None:
     """Request 1 (adapter 5) loses its state when one of its blocks is handed to request 2 (as if it
     had ended); TensorRT-LLM still runs it, and its saves keep adapter 5's scope, not RequestData's."""
+    from kvoffload.connector.identities import AdapterIdentities
     from kvoffload.connector.keys import key_salt
 
     sched = trtllm.KvoffloadConnectorScheduler(_args())
     tokens = list(range(200))
-    adapter = AdapterReq(1, tokens, lora_task_id=5)
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')
+    adapter = AdapterReq(1, tokens, lora_task_id=5, lora_path=str(tmp_path))
     sched.get_num_new_matched_tokens(adapter, 0)
     sched.update_state_after_alloc(adapter, list(range(13)))
     sched.build_connector_meta(_new(2, list(range(1000, 1040)), [5, 20, 21], 0, 40))
     assert 1 not in sched.tracked_request_ids, "request 1 was not reaped: the test no longer reaches the path"
     meta = sched.build_connector_meta(_new(1, tokens, list(range(13)), 0, 200))
-    assert meta.saves and {op.salt for op in meta.saves} == {key_salt(adapter)}
+    scope = key_salt(adapter, AdapterIdentities().of(adapter))
+    assert meta.saves and {op.salt for op in meta.saves} == {scope} and scope != key_salt(Req(9, tokens))
 
 
 def test_a_request_reported_without_a_lookup_is_never_saved(fake: FakeBackend, trtllm: Any) -> None:

@@ -153,3 +153,35 @@ def test_a_layout_is_named_by_the_pools_dtype() -> None:
 
     assert chunk_layout(torch.float8_e4m3fn, 16, 1024) == ChunkLayout("float8_e4m3fn", 16, 1024)
     assert chunk_layout(torch.bfloat16, 16, 1024) == chunk_layout("bfloat16", 16, 1024)
+
+
+def test_another_adapter_under_the_same_task_id_is_another_scope() -> None:
+    assert key_salt(Request(lora_task_id=1), adapter=b"adapter-a") != key_salt(
+        Request(lora_task_id=1), adapter=b"adapter-b"
+    )
+
+
+def test_an_adapter_that_cannot_be_identified_is_not_cacheable() -> None:
+    assert key_salt(Request(lora_task_id=1), adapter=None) is None
+
+
+def test_two_prompt_tables_behind_the_same_virtual_tokens_are_two_scopes() -> None:
+    one, two = key_salt(Request(), prompt_table=b"table-1"), key_salt(Request(), prompt_table=b"table-2")
+    assert one != two and one != key_salt(Request()) and None not in (one, two)
+
+
+@dataclass
+class EmbeddedImage(Request):
+    py_multimodal_data: dict[str, Any] | None = None
+
+
+def test_multimodal_embeddings_passed_without_content_hashes_are_not_cacheable() -> None:
+    assert key_salt(EmbeddedImage(py_multimodal_data={"multimodal_embedding": [0.5, 0.25]})) is None
+    assert key_salt(EmbeddedImage(py_multimodal_data={})) == key_salt(Request())
+    with_hash = EmbeddedImage(py_multimodal_data={"multimodal_embedding": [0.5]}, **image(IMAGE_A))
+    assert key_salt(with_hash) == key_salt(Request(**image(IMAGE_A)))
+
+
+def test_other_weights_under_one_model_name_are_another_model_in_keys() -> None:
+    assert cache_model_name("/models/llama", BF16, "wabc") != cache_model_name("/models/llama", BF16, "wdef")
+    assert cache_model_name("/models/llama", BF16, "") == cache_model_name("/models/llama", BF16)

@@ -5,12 +5,14 @@ tokens, cache salt). The connector fills those fields so that two requests share
 TensorRT-LLM would share the block on the device, and two deployments share one only when its
 bytes mean the same to both:
 
-- the model name carries the chunk layout (:func:`cache_model_name`): block-native chunks, the
-  pool's KV dtype, tokens per block and bytes per block;
-- the salt carries the request's key scope (:func:`key_salt`): its ``cache_salt``, LoRA adapter,
-  multimodal items and prompt-tuning extra ids, the parts of TensorRT-LLM's own device block key
-  (``struct BlockKey`` in ``cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h``
-  @2213a799) that the token ids do not show.
+- the model name carries the weights' identity and the chunk layout (:func:`cache_model_name`):
+  a digest of the checkpoint (``identities``), block-native chunks, the pool's KV dtype, tokens per
+  block and bytes per block;
+- the salt carries the request's key scope (:func:`key_salt`): its ``cache_salt``, LoRA adapter
+  (its task id and its weights' digest), multimodal items, prompt-tuning extra ids and table, the
+  parts of TensorRT-LLM's own device block key (``struct BlockKey`` in
+  ``cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h`` @2213a799) that the token ids do not
+  show, and what a cache shared by deployments needs beyond it.
 
 Salts are hashed into fixed-length tokens because LMCache rejects salts with ``@ / \\ NUL`` or over
 128 characters, and a tenant's raw salt should never appear in a cache server's logs.
@@ -79,29 +81,37 @@ def _multimodal_items(hashes: Sequence[Sequence[int]], positions: Sequence[int],
     return _framed(items)
 
 
-def key_salt(request: Any) -> str | None:
+_MULTIMODAL_DATA_ATTRS = ("py_multimodal_data", "multimodal_embedding", "py_multimodal_embedding")
+
+
+def key_salt(request: Any, adapter: bytes | None = b"", prompt_table: bytes = b"") -> str | None:
     """The salt scoping ``request``'s keys, or None when the request must not be cached.
 
     Reads what TensorRT-LLM's ``LlmRequest`` carries (``_torch/pyexecutor/llm_request.py`` @002f3cc3
     and the properties in ``cpp/tensorrt_llm/nanobind/batch_manager/bindings.cpp`` @cc8cd5af): the
     salt (``salt_of``), ``lora_task_id``, ``multimodal_hashes``/``_positions``/``_lengths``, and the
-    prompt-tuning ``input_token_extra_ids`` where a version exposes them (those commits do not). A
-    request with no adapter, multimodal item or extra ids keeps ``salt_of``'s salt; any of them
-    gives a ``k`` + blake2b-128 salt over all of them. A multimodal request without content hashes
-    is not cacheable (its placeholder tokens do not say which image), as upstream's MooncakeStore
-    connector decides (``connectors/mooncake_store/scheduler.py`` @240a8a76).
+    prompt-tuning ``input_token_extra_ids`` where a version exposes them (those commits do not);
+    with the identities ``identities`` gives: ``adapter``, the digest of the LoRA adapter's weights
+    (``b""``: none; None: an adapter that cannot be identified), and ``prompt_table``, the digest of
+    its prompt-tuning table. A request with none of them keeps ``salt_of``'s salt; any of them gives
+    a ``k`` + blake2b-128 salt over all of them. A multimodal request without content hashes
+    (placeholder positions, or embeddings passed in) is not cacheable: its tokens do not say which
+    image, as upstream's MooncakeStore connector decides (``connectors/mooncake_store/scheduler.py``
+    @240a8a76); nor is one under an adapter that cannot be identified.
     """
     salt = salt_of(request)
     lora = _first_set(request, _LORA_ATTRS)
     hashes = getattr(request, "multimodal_hashes", None) or ()
     positions = getattr(request, "multimodal_positions", None) or ()
     lengths = getattr(request, "multimodal_lengths", None) or ()
-    if not hashes and (positions or lengths):
+    if not hashes and (positions or lengths or any(_is_set(request, a) for a in _MULTIMODAL_DATA_ATTRS)):
+        return None
+    if adapter is None:
         return None
     extra_ids = _first_set(request, _EXTRA_IDS_ATTRS)
     if extra_ids is not None and hasattr(extra_ids, "tolist"):
         extra_ids = extra_ids.tolist()
-    if lora is None and not hashes and not extra_ids:
+    if lora is None and not hashes and not extra_ids and not adapter and not prompt_table:
         return salt
     scope = _framed(
         (
@@ -109,9 +119,20 @@ def key_salt(request: Any) -> str | None:
             b"" if lora is None else _ints((lora,), 8),
             _multimodal_items(hashes, positions, lengths) if hashes else b"",
             _ints(extra_ids, 8) if extra_ids else b"",
+            adapter,
+            prompt_table,
         )
     )
     return "k" + hashlib.blake2b(scope, digest_size=16).hexdigest()
+
+
+def _is_set(obj: Any, attr: str) -> bool:
+    value = getattr(obj, attr, None)
+    if value is None:
+        return False
+    if isinstance(value, (dict, list, tuple, str, bytes)):
+        return len(value) > 0
+    return True
 
 
 @dataclass(frozen=True)
@@ -133,8 +154,10 @@ def chunk_layout(pool_dtype: object, tokens_per_block: int, block_bytes: int, po
     return ChunkLayout(str(pool_dtype).removeprefix("torch."), tokens_per_block, block_bytes, pool_tag)
 
 
-def cache_model_name(model_name: str, layout: ChunkLayout) -> str:
-    """The model name in LMCache keys, tagged with the layout of the chunks this connector writes.
+def cache_model_name(model_name: str, layout: ChunkLayout, weights: str = "") -> str:
+    """The model name in LMCache keys, tagged with the identity of its weights (``weights``:
+    ``identities.model_identity``, after a ``~``: LMCache splits keys on ``@``) and the layout of the
+    chunks this connector writes.
 
     Chunks hold TensorRT-LLM's block bytes (``blockcopy``), not LMCache's own layout, so a client
     that expects LMCache's layout (LMCache's own adapter, another connector version) must never
@@ -142,7 +165,8 @@ def cache_model_name(model_name: str, layout: ChunkLayout) -> str:
     with another KV dtype, block size or block shape read them as its own. A pool that is not
     key/value (multi-head latent attention) says so with its geometry (``-mla-l61-w576``).
     """
-    name = f"{model_name}~{CHUNK_LAYOUT_TAG}~{layout.kv_dtype}-t{layout.tokens_per_block}-b{layout.block_bytes}"
+    named = f"{model_name}~{weights}" if weights else model_name
+    name = f"{named}~{CHUNK_LAYOUT_TAG}~{layout.kv_dtype}-t{layout.tokens_per_block}-b{layout.block_bytes}"
     return f"{name}-{layout.pool_tag}" if layout.pool_tag else name
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvoffload.connector import planning, wire
 from kvoffload.connector.backends.base import BackendError
+from kvoffload.connector.identities import AdapterIdentities, prompt_table_digest
 from kvoffload.connector.keys import key_salt
 from kvoffload.connector.runtime import (
     ConnectorRole,
@@ -36,6 +37,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         super().__init__(llm_args)
         self._start_role(llm_args, "scheduler")
         self._chunk = self._backend.chunk_size
+        self._adapters = AdapterIdentities()
+        """The LoRA adapters requests run under, identified by their weights (``identities``)."""
         # Session ids are unique per engine start: LMCache caches chunk hashes per session,
         # and TensorRT-LLM request ids repeat after a restart.
         self._session_prefix = uuid.uuid4().hex[:12]
@@ -70,7 +73,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         rid = int(request.request_id)
         state = self._requests.get(rid)
         if state is None:
-            salt = key_salt(request)
+            salt = key_salt(request, self._adapters.of(request), prompt_table_digest(request))
             state = RequestState(
                 request_id=rid,
                 session_id=self.session_id(rid),

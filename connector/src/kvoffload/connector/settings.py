@@ -71,6 +71,10 @@ class ConnectorSettings:
     attention_dp: bool = False
     """``enable_attention_dp``: every rank holds whole KV heads for its own requests, runs its own
     scheduler, and shares the cache with the other ranks as rank 0 of one."""
+    model_source: str = ""
+    """``llm_args.model``: the checkpoint (a path here, or a hub id) whose weights the keys identify."""
+    model_revision: str | None = None
+    """``llm_args.revision``: the hub revision pinned, which identifies a hub id's weights."""
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -201,6 +205,8 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         attention_dp=attention_dp,
         cache_keys=_cache_keys(env),
         l1_bytes=_inprocess_l1_bytes(env) if backend == contract.BACKEND_INPROCESS else None,
+        model_source=str(_attr(llm_args, "model") or ""),
+        model_revision=str(_attr(llm_args, "revision")) if _attr(llm_args, "revision") else None,
     )
 
 

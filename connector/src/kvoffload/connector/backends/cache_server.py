@@ -38,6 +38,7 @@ from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import RETIRED_GRACE_S, Segment, Segments
 from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.backends.store_reports import StoreReporter
+from kvoffload.connector.identities import model_identity
 from kvoffload.connector.keys import cache_model_name, chunk_layout
 from kvoffload.connector.layout import PoolLayout, describe_pool, key_ranks, transfer_shape
 from kvoffload.connector.lmcache_seam import EngineType, MPTransferMode, create_transfer_context
@@ -177,7 +178,8 @@ class CacheServerBackend:
             securing=self._securing if self._rank == 0 else None, metrics=self._metrics,
         )  # fmt: skip
         chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, layout.tag())
-        self._keys.model = cache_model_name(self._settings.model_name, chunks)
+        weights = model_identity(self._settings.model_source, self._settings.model_revision)
+        self._keys.model = cache_model_name(self._settings.model_name, chunks, weights)
         try:
             self._register_now()
         except Exception as exc:
