@@ -767,7 +767,7 @@ class StandinExecutor:
         context_chunk_size: int | None = None,
         env: dict[str, str] | None = None,
         version: str = "main",
-        enable_partial_reuse: bool = False,
+        enable_partial_reuse: bool | None = None,
         overlap_scheduler: bool = False,
         attention_dp_rank: int = 0,
         follower_commit_lag_s: float = 0.0,
@@ -792,7 +792,12 @@ class StandinExecutor:
         self.attention_dp_rank = attention_dp_rank if self.attention_dp else None
         self.version = version
         self.behaviour = TRTLLM_VERSIONS[version]
-        self.partial_reuse = enable_partial_reuse
+        self.partial_reuse = (
+            bool(getattr(llm_args.kv_cache_config, "enable_partial_reuse", True))
+            if enable_partial_reuse is None
+            else enable_partial_reuse
+        )
+        """``KvCacheConfig.enable_partial_reuse`` (on by default, as upstream) unless given here."""
         self.overlap = overlap_scheduler
         self.overlap_extra_steps = 0
         """``_executor_loop_overlap`` (TensorRT-LLM's default): batch N+1 is scheduled and its forward

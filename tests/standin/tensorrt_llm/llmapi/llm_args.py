@@ -17,6 +17,10 @@ class KvCacheConfig:
     (``llm_utils._resolve_kv_cache_manager_v2_auto``) before the connector is built."""
     dtype: str = "auto"
     """The KV cache's data type (``auto``: the checkpoint's)."""
+    enable_partial_reuse: bool = True
+    """Reuse a block whose tokens match only in part (``KvCacheConfig``'s default: on)."""
+    copy_on_partial_reuse: bool = True
+    """A partially matched block is copied into a fresh one (default: on)."""
 
 
 @dataclass
@@ -40,6 +44,8 @@ class TorchLlmArgs:
     enable_attention_dp: bool = False
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: KvCacheConnectorConfig | None = None
+    revision: str | None = None
+    """The hub revision of ``model`` (``BaseLlmArgs.revision``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -56,6 +62,8 @@ class TorchLlmArgs:
                 tokens_per_block=int(kv_cache.get("tokens_per_block", 32)),
                 enable_block_reuse=bool(kv_cache.get("enable_block_reuse", True)),
                 use_kv_cache_manager_v2=kv_cache.get("use_kv_cache_manager_v2", "auto"),
+                enable_partial_reuse=bool(kv_cache.get("enable_partial_reuse", True)),
+                copy_on_partial_reuse=bool(kv_cache.get("copy_on_partial_reuse", True)),
             ),
             kv_connector_config=KvCacheConnectorConfig(**connector) if connector is not None else None,
         )

@@ -200,6 +200,21 @@ class ReviewScope:
         return namespace not in self.excluded and (not self.watched or namespace in self.watched)
 
 
+def _carries_ours(obj: str) -> str:
+    """CEL: ``obj`` (``object`` or ``oldObject``) carries an annotation of kvoffload's or its template label."""
+    return (f"({obj} != null && ((has({obj}.metadata.annotations) && {obj}.metadata.annotations.exists(k, "
+            f"k.startsWith('{c.ANNOTATION_PREFIX}'))) || (has({obj}.spec.template.metadata.labels) && "
+            f"'{c.LABEL_INJECT}' in {obj}.spec.template.metadata.labels)))")  # fmt: skip
+
+
+WORKLOAD_MATCH_CONDITIONS = (
+    {"name": "kvoffload-workloads", "expression": f"{_carries_ours('object')} || {_carries_ours('oldObject')}"},
+)
+"""The workloads webhook is called only for a Deployment or StatefulSet that carries (or carried, before
+the write) a ``kvoffload.io/`` annotation or kvoffload's template label: a webhook that cannot answer
+costs every other write in the cluster nothing."""
+
+
 def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], namespaces: Sequence[str],
                           own_namespace: str) -> dict[str, Any]:  # fmt: skip
     """The MutatingWebhookConfiguration: only pods whose template carries the operator's label are
@@ -238,7 +253,8 @@ def webhook_configuration(name: str, ca_pem: bytes, client: Mapping[str, Any], n
                    "resources": ["deployments", "statefulsets"], "scope": "Namespaced"}],
         "clientConfig": {**_client_at(client, c.WEBHOOK_WORKLOADS_PATH), "caBundle": hook["clientConfig"]["caBundle"]},
     }  # fmt: skip
-    del workloads["objectSelector"]  # the opt-in is an annotation, which no selector can match
+    del workloads["objectSelector"]  # the opt-in is an annotation, which no selector can match: a condition does
+    workloads["matchConditions"] = [dict(condition) for condition in WORKLOAD_MATCH_CONDITIONS]
     return {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": name, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
