@@ -166,3 +166,12 @@ def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def standin_on_path() -> None:
+    """The TensorRT-LLM stand-in (``tests/standin``) importable as ``tensorrt_llm``: the connector's
+    hooks subclass its base classes, as they do TensorRT-LLM's in an engine."""
+    from tests.support.trtllm_executor import STANDIN_PATH
+
+    if STANDIN_PATH not in sys.path:
+        sys.path.insert(0, STANDIN_PATH)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import best_ns_per_call, env_set, interleaved, scattered_block_ids, summarize
+from benchmarks.common import best_ns_per_call, env_set, interleaved, scattered_block_ids, standin_on_path, summarize
 from kvoffload.connector.keys import cache_model_name, chunk_layout
 
 MODEL = "bench-model"
@@ -82,14 +81,6 @@ def _pool(shape: PoolShape, num_blocks: int) -> Any:
     block_elems = shape.heads * shape.tokens_per_block * shape.head_dim
     raw = torch.randint(-1000, 1000, (num_blocks, shape.layers, 2, block_elems), dtype=torch.int16, generator=gen)
     return raw.view(torch.float16)
-
-
-def _standin_on_path() -> None:
-    """The TensorRT-LLM stand-in (tests/standin) provides the base classes the hooks subclass."""
-    from tests.support.trtllm_executor import STANDIN_PATH
-
-    if STANDIN_PATH not in sys.path:
-        sys.path.insert(0, STANDIN_PATH)
 
 
 def _prompt(seed: int, length: int) -> tuple[int, ...]:
@@ -239,7 +230,7 @@ def _hook_env(url: str, metrics: bool) -> dict[str, str]:
 
 def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     """Per-operation cost of one chunk at each level (raw client -> backend -> hook, metrics off/on)."""
-    _standin_on_path()
+    standin_on_path()
     import torch
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 

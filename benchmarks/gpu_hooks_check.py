@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_transfer as gt
-from benchmarks.common import env_set, scattered_block_ids
+from benchmarks.common import env_set, scattered_block_ids, standin_on_path
 
 
 def _kill_tree(pid: int) -> None:
@@ -89,8 +89,7 @@ def connector_hooks(
     bf16 pool of ``2 * nblocks + 8`` blocks registered: ``(sidecar, scheduler, worker, pool,
     another_scheduler)``; ``another_scheduler(env)`` is a scheduler of the same engine started with
     ``env`` laid over the first one's (closed on exit)."""
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests" / "standin"))
+    standin_on_path()
     from kvoffload import contract
     from tests.support.trtllm_executor import connector_llm_args
 

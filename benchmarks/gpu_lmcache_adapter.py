@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import gpu_transfer as gt
-from benchmarks.common import scattered_block_ids
+from benchmarks.common import scattered_block_ids, standin_on_path
 
 LLAMA_8B = {
     "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": gt.KV_HEADS, "head_dim": gt.HEAD_DIM,
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--l1-gib", type=int, default=24)
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "needs a CUDA device"
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "standin"))
+    standin_on_path()
     os.environ.update({
         "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.l1_gib),
         "LMCACHE_TRACK_USAGE": "false",

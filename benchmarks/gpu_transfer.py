@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import scattered_block_ids
+from benchmarks.common import scattered_block_ids, standin_on_path
 from hack.ports import free_port
 
 LAYERS, KV_HEADS, HEAD_DIM, TOKENS_PER_BLOCK = 32, 8, 128, 32
@@ -164,6 +164,7 @@ def make_backend(
     rank: int = 0,
 ) -> Any:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
+    standin_on_path()  # the connector's package imports TensorRT-LLM's connector base classes
     from kvoffload.connector.backends.base import kv_geometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
@@ -546,6 +547,7 @@ def measure_batched_loads(
 def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Path, timings: TransferTimings
                       ) -> list[dict[str, Any]]:  # fmt: skip
     """The in-process backend: LMCache's engine started inside this process, same data path."""
+    standin_on_path()
     from kvoffload.connector.runtime import ENGINE_PROCESS
     from kvoffload.quantity import parse_bytes
 

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import interleaved, machine_info, summarize
-from benchmarks.connector_bench import MODEL, OVERHEAD_SHAPE, _pool, _prompt, _settings, _standin_on_path
+from benchmarks.common import interleaved, machine_info, standin_on_path, summarize
+from benchmarks.connector_bench import MODEL, OVERHEAD_SHAPE, _pool, _prompt, _settings
 
 
 def _sidecar_server(chunk: int, l1: str, events_port: int) -> Any:
@@ -42,7 +42,7 @@ def _sidecar_server(chunk: int, l1: str, events_port: int) -> Any:
 def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, Any]:
     """Each store writes the last chunk of a fresh ``prompt_tokens``-token prompt (the report carries
     all of its tokens, and the server hashes them from the first)."""
-    _standin_on_path()
+    standin_on_path()
     import msgspec
     import zmq
 

@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import standin_on_path
+
 
 def run(partial: bool, conversations: int, turns: int, url: str) -> dict[str, Any]:
     from tests.support.trtllm_executor import PromptRequest, StandinExecutor, connector_llm_args, make_prompt
@@ -52,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args(argv)
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests" / "standin"))
+    standin_on_path()
     from kvoffload import contract
     from tests.support.lmcache_server import LMCacheServer
     from tests.support.trtllm_executor import CHUNK
