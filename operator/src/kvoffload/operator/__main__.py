@@ -11,10 +11,12 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "admission mode: the operator's Service (in its namespace) the apiserver calls")  # fmt: skip
     add("--webhook-url", "KVOFFLOAD_WEBHOOK_URL", "",
         "admission mode: an https URL the apiserver calls instead (an operator outside the cluster)")  # fmt: skip
+    add("--webhook-client-ca", "KVOFFLOAD_WEBHOOK_CLIENT_CA", "",
+        "admission mode: a PEM CA file; reviews are answered only for callers with a client certificate it "
+        "signed (the apiserver's, from its AdmissionConfiguration kubeConfigFile); empty: any caller")  # fmt: skip
     add("--events", "KVOFFLOAD_EVENTS", c.EVENTS_WARNINGS,
         "Events on workloads: warnings (what needs attention) or all (also KvoffloadInjected and "
         "KvoffloadRemoved, one more write per injected workload)")  # fmt: skip
@@ -304,6 +309,18 @@ def _injection_mode(args: argparse.Namespace) -> str:
     return str(args.injection)
 
 
+def _client_ca(path: str) -> bytes | None:
+    """``--webhook-client-ca``'s PEM, checked to load as CA certificates; None when unset."""
+    if not path:
+        return None
+    try:
+        pem = Path(path).read_bytes()
+        ssl.create_default_context(cadata=pem.decode())
+    except (OSError, ValueError, ssl.SSLError) as exc:
+        raise SystemExit(f"{PROG}: --webhook-client-ca {path!r}: not a readable PEM CA certificate: {exc}") from None
+    return pem
+
+
 def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...],
                    plan: Planner) -> WebhookServer:  # fmt: skip
     """Start the webhook's HTTPS server, then put its CA into the chart's registration (the
@@ -316,7 +333,8 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
         hosts = [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
     tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
     scope = ReviewScope.of_registration(namespace, namespaces)
-    server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan, scope=scope)
+    server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan, scope=scope,
+                           client_ca_pem=_client_ca(args.webhook_client_ca))  # fmt: skip
     server.start()
     try:
         patch_ca_bundle(kube, c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem)

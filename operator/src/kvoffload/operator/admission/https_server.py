@@ -50,6 +50,8 @@ class Request:
     method: str
     path: str
     body: bytes
+    client_certified: bool = False
+    """The peer presented a client certificate the server's context verified."""
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,10 @@ class HttpsServer:
         for _ in range(_CHUNKS_PER_WAKE):
             head, buffer = connection.head, connection.buffer
             if head is not None and len(buffer) >= head.body_length:
-                self._dispatch(connection, Request(head.method, head.path, bytes(buffer[: head.body_length])))
+                certified = bool(connection.sock.getpeercert())
+                self._dispatch(
+                    connection, Request(head.method, head.path, bytes(buffer[: head.body_length]), certified)
+                )
                 return
             # up to the head's cap, then up to the body's length: nothing past a request is read
             wanted = min(_CHUNK, (MAX_HEAD_BYTES if head is None else head.body_length) - len(buffer))

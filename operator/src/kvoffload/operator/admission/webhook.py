@@ -102,11 +102,15 @@ def live_before_update(review: WorkloadReview, read_live: LiveReader) -> Mapping
     return live
 
 
-def server_context(tls: TlsMaterial) -> ssl.SSLContext:
+def server_context(tls: TlsMaterial, client_ca_pem: bytes | None = None) -> ssl.SSLContext:
     """The webhook's TLS: TLS 1.2 at least, its serving certificate (the key file lives only while
-    it is loaded)."""
+    it is loaded); with ``client_ca_pem``, a client certificate is verified against that CA when
+    one is presented (probes present none: reviews without one are refused in ``handle``)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if client_ca_pem is not None:
+        context.verify_mode = ssl.CERT_OPTIONAL
+        context.load_verify_locations(cadata=client_ca_pem.decode())
     with tempfile.TemporaryDirectory(prefix="kvoffload-webhook-") as tmp:
         cert, key = Path(tmp, "tls.crt"), Path(tmp, "tls.key")
         cert.write_bytes(tls.cert_pem)
@@ -130,11 +134,15 @@ class WebhookServer:
         host: str = "0.0.0.0",
         plan: Planner | None = None,
         scope: ReviewScope | None = None,
+        client_ca_pem: bytes | None = None,
     ) -> None:
+        """``client_ca_pem``: only callers with a client certificate of this CA get reviews answered
+        (the apiserver, given one through its ``AdmissionConfiguration``); None: any caller."""
         self.kube, self.metrics, self.plan = kube, metrics, plan
+        self.certified_callers_only = client_ca_pem is not None
         self.scope = scope or ReviewScope.of_registration("")
         """Namespaces the webhook answers about; a review from any other is admitted untouched, unread."""
-        self.server = HttpsServer(server_context(tls), host, port, self.handle, MAX_REVIEW_BYTES)
+        self.server = HttpsServer(server_context(tls, client_ca_pem), host, port, self.handle, MAX_REVIEW_BYTES)
         self.port = self.server.port
 
     def handle(self, request: Request) -> Reply:
@@ -142,6 +150,9 @@ class WebhookServer:
         if request.method == "GET" and request.path in ("/healthz", c.PATH_READY):
             return Reply(200, b"ok\n")
         path = request.path.split("?")[0]
+        if request.method == "POST" and self.certified_callers_only and not request.client_certified:
+            self.metrics.admissions.labels(result="refused").inc()
+            return refusal(401, "a client certificate of the webhook's client CA is required")
         if request.method == "POST" and path == c.WEBHOOK_WORKLOADS_PATH and self.plan is not None:
             return self.handle_workload(request)
         if request.method != "POST" or path != c.WEBHOOK_PATH:
