@@ -361,3 +361,26 @@ def test_a_new_app_that_arrives_opted_in_rolls_once(
     if kind == "Deployment":
         assert revision(cluster, name, namespace) == 1
     assert gitops_diff(cluster, method, body) == ""
+
+
+def test_an_opted_in_workload_in_kube_system_gets_a_warning_and_no_write_or_eviction(
+    cluster: LocalCluster, admission_operator: OperatorProcess
+) -> None:
+    """kube-system is outside both webhooks' scope: its pods are never injected, so the operator
+    must not label the workload (every pod would be evicted, in vain, with backoff). It says why."""
+    name = f"in-kube-system-{int(time.time()) % 100000}"
+    audit = AuditWindow(cluster.audit_log).mark()
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, "kube-system", "trtllm:1.2.0", opted_in=True)))
+    try:
+        warning = wait_for(lambda: events_for(cluster, "kube-system", name, "KvoffloadInvalid"), 30,
+                           what="a KvoffloadInvalid Warning")  # fmt: skip
+        assert "kube-system" in warning[0]["message"]
+        wait_for(lambda: len(pods(cluster, name, "kube-system")) >= 1, 60, what="the workload's pods")
+        time.sleep(WATCH_S)
+        dep = live(cluster, name, "kube-system")
+        assert c.ANN_INJECTION_RECORD not in dep["metadata"].get("annotations", {})
+        assert c.LABEL_INJECT not in dep["spec"]["template"]["metadata"].get("labels", {})
+        writes = [w for w in audit.writes(OPERATOR_USER, "kube-system") if w.resource != "events"]
+        assert writes == [], f"the operator wrote outside its scope: {writes}"
+    finally:
+        cluster.kubectl("delete", "deployment", name, "-n", "kube-system", "--wait=false", check=False)

@@ -191,3 +191,22 @@ def test_the_users_options_configmap_is_read_through_the_reader_and_a_missing_on
     asked.clear()
     assert isinstance(decide(workload(**ON), replace(INPUTS, options=missing)), Inject)
     assert asked == [("llama", None)]  # told of a plan without a source: its ConfigMap, if any, is not tracked
+
+
+ADMISSION_EXCLUDING = replace(CLUSTER, injection="admission", webhook_excluded_namespaces=frozenset({"kube-system"}))
+
+
+def test_an_opted_in_workload_where_the_webhook_is_never_called_is_refused_not_labelled() -> None:
+    obj = workload(**ON)
+    obj["metadata"]["namespace"] = "kube-system"
+    decision = decide(obj, replace(INPUTS, cluster=ADMISSION_EXCLUDING))
+    assert isinstance(decision, Reject) and decision.error.reason == "outside_webhook_scope"
+    assert "kube-system" in decision.error.message
+
+
+def test_the_webhooks_scope_does_not_bind_template_mode_or_other_namespaces() -> None:
+    obj = workload(**ON)
+    assert isinstance(decide(obj, replace(INPUTS, cluster=ADMISSION_EXCLUDING)), Inject)
+    obj["metadata"]["namespace"] = "kube-system"
+    excluded_in_template_mode = replace(CLUSTER, webhook_excluded_namespaces=frozenset({"kube-system"}))
+    assert isinstance(decide(obj, replace(INPUTS, cluster=excluded_in_template_mode)), Inject)

@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.serve(int(args.metrics_port))
     events = EventRecorder(kube, normal=args.events == c.EVENTS_ALL)
     reconciler = Reconciler(
-        kube=kube, defaults=defaults, cluster=ClusterInfo(native_sidecars=native, injection=args.injection),
+        kube=kube, defaults=defaults, cluster=_cluster_info(args, native),
         metrics=metrics, events=events, namespaces=tuple(namespaces),
         node_caches=NodeCaches(kube, defaults) if node_mode else None,
         pod_alignment=PodAlignment(kube, events, metrics, tuple(namespaces)) if admission else None,
@@ -307,6 +307,17 @@ def _injection_mode(args: argparse.Namespace) -> str:
             raise SystemExit(f"{PROG}: --injection admission needs --leader-election-namespace (or POD_NAMESPACE): "
                              "the webhook's certificate is kept in a Secret there")  # fmt: skip
     return str(args.injection)
+
+
+def _cluster_info(args: argparse.Namespace, native: bool) -> ClusterInfo:
+    """What the cluster and the injection mode decide; admission mode leaves out the namespaces its
+    webhook registration excludes (the chart's: kube-system and the release's own)."""
+    excluded = (
+        ReviewScope.of_registration(args.leader_election_namespace).excluded
+        if args.injection == "admission"
+        else frozenset()
+    )
+    return ClusterInfo(native_sidecars=native, injection=args.injection, webhook_excluded_namespaces=excluded)
 
 
 def _client_ca(path: str) -> bytes | None:

@@ -42,6 +42,9 @@ class ClusterInfo:
     injection: str = "template"
     """Where the injection lands: ``template`` (the workload's pod template, by Server-Side Apply) or
     ``admission`` (each pod as it is created, by the operator's webhook; the template gets one label)."""
+    webhook_excluded_namespaces: frozenset[str] = frozenset()
+    """Admission mode: namespaces the webhook's registration never sends (kube-system, the operator's
+    own); a workload opted in there is refused, never labelled."""
 
 
 OptionsReader = Callable[[WorkloadRef, MergeFromConfigMap | None], Mapping[str, Any] | None]

@@ -2,7 +2,7 @@
 
 Every question the pass asks before it writes is answered here, in this order (the first that
 fails wins): is the workload being deleted, is its ``kvoffload.io/enabled`` readable, is it opted
-in, were these inputs reconciled already, are its settings valid, may its mode run in this
+in, is its namespace one the webhook is called for (admission mode), were these inputs reconciled already, are its settings valid, may its mode run in this
 operator, does the injected pod fit a GPU node, may a node-mode engine share its node's cache, and
 what is the injection's plan (``injection_plan.plan_workload``). The reconciler hands it the workload as read and the inputs,
 calls it once and performs the one effect the decision names. Pure but for the three readers it is
@@ -37,6 +37,20 @@ NODE_MODE_OFF = PolicyError(
     "with nodeMode.enabled=true (operator flag --node-mode true); use mode sidecar or enable it",
     reason="unsupported",
 )  # fmt: skip
+
+
+def outside_webhook_scope(workload: Workload, cluster: ClusterInfo) -> PolicyError | None:
+    """Why an opted-in workload cannot be injected at admission here: its namespace is one the webhook
+    is never called for, so its pods would start as written, and be evicted over and over."""
+    namespace = workload.ref.namespace
+    if cluster.injection != "admission" or namespace not in cluster.webhook_excluded_namespaces:
+        return None
+    return PolicyError(
+        "metadata.namespace", namespace,
+        "the injection webhook is never called for pods of kube-system or the operator's own namespace; "
+        "run the workload in another namespace",
+        reason="outside_webhook_scope",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,9 @@ def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
         return Reject(enabled, digest)
     if not enabled:
         return Remove()
+    outside = outside_webhook_scope(workload, inputs.cluster)
+    if outside is not None:
+        return Reject(outside, digest)
     name = policy_name(annotations)
     policy = inputs.policy(workload.ref.namespace, name) if isinstance(name, str) else None
     policy_version = None if policy is None else (policy.get("metadata") or {}).get("resourceVersion")
