@@ -185,6 +185,12 @@ BACKEND_SIDECAR: Final = "sidecar"
 BACKEND_INPROCESS: Final = "inprocess"
 
 # --- The cache server's wire, beyond LMCache's own ------------------------------
+WORKER_SILENCE_LIMIT_S: Final = 120
+"""Seconds a registered worker may stay silent before the cache server reaps it (the sidecar's
+``--worker-reap-timeout-seconds``): it is dead, and what it held is released."""
+MAX_PING_INTERVAL_S: Final = 30
+"""The connector PINGs at least this often whatever its heartbeat interval, well inside the silence limit."""
+
 STORE_ABORT_PAYLOAD: Final = b"kvoffload:abort-store"
 """The payload of a COMMIT_STORE that aborts its PREPARE_STORE's reservation instead of publishing it:
 sent by the connector for a store it will not finish, read by the server's transfer guard

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,3 +120,33 @@ def test_replica_b_gets_replica_as_prefix_from_the_shared_node_cache(
     )
     (rc,) = other["phases"][0]["results"]
     assert rc["connector_matched_tokens"] == 0 and rc["computed_prompt_tokens"] == len(p2)
+
+
+def test_an_engine_killed_mid_store_leaves_the_other_engines_of_the_node_nothing_wrong(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    """Node mode, issue 49: engine A is killed (SIGKILL) between a store's PREPARE and its COMMIT;
+    engine B, another pod on the node, then runs the same prompt: it is offered nothing A did not
+    commit and computes bit-exact; C after it loads what B committed, bit-exact. (The node cache
+    runs without LMCache's reaper, so A's reservation stays staged, never published.)"""
+    server_keys, engine_keys = policy_keys(tmp_path / "keys", "killed")
+    sidecar = make_sidecar(**{contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CHUNK_SIZE: str(CHUNK),
+                              contract.ENV_CACHE_KEYS_DIR: str(server_keys)})  # fmt: skip
+    sidecar.wait_ready()
+    url = f"tcp://{_node_address()}:{sidecar.request_port}"
+    tokens = 8 * CHUNK
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env[contract.ENV_CACHE_KEYS_DIR] = str(engine_keys)
+    dying = subprocess.run(
+        [sys.executable, "-m", "tests.support.dying_engine", url, "node-killed-model", "95", str(tokens)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert dying.returncode == -signal.SIGKILL, dying.stdout + dying.stderr
+    phase = [[{"request_id": 1, "prompt": make_prompt(95, tokens), "max_new_tokens": 3}]]
+    b = _replica(tmp_path, "replica-b", url, "node-killed-model", phase, engine_keys)
+    (rb,) = b["phases"][0]["results"]
+    assert not rb["failed"] and rb["connector_matched_tokens"] == 0, "offered what the killed engine never committed"
+    assert b["kv_mismatches"] == 0
+    c = _replica(tmp_path, "replica-c", url, "node-killed-model", phase, engine_keys)
+    (rc,) = c["phases"][0]["results"]
+    assert not rc["failed"] and c["kv_mismatches"] == 0

@@ -46,7 +46,7 @@ def test_argv_carries_every_setting_and_safe_defaults() -> None:
     assert _flag(argv, "--chunk-size") == "128"
     assert _flag(argv, "--max-workers") == "3"
     assert _flag(argv, "--supported-transfer-mode") == "auto"
-    assert _flag(argv, "--worker-reap-timeout-seconds") == "0"
+    assert _flag(argv, "--worker-reap-timeout-seconds") == _flag(argv, "--worker-registration-grace-seconds") == "120"
     assert _flag(argv, "--instance-id") == "pod-a"
     assert "--l2-adapter" not in argv
     assert cmd.env[contract.ENV_LMCACHE_TRACK_USAGE] == "false"

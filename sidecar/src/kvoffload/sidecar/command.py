@@ -5,10 +5,15 @@ Why each fixed flag is there:
 - ``--host 127.0.0.1`` / ``--http-host 127.0.0.1``: the connector reaches the server over
   the pod's loopback; LMCache's admin HTTP API has no authentication, so nothing of it
   is reachable on the pod IP. Kubelet probes hit the sidecar's own port instead.
-- ``--worker-reap-timeout-seconds 0``: LMCache's TensorRT-LLM path never PINGs, so a
-  registered worker that stays quiet longer than the registration grace (3600 s) would
-  be reaped while alive, and its later STORE/RETRIEVE would fail. ``0`` stops the
-  reaper thread entirely (``modules/management.py``).
+- ``--worker-reap-timeout-seconds`` / ``--worker-registration-grace-seconds``
+  ``contract.WORKER_SILENCE_LIMIT_S``: kvoffload's connector PINGs from each worker every 2 s
+  by default, at least every 30 s (its heartbeat), so a registration silent for two minutes is an
+  engine process that died
+  (SIGKILL, OOM). Reaping it releases what it held; the transfer guard
+  (``lmcache_guard.install_transfer_guard``) discards, never publishes, the store
+  reservations it left, so their keys can be stored again by the engines still there (a
+  kept reservation blocks every later PREPARE_STORE of its chunks until its 600 s write TTL).
+  A live worker reaped after a longer stall fails its next call and registers again.
 - ``--supported-transfer-mode auto``: serves both server-driven (STORE/RETRIEVE) and
   engine-driven (PREPARE/COMMIT) clients.
 - ``--shm-name`` + ``--no-l1-use-lazy``: LMCache only puts L1 in a named POSIX SHM
@@ -170,7 +175,9 @@ def build_server_command(
         "--supported-transfer-mode",
         "auto",
         "--worker-reap-timeout-seconds",
-        "0",
+        str(contract.WORKER_SILENCE_LIMIT_S),
+        "--worker-registration-grace-seconds",
+        str(contract.WORKER_SILENCE_LIMIT_S),
     ]
     if uses_shm:
         argv += ["--shm-name", settings.shm_name, "--no-l1-use-lazy"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from kvoffload import contract
 from kvoffload.cache_keys import ClientKeys
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.lmcache_seam import RequestClientFactory, ServerDisconnected, fail_requests_on_disconnect
@@ -55,7 +56,8 @@ class ServerConnection:
         self._url = settings.server_url
         self._role = role
         self._metrics = metrics
-        self.heartbeat_s = settings.heartbeat_interval_ms / 1000.0
+        # At least every MAX_PING_INTERVAL_S: the server reaps a worker silent for WORKER_SILENCE_LIMIT_S.
+        self.heartbeat_s = min(settings.heartbeat_interval_ms / 1000.0, contract.MAX_PING_INTERVAL_S)
         # PINGs run on the heartbeat thread, never on the engine's path: a busy-but-alive server
         # gets a generous answer window before it is declared down.
         self.ping_timeout_s = max(MIN_PING_TIMEOUT_S, self.heartbeat_s)
