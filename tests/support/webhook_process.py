@@ -123,7 +123,7 @@ def webhook_process(workdir: Path) -> Iterator[WebhookProcess]:
             raise AssertionError(f"the webhook process exited {server.proc.returncode}")
 
 
-class _StandInApiserver:
+class StandInApiserver:
     """``Kube.get`` for the one injected Deployment and its ReplicaSet; nothing else exists, and
     ``HUNG_WORKLOAD``'s ReplicaSet takes ``HANG_S`` to be found missing."""
 
@@ -149,7 +149,7 @@ def main(workdir: str) -> None:
 
     tls = issue(["127.0.0.1"])
     Path(workdir, "ca.pem").write_bytes(tls.ca_pem)
-    server = WebhookServer(_StandInApiserver(), OperatorMetrics(), tls, 0, host="127.0.0.1")  # type: ignore[arg-type]
+    server = WebhookServer(StandInApiserver(), OperatorMetrics(), tls, 0, host="127.0.0.1")  # type: ignore[arg-type]
     server.start()
     print(server.port, flush=True)
     sys.stdin.read()
