@@ -28,6 +28,17 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorListe
         yield proc
 
 
+def _settled(operator: OperatorListeners, timeout: float = 20.0) -> int:
+    """The process's thread count once it has not changed for a second (what an earlier case left
+    closing is gone)."""
+    deadline, last, since = time.monotonic() + timeout, operator.status("Threads"), time.monotonic()
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if (now := operator.status("Threads")) != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _answers(operator: OperatorListeners) -> None:
     status, body = operator.get(operator.metrics_port, c.PATH_METRICS, timeout=CONNECTION_DEADLINE_S)
     assert status == 200 and c.M_OPERATOR_RECONCILES.encode() in body, body[:200]
@@ -40,8 +51,7 @@ def test_5000_idle_connections_leave_threads_and_memory_bounded_and_both_ports_a
     operator: OperatorListeners, port: str
 ) -> None:
     target = operator.metrics_port if port == "metrics" else operator.health_port
-    time.sleep(0.5)  # whatever an earlier case left closing is gone
-    threads, rss = operator.status("Threads"), operator.status("VmRSS")
+    threads, rss = _settled(operator), operator.status("VmRSS")
     held = idle_connections(target, IDLE)
     try:
         time.sleep(1.0)  # every connection accepted and waiting
