@@ -51,6 +51,7 @@ from typing import Any
 
 from kvoffload import contract
 from kvoffload.cache_keys import ServerKeys
+from kvoffload.log_budget import LogBudget
 
 log = logging.getLogger("kvoffload.lmcache_guard")
 
@@ -234,16 +235,18 @@ def resolve_chunk_hashes(
     return hashes
 
 
-class _AllowedClients:
-    """pyzmq's ZAP credentials provider: admits the listed Z85 client keys, logs every refusal."""
+class AllowedClients:
+    """pyzmq's ZAP credentials provider: admits the listed Z85 client keys, logs refusals (on a
+    budget: a stranger retrying its handshake in a loop gets a few lines and a count)."""
 
-    def __init__(self, allowed: frozenset[str]) -> None:
+    def __init__(self, allowed: frozenset[str], refusals: LogBudget | None = None) -> None:
         self._allowed = allowed
+        self._refusals = refusals or LogBudget(log)
 
     def callback(self, domain: str, key: bytes) -> bool:
         allowed = key.decode("ascii", "replace") in self._allowed
         if not allowed:
-            log.warning("event=cache_client_refused reason=unknown_key domain=%s", domain)
+            self._refusals.warning("event=cache_client_refused reason=unknown_key domain=%s", domain)
         return allowed
 
 
@@ -256,7 +259,7 @@ def curve_server_context(keys: ServerKeys) -> Any:
     context = zmq.Context()
     authenticator = ThreadAuthenticator(context, log=log)
     authenticator.start()
-    authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedClients(keys.allowed_clients))
+    authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=AllowedClients(keys.allowed_clients))
     # Set after the ZAP socket exists: context-level options apply to the sockets created later.
     context.setsockopt(zmq.CURVE_SERVER, 1)
     context.setsockopt(zmq.CURVE_SECRETKEY, keys.secret.encode("ascii"))

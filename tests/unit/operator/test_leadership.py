@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import datetime
+import socket
+import threading
+import time
+import urllib.request
 
 import pytest
 
-from kvoffload.operator.control.leadership import LEASE_DURATION_S, MICROTIME, keep_renewing, lease_body, lease_state
+from hack.ports import free_port
+from kvoffload.httpreply import MAX_CONNECTIONS
+from kvoffload.operator.control.leadership import (
+    LEASE_DURATION_S,
+    MICROTIME,
+    keep_renewing,
+    lease_body,
+    lease_state,
+    serve_health_while_waiting,
+)
 
 pytestmark = pytest.mark.operator
 NOW = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
@@ -66,3 +79,18 @@ def test_the_uninstall_hooks_long_hold_keeps_operators_waiting_until_it_runs_out
     later = NOW + datetime.timedelta(seconds=LEASE_DURATION_S + 30)
     assert lease_state(seized, "old-pod", later) == "held"
     assert lease_state(seized, "old-pod", NOW + datetime.timedelta(seconds=121)) == "free"
+
+
+def test_a_standby_answers_its_liveness_probe_behind_idle_connections_with_bounded_threads() -> None:
+    port = free_port()
+    before = threading.active_count()
+    with serve_health_while_waiting(port):
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3 * MAX_CONNECTIONS)]
+        try:
+            time.sleep(0.3)
+            assert threading.active_count() - before <= MAX_CONNECTIONS + 2  # + the accept loop and the reaper
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=3) as reply:
+                assert reply.status == 200
+        finally:
+            for sock in held:
+                sock.close()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import threading
+from http.server import BaseHTTPRequestHandler
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvoffload import contract as c
+from kvoffload.httpreply import BoundedHTTPServer, send_reply
 
 RESULTS = ("applied", "unchanged", "removed", "skipped", "error", "conflict")
 """``result`` label of the reconcile counter."""
@@ -78,5 +81,22 @@ class OperatorMetrics:
                 members.discard(uid)
             self.injected.labels(kind=kind).set(len(members))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0") -> BoundedHTTPServer:
+        """Answer ``GET /metrics`` on ``addr:port`` from a daemon thread. The port is open to every
+        address and shares the webhook's process: the server is a bounded one (its handler threads,
+        each connection's lifetime), so idle peers cannot grow the process."""
+        registry = self.registry
+
+        class MetricsHandler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != c.PATH_METRICS:
+                    send_reply(self, 404, b"not found\n", "text/plain")
+                    return
+                send_reply(self, 200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: scraped every few seconds
+                return
+
+        server = BoundedHTTPServer((addr, port), MetricsHandler)
+        threading.Thread(target=server.serve_forever, name="kvoffload-operator-metrics", daemon=True).start()
+        return server

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 REVIEW_API_VERSION = "admission.k8s.io/v1"
 MAX_UID_CHARS = 256
@@ -66,6 +66,8 @@ def parse_workload_review(body: bytes) -> WorkloadReview | str:
     old, options = request.get("oldObject"), request.get("options")
     if not isinstance(old, dict) or not isinstance(old.get("metadata", {}), dict):
         return f"request.oldObject is {type(old).__name__}, not an object with metadata"
+    if (misshapen := misshapen_field(old, WORKLOAD_SHAPE, "request.oldObject")) is not None:
+        return misshapen
     manager = options.get("fieldManager", "") if isinstance(options, dict) else ""
     if not isinstance(manager, str):
         return f"request.options.fieldManager {_shown(manager)}: a string is required"
@@ -113,7 +115,60 @@ def _create(request: Mapping[str, Any], kinds: frozenset[tuple[str, str]]
     if meta.get("namespace") not in (None, "", namespace):
         return (f"request.object.metadata.namespace {_shown(meta.get('namespace'))} is not "
                 f"request.namespace {_shown(namespace)}")  # fmt: skip
+    misshapen = misshapen_field(pod, POD_SHAPE if kinds == POD_KINDS else WORKLOAD_SHAPE, "request.object")
+    if misshapen is not None:
+        return misshapen
     return uid, namespace, str(kind_name), pod
+
+
+Shape: TypeAlias = type | list["Shape"] | dict[str, "Shape"]
+"""What a field must be: a JSON type (``str``, ``bool``, ``dict``), a list of one shape, or an
+object whose listed fields have their shapes (``EVERY_KEY``: every value has that shape)."""
+EVERY_KEY = "*"
+_STRING_MAP: Shape = {EVERY_KEY: str}
+_METADATA: Shape = {
+    "name": str, "generateName": str, "namespace": str, "uid": str, "labels": _STRING_MAP,
+    "annotations": _STRING_MAP,
+    "ownerReferences": [{"apiVersion": str, "kind": str, "name": str, "uid": str, "controller": bool}],
+    "managedFields": [{"manager": str, "operation": str, "subresource": str, "fieldsType": str, "fieldsV1": dict}],
+}  # fmt: skip
+_CONTAINER: Shape = {
+    "name": str, "image": str, "args": [str], "command": [str], "env": [{"name": str}], "envFrom": [dict],
+    "volumeMounts": [{"name": str, "mountPath": str}], "ports": [dict], "resources": dict,
+}  # fmt: skip
+_POD_SPEC: Shape = {"containers": [_CONTAINER], "initContainers": [_CONTAINER], "volumes": [{"name": str}]}
+POD_SHAPE: Shape = {"metadata": _METADATA, "spec": _POD_SPEC}
+"""The fields of a pod the webhook's reviewers read, and what each must be."""
+WORKLOAD_SHAPE: Shape = {
+    "metadata": _METADATA, "spec": {"template": {"metadata": _METADATA, "spec": _POD_SPEC}, "selector": dict},
+}  # fmt: skip
+"""The fields of a Deployment or StatefulSet the reviewers and the planner read."""
+_JSON_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "a list"}
+
+
+def misshapen_field(value: object, shape: Shape, where: str) -> str | None:
+    """Why ``value`` (at ``where``) does not have ``shape``, naming the first field that does not;
+    None when it does. An absent or null object field is left to the readers' defaults; an item of
+    a list or a value of a map must be there."""
+    if isinstance(shape, type):
+        return None if isinstance(value, shape) else f"{where} is {_shown(value)}: {_JSON_NAMES[shape]} is required"
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return f"{where} is {_shown(value)}: a list is required"
+        for i, item in enumerate(value):
+            if (reason := misshapen_field(item, shape[0], f"{where}[{i}]")) is not None:
+                return reason
+        return None
+    if not isinstance(value, dict):
+        return f"{where} is {_shown(value)}: an object is required"
+    if EVERY_KEY in shape:
+        fields = [(f"{where}[{_shown(key)}]", item, shape[EVERY_KEY]) for key, item in value.items()]
+    else:
+        fields = [(f"{where}.{key}", value[key], inner) for key, inner in shape.items() if value.get(key) is not None]
+    for field_where, item, inner in fields:
+        if (reason := misshapen_field(item, inner, field_where)) is not None:
+            return reason
+    return None
 
 
 def _shown(value: object) -> str:
@@ -121,5 +176,7 @@ def _shown(value: object) -> str:
     object or a list by its type only (its repr could be as large, or as deep, as the body)."""
     if value is not None and not isinstance(value, (str, int, float)):
         return f"<a JSON {type(value).__name__}>"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     text = repr(value)
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.log_budget import LogBudget
 from kvoffload.operator.admission.https_server import HttpsServer, Reply, Request, refusal
 from kvoffload.operator.admission.new_workloads import Planner, label_for_new_workload, record_before_the_operator
 from kvoffload.operator.admission.records import (
@@ -142,6 +143,8 @@ class WebhookServer:
         self.certified_callers_only = client_ca_pem is not None
         self.scope = scope or ReviewScope.of_registration("")
         """Namespaces the webhook answers about; a review from any other is admitted untouched, unread."""
+        # Whoever reaches the port can cause these lines: a few per minute, then a count.
+        self.refusals, self.failures = LogBudget(log), LogBudget(log)
         self.server = HttpsServer(server_context(tls, client_ca_pem), host, port, self.handle, MAX_REVIEW_BYTES)
         self.port = self.server.port
 
@@ -152,6 +155,7 @@ class WebhookServer:
         path = request.path.split("?")[0]
         if request.method == "POST" and self.certified_callers_only and not request.client_certified:
             self.metrics.admissions.labels(result="refused").inc()
+            self.refusals.log(logging.INFO, "webhook: refused a caller without the client certificate")
             return refusal(401, "a client certificate of the webhook's client CA is required")
         if request.method == "POST" and path == c.WEBHOOK_WORKLOADS_PATH and self.plan is not None:
             return self.handle_workload(request)
@@ -159,17 +163,14 @@ class WebhookServer:
             return refusal(404, "not found")
         review = parse_pod_review(request.body)
         if isinstance(review, str):
-            self.metrics.admissions.labels(result="refused").inc()
-            log.debug("webhook: refused a review: %s", review)
-            return refusal(400, review)
+            return self.refuse(review)
         return Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
 
     def handle_workload(self, request: Request) -> Reply:
         """A Deployment or StatefulSet CREATE (``review_workload``); never refused for our bug."""
         review = parse_workload_review(request.body)
         if isinstance(review, str):
-            self.metrics.admissions.labels(result="refused").inc()
-            return refusal(400, review)
+            return self.refuse(review)
         assert self.plan is not None
         try:
             if not self.scope.covers(review.namespace):
@@ -177,11 +178,17 @@ class WebhookServer:
             else:
                 admission = review_workload(review, self.plan, self._read_workload)
         except Exception as exc:  # admit it as written
-            log.exception("webhook: reviewing a workload failed")
+            self.failures.log(logging.ERROR, "webhook: reviewing a workload failed", exc_info=True)
             admission = Admission([], (f"kvoffload: not labelled: internal error {type(exc).__name__}",), "error")
         if admission.result != "ignored":
             log.info("webhook: workload %s: %s", review.uid, admission.result)
         return Reply(200, json.dumps(admission_response(review.uid, admission)).encode(), "application/json")
+
+    def refuse(self, reason: str) -> Reply:
+        """400 with the one-line ``reason`` for a body that is not a review this webhook answers."""
+        self.metrics.admissions.labels(result="refused").inc()
+        self.refusals.log(logging.INFO, "webhook: refused a review: %s", reason)
+        return refusal(400, reason)
 
     def answer(self, review: PodReview) -> dict[str, Any]:
         """The AdmissionReview response for a valid pod CREATE; a pod is never refused for our bug."""
@@ -191,7 +198,7 @@ class WebhookServer:
             else:
                 admission = review_pod(self.kube, review, self.plan)
         except Exception as exc:  # admit it as written
-            log.exception("webhook: reviewing a pod failed")
+            self.failures.log(logging.ERROR, "webhook: reviewing a pod failed", exc_info=True)
             admission = Admission([], (f"kvoffload: not injected: internal error {type(exc).__name__}",), "error")
         self.metrics.admissions.labels(result=admission.result).inc()
         if admission.result != "ignored":

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvoffload.httpreply import BoundedHTTPServer
 from kvoffload.operator.api.kube import Kube, KubeApiError
 
 log = logging.getLogger("kvoffload.operator")
@@ -232,8 +233,9 @@ class _Live(http.server.BaseHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve_health_while_waiting(port: int) -> Iterator[None]:
-    """Answer /healthz on ``port`` until kopf's own liveness endpoint takes the port over."""
-    server = http.server.ThreadingHTTPServer(("0.0.0.0", port), _Live)
+    """Answer /healthz on ``port`` until kopf's own liveness endpoint takes the port over (a
+    bounded server, like every listener of the operator)."""
+    server = BoundedHTTPServer(("0.0.0.0", port), _Live)
     thread = threading.Thread(target=server.serve_forever, name="kvoffload-standby-health", daemon=True)
     thread.start()
     try:
