@@ -1,4 +1,4 @@
-"""Node-mode operator fixture; the session operator and its ServiceAccount come from
+"""Node-mode and admission-mode operator fixtures; the session operator and its ServiceAccount come from
 ``tests/support/operator_fixtures.py`` (registered in ``tests/conftest.py``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from hack.localcluster import LocalCluster
-from tests.support.operator_fixtures import operator_instead
+from tests.support.operator_fixtures import admission_operator_instead, operator_instead
 from tests.support.operator_support import (
     NODE_MODE_RULES_FILE,
     OPERATOR_NAMESPACE,
@@ -33,4 +33,16 @@ def node_mode_operator(
     with operator_instead(cluster, operator, tmp_path_factory.mktemp("node-mode-operator"),
                           {"kvoffload-operator-test-node-mode": NODE_MODE_RULES_FILE}, ["--node-mode", "true"],
                           rules_in_effect) as proc:  # fmt: skip
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def admission_operator(
+    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator with ``--injection admission`` and the chart's admission rules, its webhook on
+    127.0.0.1 (``--webhook-url``), for one module's tests; the session operator is stopped meanwhile."""
+    with admission_operator_instead(
+        cluster, operator, tmp_path_factory.mktemp("admission-operator"), "kvoffload-operator-test"
+    ) as proc:
         yield proc

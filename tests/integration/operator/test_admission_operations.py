@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,23 +18,11 @@ from hack.workloads import apply, get, list_objects, wait_for
 from kvoffload import contract as c
 from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
-from tests.support.operator_fixtures import admission_operator_instead
 from tests.support.operator_support import OperatorProcess, events_for
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 WATCH_S = 20.0
 """How long a workload is watched for evictions that must not happen (past the 15 s first backoff)."""
-
-
-@pytest.fixture(scope="module")
-def admission_operator(
-    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    """The admission-mode operator with the chart's admission rules (the session operator stopped)."""
-    with admission_operator_instead(
-        cluster, operator, tmp_path_factory.mktemp("admission-ops"), "kvoffload-operator-ops"
-    ) as proc:
-        yield proc
 
 
 def evictions(audit: AuditWindow, namespace: str) -> list[tuple[str, int]]:

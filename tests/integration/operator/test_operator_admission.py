@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,6 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
-from tests.support.operator_fixtures import admission_operator_instead
 from tests.support.operator_support import (
     OperatorProcess,
     admission_args,
@@ -32,18 +30,6 @@ GITOPS_MANAGER = "argocd-controller"
 REVISION = "deployment.kubernetes.io/revision"
 SETTLE_S = 4.0
 """After the expected state is reached, how long nothing more may happen (2 background ticks)."""
-
-
-@pytest.fixture(scope="module")
-def admission_operator(
-    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    """The operator with ``--injection admission`` and the chart's admission rules, its webhook on
-    127.0.0.1 (``--webhook-url``); the session operator is stopped meanwhile."""
-    with admission_operator_instead(
-        cluster, operator, tmp_path_factory.mktemp("admission-operator"), "kvoffload-operator-test"
-    ) as proc:
-        yield proc
 
 
 def gitops_apply(cluster: LocalCluster, method: str, body: dict[str, Any]) -> None:

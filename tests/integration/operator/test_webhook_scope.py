@@ -15,7 +15,6 @@ import json
 import socket
 import ssl
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,20 +22,9 @@ import pytest
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, trtllm_container, trtllm_deployment, wait_for
 from kvoffload import contract as c
-from tests.support.operator_fixtures import admission_operator_instead
 from tests.support.operator_support import OperatorProcess, webhook_port
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
-
-
-@pytest.fixture(scope="module")
-def admission_operator(
-    cluster: LocalCluster, operator: OperatorProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    with admission_operator_instead(
-        cluster, operator, tmp_path_factory.mktemp("deputy-operator"), "kvoffload-operator-test"
-    ) as proc:
-        yield proc
 
 
 def options_workload(namespace: str, name: str, configmap: str, key: str) -> dict[str, Any]:
