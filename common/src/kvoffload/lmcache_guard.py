@@ -287,12 +287,6 @@ def require_curve_clients(keys: ServerKeys) -> None:
     target.MessageQueueServer = authenticated_server  # type: ignore[attr-defined]
 
 
-def request_port_is_authenticated() -> bool:
-    """Whether this process's LMCache request server admits only CURVE clients of the allow-list."""
-    module = sys.modules.get(REQUEST_SERVER_MODULE)
-    return module is not None and _is_guard(getattr(module, "MessageQueueServer", None))
-
-
 # --- unfinished stores: dropped, never admitted -------------------------------------------------------
 
 
