@@ -61,8 +61,8 @@ def _files_of(root: Path) -> list[tuple[str, Path, os.stat_result]]:
     if root.is_file():
         return [(root.name, root, root.stat())]
     found = []
-    for path in sorted(root.rglob("*")):
-        if len(path.relative_to(root).parts) <= 2 and path.is_file() and not path.name.startswith("."):
+    for path in sorted([*root.glob("*"), *root.glob("*/*")]):  # never deeper: no walk of a whole tree
+        if path.is_file() and not path.name.startswith("."):
             found.append((str(path.relative_to(root)), path, path.stat()))
     return found
 

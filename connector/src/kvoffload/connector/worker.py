@@ -165,8 +165,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         its next ``prepare_resources``: that frees and stores their blocks for reuse, and may copy one
         into another request (partial reuse, copy-on-partial-reuse: both on by default) or hand it
         out, all before ``start_load_kv``'s fence. Queued ones are issued now; the wait is host-side,
-        as the engine's copy may run on a stream of its own. Rank 0 (the scheduler's process) knows
-        of the cancel; other ranks land a cancelled request's load in ``start_load_kv`` as before."""
+        as the engine's copy may run on a stream of its own. Loads are asynchronous with one rank only
+        (``planning.load_is_async``), whose worker shares this process with the scheduler that knows
+        of the cancel."""
         self._fence_async_loads(blocks)
         self._backend.wait_async_loads(blocks)
 
