@@ -212,11 +212,14 @@ class StandinLlmRequest:
         self.multimodal_hashes = req.multimodal_hashes
         self.multimodal_positions = req.multimodal_positions
         self.multimodal_lengths = req.multimodal_lengths
-        # The forward's KV depends on them as a model's does: the adapter at every position, an
-        # image from its placeholder tokens on. The hash chain that the KV, the checks and the
-        # device-reuse key derive from carries both, as the C++ BlockKey carries loraTaskId and the
-        # items' hashes (extraKeys), so the device never hands KV across adapters or images.
+        # The forward's KV depends on them as a model's does: the adapter's weights at every position,
+        # a prompt table's or an image's embeddings from their tokens on (``hashes``, the chain the KV
+        # and the checks derive from). The device-reuse key (``reuse_hashes``) carries only what the
+        # C++ BlockKey carries: loraTaskId and the items' hashes (extraKeys). So, as upstream, the
+        # device hands KV across two adapters under one task id or two prompt tables (the checks
+        # count it), never across task ids or hashed images.
         self.chain_seed = 0 if req.lora_task_id is None else (req.lora_task_id * 2654435761 + 1) % _MOD
+        self.reuse_seed = self.chain_seed
         if req.lora_path is not None:  # another adapter under the same id: other weights, other KV
             self.chain_seed = (
                 self.chain_seed * 1000003
@@ -236,6 +239,7 @@ class StandinLlmRequest:
             value = int.from_bytes(b"".join(d.to_bytes(4, "big", signed=True) for d in digest), "big") % _MOD
             extras.update((pos, value) for pos in range(start, start + length))
         self.hashes = prefix_hashes(self.tokens, prev=self.chain_seed, extras=extras)
+        self.reuse_hashes = prefix_hashes(self.tokens, prev=self.reuse_seed, extras=extras)
         self.block_ids: list[int] = []
         self.reported_blocks = 0
         self.context_pos = 0  # tokens with KV (context_current_position)
@@ -266,6 +270,9 @@ class StandinLlmRequest:
         self.tokens.append(token)
         self.hashes.extend(
             prefix_hashes(self.tokens, len(self.tokens) - 1, self.hashes[-1] if self.hashes else self.chain_seed)
+        )
+        self.reuse_hashes.extend(
+            prefix_hashes(self.tokens, len(self.tokens) - 1, self.reuse_hashes[-1] if self.reuse_hashes else self.reuse_seed)
         )
 
 
@@ -936,7 +943,7 @@ class StandinExecutor:
         salt, b = req.salt or "", self.block
         full = min(req.context_pos, len(req.tokens)) // b
         return {
-            req.block_ids[i]: (salt, req.hashes[(i + 1) * b - 1], req.hashes[i * b - 1] if i else req.chain_seed,
+            req.block_ids[i]: (salt, req.reuse_hashes[(i + 1) * b - 1], req.reuse_hashes[i * b - 1] if i else req.reuse_seed,
                                None if req.has_multimodal_in(i * b, (i + 1) * b) else tuple(req.tokens[i * b : (i + 1) * b]))
             for i in range(full)
         }  # fmt: skip
@@ -1119,7 +1126,7 @@ class StandinExecutor:
         (the request is not scheduled, so the connector is not asked)."""
         salt = req.salt or ""
         max_reuse = ((req.prompt_len - 1) // self.block) * self.block
-        reused = self.blocks.match(salt, req.hashes, self.block, max_reuse)
+        reused = self.blocks.match(salt, req.reuse_hashes, self.block, max_reuse)
         num_reused = len(reused) * self.block
         partial_src, partial = self._match_partial(req, salt, len(reused))
         num_reused += partial
@@ -1260,7 +1267,7 @@ class StandinExecutor:
         limit = min(start + self.block, req.prompt_len - 1)
         if start >= limit or req.has_multimodal_in(start, start + self.block):
             return None, 0
-        parent = req.hashes[start - 1] if full_blocks else req.chain_seed
+        parent = req.reuse_hashes[start - 1] if full_blocks else req.reuse_seed
         src, k = self.blocks.match_partial(salt, parent, req.tokens[start:limit])
         if src is not None and k == 0:
             self.blocks.release([src], {})

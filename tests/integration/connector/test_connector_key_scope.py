@@ -1,8 +1,8 @@
 """What changes the KV changes the key: LoRA adapters, images, the KV dtype and the block size, on the
 stand-in of TensorRT-LLM's executor with a real ``lmcache server``. The stand-in's forward makes KV
-depend on the adapter at every position and on an image from its placeholder tokens on, and its
-device reuse keys blocks by both (as the C++ ``BlockKey``), so a chunk read under the wrong key
-shows as KV mismatches and other output tokens."""
+depend on the adapter at every position and on an image from its placeholder tokens on; its device
+reuse keys blocks as the C++ ``BlockKey`` does (task id and image hashes, not the adapter's weights
+or a prompt table), so a chunk read under the wrong key shows as KV mismatches and other output tokens."""
 
 from __future__ import annotations
 
@@ -243,6 +243,19 @@ def test_two_prompt_tables_behind_the_same_virtual_tokens_never_share_kv(
     again = run_one(ex, PromptRequest(3, PROMPT, 2, prompt_table=(0.5,) * 16))
     assert again.connector_matched_tokens == WHOLE_CHUNKS and again.output_tokens == first.output_tokens
     assert ex.kv_mismatches == 0
+
+
+def test_the_standin_device_shares_blocks_across_prompt_tables_as_upstreams_block_key_does(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Never kinder than TensorRT-LLM: its ``BlockKey`` names neither a prompt table nor the adapter's
+    weights, so the device hands one table's blocks to another (the checks count the wrong KV). Why
+    the connector's own key must carry them, and why the tests above evict the device in between."""
+    ex = executor_factory("keys-prompt-table-device-model", lmcache_server.url)
+    run_one(ex, PromptRequest(1, PROMPT, 2, prompt_table=(0.5,) * 16))
+    other = run_one(ex, PromptRequest(2, PROMPT, 2, prompt_table=(0.25,) * 16))
+    assert other.device_reused_tokens == WHOLE_CHUNKS and other.connector_matched_tokens == 0
+    assert ex.kv_mismatches > 0, "the stand-in's KV does not depend on the prompt table"
 
 
 @pytest.mark.parametrize(
