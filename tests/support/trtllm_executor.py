@@ -272,7 +272,9 @@ class StandinLlmRequest:
             prefix_hashes(self.tokens, len(self.tokens) - 1, self.hashes[-1] if self.hashes else self.chain_seed)
         )
         self.reuse_hashes.extend(
-            prefix_hashes(self.tokens, len(self.tokens) - 1, self.reuse_hashes[-1] if self.reuse_hashes else self.reuse_seed)
+            prefix_hashes(
+                self.tokens, len(self.tokens) - 1, self.reuse_hashes[-1] if self.reuse_hashes else self.reuse_seed
+            )
         )
 
 
