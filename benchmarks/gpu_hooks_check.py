@@ -118,9 +118,9 @@ def connector_hooks(
             return schedulers[-1]
 
         if layout:  # KVCacheManagerV2: one layer group, handed over as a layout
-            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import describe_pool
 
-            worker.register_kv_cache_layout(KvCacheLayout((KvCacheLayoutGroup(pool, tuple(range(layers))),)))
+            worker.register_kv_cache_layout(describe_pool(pool, gt.TOKENS_PER_BLOCK))
         else:
             worker.register_kv_caches(pool)
         yield sidecar, scheduler, worker, pool, another_scheduler

@@ -2,7 +2,9 @@
 
 Read from NVIDIA/TensorRT-LLM through the code index: the 1.2 line's
 ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` (@3277953, @00fdcbf) and main's
-``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (@035ab91c). A method maps to
+``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (@035ab91c) and
+``connectors/kv_cache_layout.py`` (@ae7a7216, the version with ``valid_page_slots``, ``slot_tensor``,
+``dtype`` and ``as_single_pool_tensor``: what KVCacheManagerV2 hands ``register_kv_cache_layout``). A method maps to
 ``(parameters, abstract)``; ``attention_dp`` says whether the version has the ``supports_attention_dp``
 opt-in (``KvCacheConnectorManager.validate_attention_dp``).
 """
@@ -58,3 +60,14 @@ UPSTREAM_API: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+LAYOUT_API: dict[str, Any] = {
+    "module": "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout",
+    "commit": "ae7a72167ae7ea146648bb1c54d5f064f49eee01",
+    "KvCacheBufferRef": ["layer_id", "role", "expansion"],
+    "KvCacheRegion": ["base", "size", "stride", "num_slots", "buffers"],
+    "KvCacheLayerGroupLayout": ["layer_group_id", "layer_ids", "window_size", "regions"],
+    "KvCacheLayout": ["tokens_per_block", "groups", "dtype"],
+    "functions": ["valid_page_slots"],
+}
+"""Main's layout classes (fields in order) and free functions, @ae7a7216."""

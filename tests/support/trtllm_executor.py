@@ -531,11 +531,9 @@ class RankState:
         self.worker = worker_cls(llm_args)
         self.worker.register_forward_pass_callable()
         if kv_manager_v2:  # KVCacheManagerV2 registers its pages as a layout
-            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import KvCacheLayout, KvCacheLayoutGroup
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import describe_pool
 
-            self.worker.register_kv_cache_layout(
-                KvCacheLayout((KvCacheLayoutGroup(self.pool, tuple(range(self.layers)), geometry["window"] or None),))
-            )
+            self.worker.register_kv_cache_layout(describe_pool(self.pool, self.block, geometry["window"] or None))
         else:
             self.worker.register_kv_caches(self.pool)
         self.mismatches = 0

@@ -312,3 +312,23 @@ def test_a_request_reported_without_a_lookup_is_never_saved(fake: FakeBackend, t
     sched = trtllm.KvoffloadConnectorScheduler(_args())
     meta = sched.build_connector_meta(_new(7, list(range(200)), list(range(13)), 0, 200))
     assert meta.saves == ()
+
+
+def test_a_layer_group_of_two_regions_per_page_is_refused_at_start_naming_them(fake: FakeBackend, trtllm: Any) -> None:
+    """A page of key/value plus block scales (quantized KV) is two regions: not one pool the
+    connector's chunk copies could move; refused at start rather than left to upstream's default."""
+    import torch
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import (
+        KvCacheBufferRef,
+        KvCacheLayerGroupLayout,
+        KvCacheLayout,
+        KvCacheRegion,
+    )
+
+    pool, scales = torch.zeros(8, 2, 2, 64, dtype=torch.float16), torch.zeros(8, 2, 2, 4, dtype=torch.float16)
+    refs = tuple(KvCacheBufferRef(layer, role) for layer in range(2) for role in ("key", "value"))
+    regions = tuple(KvCacheRegion(t.data_ptr(), t[0].numel() * 2, t.stride(0) * 2, 8, refs) for t in (pool, scales))
+    layout = KvCacheLayout(16, (KvCacheLayerGroupLayout(0, (0, 1), None, regions),), torch.float16)
+    worker = trtllm.KvoffloadConnectorWorker(_args())
+    with pytest.raises(RuntimeError, match=r"1 layer group\(s\), 2 region\(s\) per page"):
+        worker.register_kv_cache_layout(layout)

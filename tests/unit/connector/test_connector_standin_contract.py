@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import contract
-from tests.standin.upstream_api import UPSTREAM_API
+from tests.standin.upstream_api import LAYOUT_API, UPSTREAM_API
 
 pytestmark = pytest.mark.connector
 STANDIN = str(Path(__file__).resolve().parents[2] / "standin")
@@ -37,6 +37,39 @@ def test_standin_data_classes_are_mains() -> None:
     module = importlib.import_module(MAIN["module"])
     for name in ("RequestData", "SchedulerOutput"):
         assert [f.name for f in dataclasses.fields(getattr(module, name))] == MAIN[name], name
+
+
+def test_standin_layout_classes_are_mains() -> None:
+    module = importlib.import_module(LAYOUT_API["module"])
+    for name, fields in LAYOUT_API.items():
+        if name.startswith("Kv"):
+            assert [f.name for f in dataclasses.fields(getattr(module, name))] == fields, name
+    for name in LAYOUT_API["functions"]:
+        assert callable(getattr(module, name)), name
+
+
+def test_standin_layout_addresses_pages_as_upstream_does() -> None:
+    """A V2 layout over a pool: one region per page slot; ``BAD_PAGE_INDEX`` entries are dropped by
+    ``valid_page_slots`` and refused by ``slot_tensor``, while the strided view reads row -1 as the
+    last page (someone else's); the single-pool view is the pool's own memory."""
+    import torch
+
+    layout_module = importlib.import_module(LAYOUT_API["module"])
+    pool = torch.arange(4 * 2 * 2 * 8, dtype=torch.float16).view(4, 2, 2, 8)
+    layout = layout_module.describe_pool(pool, 4)
+    (group,) = layout.groups
+    (region,) = group.regions
+    assert [(b.layer_id, b.role) for b in region.buffers] == [(0, "key"), (0, "value"), (1, "key"), (1, "value")]
+    assert list(layout_module.valid_page_slots([3, -1, 0])) == [(0, 3), (2, 0)]
+    with pytest.raises(IndexError):
+        region.slot_tensor(-1)
+    assert torch.equal(region.as_tensor(torch.float16)[-1], pool[3].flatten())
+    single = layout.as_single_pool_tensor()
+    single[1, 1, 0, 0] = -1.0
+    assert pool[1, 1, 0, 0].item() == -1.0
+    mla = layout_module.describe_pool(torch.zeros(4, 3, 1, 8, dtype=torch.float16), 4)
+    assert mla.as_single_pool_tensor().shape == (4, 3, 1, 8)
+    assert {b.role for b in mla.groups[0].regions[0].buffers} == {"key"}
 
 
 def test_standin_methods_signatures_abstractness_and_attention_dp_flag_are_mains() -> None:

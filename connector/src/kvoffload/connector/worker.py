@@ -85,17 +85,24 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._backend.register(kv_cache_tensor, geometry, pool_layout)
 
     def register_kv_cache_layout(self, layout: Any) -> None:
-        """Step 0 on TensorRT-LLM main with KVCacheManagerV2: one full-attention layer group is one pool
-        and goes to ``register_kv_caches`` (TensorRT-LLM's default); several groups, or a sliding window,
-        are refused here, at start, by name (``settings.layer_groups_problem``)."""
+        """Step 0 on TensorRT-LLM main with KVCacheManagerV2 (``connectors/kv_cache_layout.py``
+        @ae7a7216): one full-attention layer group of one region is one pool
+        (``as_single_pool_tensor``) and goes to ``register_kv_caches``; several groups, a sliding
+        window, or a group of several regions are refused here, at start, by name."""
         groups = tuple(getattr(layout, "groups", ()))
         problem = layer_groups_problem([getattr(g, "window_size", None) for g in groups])
         if problem is not None:
             raise RuntimeError(f"kvoffload: {problem}")
-        default = getattr(super(), "register_kv_cache_layout", None)
-        if default is None:
-            raise RuntimeError("kvoffload: register_kv_cache_layout called by a TensorRT-LLM without layouts")
-        default(layout)
+        single = getattr(layout, "as_single_pool_tensor", None)
+        pool = single() if single is not None else None
+        if pool is None:
+            regions = len(getattr(groups[0], "regions", ())) if groups else 0
+            raise RuntimeError(
+                f"kvoffload: this model's KV cache layout is not one pool of uniform pages ({len(groups)} layer "
+                f"group(s), {regions} region(s) per page: block scales, layers of differing size or a page "
+                "expansion factor); the connector moves one region per page"
+            )
+        self.register_kv_caches(pool)
 
     def start_load_kv(self, stream: Any) -> None:
         """Step 3: fence queued saves off blocks handed out again, land asynchronous loads into blocks

@@ -31,26 +31,6 @@ class RequestData:
 
 
 @dataclass
-class KvCacheLayoutGroup:
-    """One layer group of KVCacheManagerV2's pool: its layers, attention window and page tensor."""
-
-    pool: Any
-    layers: tuple[int, ...] = ()
-    window_size: int | None = None
-
-
-@dataclass
-class KvCacheLayout:
-    """What KVCacheManagerV2 hands ``register_kv_cache_layout``: the pool per layer group."""
-
-    groups: tuple[KvCacheLayoutGroup, ...]
-
-    def as_single_pool_tensor(self) -> Any:
-        """The one pool tensor when the cache is one group (``[pages, layers, 2, ...]``), else None."""
-        return self.groups[0].pool if len(self.groups) == 1 else None
-
-
-@dataclass
 class SchedulerOutput:
     """Requests of one iteration: first appearance in ``new_requests``, later ones in ``cached_requests``."""
 
