@@ -255,9 +255,11 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
     from tests.support.operator_support import (
         CRD_FILE,
         LEADER_ELECTION_RULES_FILE,
+        NODES_RULES_FILE,
         OPERATOR_NAMESPACE,
         OPERATOR_SA,
         RULES_FILE,
+        TEMPLATE_RULES_FILE,
         OperatorProcess,
         admission_rules,
         register_webhook_as_the_chart_does,
@@ -282,7 +284,10 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
             }
         )
         bind_rules(cluster, "kvoffload-operator-bench", RULES_FILE)
+        bind_rules(cluster, "kvoffload-operator-bench-nodes", NODES_RULES_FILE)
         bind_rules(cluster, "kvoffload-operator-bench-leader-election", LEADER_ELECTION_RULES_FILE)
+        if injection == "template":  # admission mode writes no ConfigMap
+            bind_rules(cluster, "kvoffload-operator-bench-template", TEMPLATE_RULES_FILE)
         if injection == "admission":
             for name, rules in admission_rules("kvoffload-operator-bench").items():
                 bind_rules(cluster, name, rules)

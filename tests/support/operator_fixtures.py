@@ -1,9 +1,10 @@
 """Operator fixtures for every suite (registered in ``tests/conftest.py``): the CRD, the operator's
 ServiceAccount bound to the chart's RBAC rules, and one operator process for the session.
 
-The ServiceAccount is bound to a ClusterRole built from the chart's
-``files/operator-clusterrole-rules.yaml``, the same file the Helm chart renders, so these tests
-prove that exactly those rules suffice. Defined once, here: a second definition of a session
+The ServiceAccount is bound to ClusterRoles built from the chart's rules files for template mode
+(``operator-clusterrole-rules.yaml``, ``operator-template-rules.yaml``, ``operator-nodes-rules.yaml``),
+the same files the Helm chart renders, so these tests prove that exactly those rules suffice. An
+admission-mode operator runs with the template rules revoked (admission mode writes no ConfigMap). Defined once, here: a second definition of a session
 fixture (re-exported by another conftest) is a second instance, i.e. two operators at once.
 """
 
@@ -23,9 +24,11 @@ from kvoffload import contract as c
 from tests.support.operator_support import (
     CRD_FILE,
     LEADER_ELECTION_RULES_FILE,
+    NODES_RULES_FILE,
     OPERATOR_NAMESPACE,
     OPERATOR_SA,
     RULES_FILE,
+    TEMPLATE_RULES_FILE,
     OperatorProcess,
     admission_args,
     admission_rules,
@@ -83,17 +86,44 @@ def operator_instead(
     assert_no_internal_errors(proc)
 
 
+TEMPLATE_ROLE = "kvoffload-operator-test-template"
+"""The session ServiceAccount's ClusterRole of template mode's ConfigMap writes."""
+
+
+def sa_can(cluster: LocalCluster, *args: str) -> bool:
+    """``kubectl auth can-i ARGS`` as the operator's ServiceAccount."""
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
+    return cluster.kubectl("auth", "can-i", *args, f"--as={user}", check=False).stdout.strip() == "yes"
+
+
+@contextmanager
+def template_rules_revoked(cluster: LocalCluster) -> Iterator[None]:
+    """Template mode's ConfigMap writes unbound while the block runs (as an admission-mode install
+    grants none), bound again afterwards."""
+    cluster.kubectl("delete", "clusterrolebinding", TEMPLATE_ROLE, check=False)
+    wait_for(lambda: not sa_can(cluster, "create", "configmaps", "-n", "default"), what="ConfigMap writes revoked")
+    try:
+        yield
+    finally:
+        bind_rules(cluster, TEMPLATE_ROLE, TEMPLATE_RULES_FILE)
+        wait_for(lambda: sa_can(cluster, "create", "configmaps", "-n", "default"), what="ConfigMap writes back")
+
+
 @contextmanager
 def admission_operator_instead(
     cluster: LocalCluster, operator: OperatorProcess, workdir: Path, role: str
 ) -> Iterator[OperatorProcess]:
     """The operator with ``--injection admission`` and the chart's admission rules (ClusterRoles named
-    after ``role``), its webhook on 127.0.0.1, in the session operator's place; its webhook
-    registration is deleted afterwards."""
+    after ``role``) in place of template mode's, its webhook on 127.0.0.1, in the session operator's
+    place; its webhook registration is deleted afterwards."""
     port = free_port()
     register_webhook_as_the_chart_does(cluster, port)
+    operator.stop()  # before its template-mode rights go, so it never meets a refusal
     try:
-        with operator_instead(cluster, operator, workdir, admission_rules(role), admission_args(port)) as proc:
+        with (
+            template_rules_revoked(cluster),
+            operator_instead(cluster, operator, workdir, admission_rules(role), admission_args(port)) as proc,
+        ):
             yield proc
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", c.WEBHOOK_CONFIGURATION_NAME, check=False)
@@ -108,6 +138,8 @@ def operator_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPath
     apply(cluster, {"apiVersion": "v1", "kind": "ServiceAccount",
                           "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NAMESPACE}})  # fmt: skip
     bind_rules(cluster, "kvoffload-operator-test", RULES_FILE)
+    bind_rules(cluster, TEMPLATE_ROLE, TEMPLATE_RULES_FILE)
+    bind_rules(cluster, "kvoffload-operator-test-nodes", NODES_RULES_FILE)
     bind_rules(cluster, "kvoffload-operator-test-leader-election", LEADER_ELECTION_RULES_FILE)
     path = tmp_path_factory.mktemp("operator") / "operator.kubeconfig"
     return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SA, path)

@@ -44,6 +44,8 @@ def gitops_manifest(name: str, namespace: str, image: str, opted_in: bool) -> di
 CHART = REPO_ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
 NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
+NODES_RULES_FILE = CHART / "files" / "operator-nodes-rules.yaml"
+TEMPLATE_RULES_FILE = CHART / "files" / "operator-template-rules.yaml"
 LEADER_ELECTION_RULES_FILE = CHART / "files" / "operator-leader-election-rules.yaml"
 ADMISSION_RULES_FILE = CHART / "files" / "operator-admission-rules.yaml"
 ADMISSION_WEBHOOK_RULES_FILE = CHART / "files" / "operator-admission-webhook-rules.yaml"

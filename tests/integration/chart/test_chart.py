@@ -19,7 +19,7 @@ from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract
 from kvoffload.operator.admission.webhook_tls import webhook_configuration
-from tests.support.operator_support import OperatorProcess, admission_args, is_injected, wait_injected
+from tests.support.operator_support import OperatorProcess, admission_args, events_for, is_injected, wait_injected
 from tests.support.promtool import run_token_source_tests
 
 pytestmark = [pytest.mark.chart]
@@ -29,6 +29,7 @@ CHART = ROOT / "charts" / "kvoffload"
 RULES_FILE = CHART / "files" / "operator-clusterrole-rules.yaml"
 NODE_MODE_RULES_FILE = CHART / "files" / "operator-node-mode-rules.yaml"
 ADMISSION_RULES_FILE = CHART / "files" / "operator-admission-rules.yaml"
+TEMPLATE_RULES_FILE = CHART / "files" / "operator-template-rules.yaml"
 
 
 def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -42,6 +43,8 @@ def helm(*args: str, kubeconfig: Path | None = None, check: bool = True) -> subp
 
 
 RELEASE_NAMESPACE = "kvoffload-system"
+RBAC_REFUSAL = 'forbidden: User "system:serviceaccount:'
+"""How the apiserver words a 403 that RBAC gave the operator's ServiceAccount."""
 
 
 def render(*set_args: str) -> list[dict[str, Any]]:
@@ -160,7 +163,7 @@ def test_cluster_role_is_exactly_the_shared_rules_files_and_never_writes_pods() 
     assert "--node-mode=false" in operator_args(docs) and "--injection=admission" in operator_args(docs)
     template_mode = render("injection.mode=template")
     role = next(d for d in template_mode if d["kind"] == "ClusterRole")
-    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text())
+    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(TEMPLATE_RULES_FILE.read_text())
     assert not [d for d in template_mode if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
     assert "--injection=template" in operator_args(template_mode)
 
@@ -242,7 +245,8 @@ def test_kv_events_are_off_in_the_default_values_and_the_switch_reaches_the_oper
 def test_node_mode_adds_exactly_its_rules_file_and_turns_the_operator_flag_on() -> None:
     docs = render("nodeMode.enabled=true", "defaults.mode=node", "injection.mode=template")
     role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert role["rules"] == yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(NODE_MODE_RULES_FILE.read_text())
+    assert role["rules"] == (yaml.safe_load(RULES_FILE.read_text()) + yaml.safe_load(NODE_MODE_RULES_FILE.read_text())
+                             + yaml.safe_load(TEMPLATE_RULES_FILE.read_text()))  # fmt: skip
     assert "--node-mode=true" in operator_args(docs)
 
 
@@ -341,16 +345,18 @@ def test_install_upgrade_uninstall_on_the_real_apiserver(cluster: LocalCluster) 
 
 def test_watch_namespaces_bind_the_rules_in_those_namespaces_only() -> None:
     docs = render("operator.watchNamespaces[0]=team-a", "operator.watchNamespaces[1]=team-b")
+    cluster_scoped = ("-webhook", "-nodes")
     bindings = [
         d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding") and d["roleRef"]["kind"] != "Role"
-        and not d["metadata"]["name"].endswith("-webhook")
+        and not d["metadata"]["name"].endswith(cluster_scoped)
     ]  # fmt: skip
-    # the webhook's registration is cluster-scoped: its own ClusterRole, bound cluster-wide, and nothing else
-    (webhook,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
-    (webhook_role,) = [
-        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == webhook["roleRef"]["name"]
-    ]
-    assert {r["resources"][0] for r in webhook_role["rules"]} == {"mutatingwebhookconfigurations"}
+    # The webhook's registration and the nodes are cluster-scoped: each its own ClusterRole, bound
+    # cluster-wide (a RoleBinding cannot grant them), and nothing else is.
+    cluster_bindings = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    cluster_roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    granted = {(r["resources"][0], tuple(r["verbs"])) for d in cluster_bindings
+               for r in cluster_roles[d["roleRef"]["name"]]["rules"]}  # fmt: skip
+    assert granted == {("mutatingwebhookconfigurations", ("get", "patch", "delete")), ("nodes", ("list",))}
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [
         ("RoleBinding", "team-a"), ("RoleBinding", "team-b")
     ]  # fmt: skip
@@ -382,12 +388,13 @@ def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
     cluster: LocalCluster, namespace: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
     """watchNamespaces: the operator's ServiceAccount can act in the watched namespace only, and
-    the operator injects there with exactly those rights."""
+    the template-mode operator injects there with exactly those rights; it can still list nodes
+    (a ClusterRoleBinding of its own), so an L1 no GPU node can hold is refused there too."""
     release_ns = "kvo-scoped-system"
     other = f"{namespace}-unwatched"
     for ns in (release_ns, other):
         cluster.kubectl("create", "namespace", ns, check=False)
-    helm("install", "kvo-scoped", str(CHART), "-n", release_ns, "--wait=false",
+    helm("install", "kvo-scoped", str(CHART), "-n", release_ns, "--wait=false", "--set", "injection.mode=template",
          "--set", f"operator.watchNamespaces[0]={namespace}", kubeconfig=cluster.admin_kubeconfig)  # fmt: skip
     try:
         sa = "kvo-scoped-kvoffload"
@@ -400,6 +407,7 @@ def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
         assert can("patch", "deployments", "-n", namespace) and can("create", "configmaps", "-n", namespace)
         assert not can("patch", "deployments", "-n", other) and not can("get", "configmaps", "-n", other)
         assert not can("list", "deployments", "--all-namespaces")
+        assert can("list", "nodes") and not can("get", "nodes") and not can("patch", "nodes")
 
         operator.stop()  # one operator at a time; the next test restarts the session one
         kubeconfig = cluster.service_account_kubeconfig(release_ns, sa, tmp_path / "scoped.kubeconfig")
@@ -410,7 +418,16 @@ def test_a_namespace_scoped_install_works_with_only_its_rolebindings(
         try:
             for ns in (namespace, other):
                 apply(cluster, trtllm_deployment("llm", ns, replicas=0, annotations={contract.ANN_ENABLED: "true"}))
+            apply(cluster, {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.POLICY_KIND,
+                            "metadata": {"name": "huge", "namespace": namespace},
+                            "spec": {"cache": {"l1Size": "600Gi"}}})  # fmt: skip
+            apply(cluster, trtllm_deployment("huge", namespace, replicas=0,
+                                             annotations={contract.ANN_ENABLED: "true", contract.ANN_POLICY: "huge"}))  # fmt: skip
             wait_injected(cluster, "deployment", "llm", namespace)
+            refused = wait_for(lambda: events_for(cluster, namespace, "huge", "KvoffloadInvalid"), 30,
+                               what="the fit check's KvoffloadInvalid Warning")  # fmt: skip
+            assert "largest GPU node allocates 512Gi" in refused[0]["message"], refused[0]["message"]
+            assert not is_injected(get(cluster, "deployment", "huge", namespace))
             time.sleep(3)
             assert not is_injected(get(cluster, "deployment", "llm", other)), "an unwatched namespace is left alone"
             assert " 403 " not in scoped.log() and "Forbidden" not in scoped.log(), scoped.log()[-3000:]
@@ -476,6 +493,9 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
         assert run.returncode == 0, run.stdout + run.stderr
         for name in names:
             assert f"Deployment/{namespace}/{name}: removed" in run.stdout, run.stdout
+        # Admission mode under the chart's own RBAC (no ConfigMap writes): RBAC refused nothing it tried
+        # (other 403s, e.g. an Event into another test's terminating namespace, are not RBAC's).
+        assert RBAC_REFUSAL not in released.log_path.read_text(errors="replace"), released.log()
         revisions = {n: get(cluster, "deployment", n, namespace)["metadata"]["annotations"][REVISION] for n in names}
         helm("uninstall", "kvo-un", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
         time.sleep(8)  # more than a lease renewal and a background tick: a running operator would have acted

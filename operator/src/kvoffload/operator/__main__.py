@@ -262,7 +262,7 @@ def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool, lease:
         time.sleep(HANDOVER_WAIT_S)
     results: dict[str, str] = {}
     for _pass in range(REMOVAL_PASSES):  # a write the stopping operator had in flight may land after a pass
-        found = remove_every_injection(kube, namespaces)
+        found = remove_every_injection(kube, namespaces, generated_configmaps=not admission)
         for ref, result in found:
             if result != "noop" or ref not in results:
                 results[ref] = result

@@ -87,7 +87,7 @@ class Reconciler:
 
     def __post_init__(self) -> None:
         self.policies = Policies(self.kube, self.defaults, self.metrics, self.retries, self.node_caches)
-        self.node_memory = GpuNodeMemory(self.kube, enabled=not self.namespaces)
+        self.node_memory = GpuNodeMemory(self.kube)
 
     # --- workloads -------------------------------------------------------------
 
@@ -290,12 +290,12 @@ class Reconciler:
         """Opted out: take the injection out (``workload_writes.remove_injection``), then forget it."""
         ref = workload.ref
         try:
-            result = remove_injection(self.kube, workload)
+            result = remove_injection(self.kube, workload, self.cluster.writes_configmaps)
         except KubeApiError as exc:
             if exc.status == 409 and exc.field_conflicts:
                 return conflicted(exc, f"{ref.kind} {ref.name}", "removal")
             raise
-        if result == "noop":
+        if result == "noop" and self.cluster.writes_configmaps:
             self._delete_leftover_configmap(workload)
         if result != "removed":
             if result == "skipped":

@@ -96,22 +96,10 @@ def apply_injection(kube: Kube, workload: Workload, rendered: RenderedInjection)
         answer = locked_apply(kube, body, workload, force=True)
     if answer is None:
         return InjectionApplied("skipped")
-    # Injected by an earlier version, which kept the record in a ConfigMap: the record is on the
-    # workload now and nothing reads the ConfigMap any more (running pods keep their files).
-    if (
-        rendered.configmap_apply is None
-        and _record_in_configmap(workload)
-        and delete_generated_configmap(kube, ref.namespace, ref.name)
-    ):
-        log.info("%s: deleted the ConfigMap an earlier version kept the record in", ref)
+    # A ConfigMap an earlier version kept the admission record in is left to the workload's
+    # ownerReference: admission mode holds no right to delete ConfigMaps, and nothing reads it.
     changed = (answer.get("metadata") or {}).get("generation") != workload.generation
     return InjectionApplied("applied" if changed else "unchanged", answer)
-
-
-def _record_in_configmap(workload: Workload) -> bool:
-    """Whether the operator labelled the template for admission without a record on the workload
-    (what versions that kept the record in the generated ConfigMap left)."""
-    return c.ANN_INJECTION_RECORD not in workload.annotations and workload.owns_admission_label
 
 
 def apply_removal(kube: Kube, path: str, plan: RemovalPlan, version: str | None) -> None:
@@ -140,8 +128,9 @@ def carries_injection(kube: Kube, workload: Workload, rendered: RenderedInjectio
     return object_carries(rendered.configmap_apply, cm)
 
 
-def remove_injection(kube: Kube, workload: Workload) -> str:
-    """Apply the removal plan of an opted-out workload and delete its generated ConfigMap.
+def remove_injection(kube: Kube, workload: Workload, generated_configmaps: bool) -> str:
+    """Apply the removal plan of an opted-out workload and, with ``generated_configmaps`` (template
+    mode: admission mode may not delete ConfigMaps), delete its generated ConfigMap.
 
     ``noop``: nothing of ours; ``removed``; ``skipped``: the workload kept changing or opted in
     again meanwhile (the next event carries it). Field conflicts are raised to the caller.
@@ -167,7 +156,8 @@ def remove_injection(kube: Kube, workload: Workload) -> str:
         current = read_workload({"kind": ref.kind, **live})
     else:
         return "skipped"
-    delete_generated_configmap(kube, ref.namespace, ref.name)
+    if generated_configmaps:
+        delete_generated_configmap(kube, ref.namespace, ref.name)
     return "removed"
 
 
@@ -181,12 +171,14 @@ def delete_generated_configmap(kube: Kube, namespace: str, workload_name: str) -
     return True
 
 
-def remove_every_injection(kube: Kube, namespaces: tuple[str, ...]) -> list[tuple[str, str]]:
+def remove_every_injection(
+    kube: Kube, namespaces: tuple[str, ...], generated_configmaps: bool
+) -> list[tuple[str, str]]:
     """Take kvoffload out of every workload in ``namespaces`` (all when empty), as before opting in:
     what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
     results: list[tuple[str, str]] = []
     for obj in list(list_workloads(kube, namespaces)):
         workload = read_workload(obj)
         if workload.manages_anything:
-            results.append((str(workload.ref), remove_injection(kube, workload)))
+            results.append((str(workload.ref), remove_injection(kube, workload, generated_configmaps)))
     return results

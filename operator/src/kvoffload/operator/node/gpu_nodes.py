@@ -22,16 +22,12 @@ class GpuNodeMemory:
     """The largest GPU node's allocatable memory, listed at most every ``NODES_TTL_S``."""
 
     kube: Kube
-    enabled: bool = True
-    """False for a namespace-scoped operator: it holds no cluster-wide right to list nodes."""
     _value: int | None = None
     _listed_at: float = float("-inf")
     _unreadable_logged: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def largest(self) -> int | None:
-        if not self.enabled:
-            return None
         with self._lock:
             if time.monotonic() - self._listed_at < NODES_TTL_S:
                 return self._value

@@ -46,6 +46,12 @@ class ClusterInfo:
     """Admission mode: namespaces the webhook's registration never sends (kube-system, the operator's
     own); a workload opted in there is refused, never labelled."""
 
+    @property
+    def writes_configmaps(self) -> bool:
+        """Template mode keeps each workload's files in a generated ConfigMap; admission mode writes
+        none (the chart grants it no ConfigMap write), so it never deletes one either."""
+        return self.injection != "admission"
+
 
 OptionsReader = Callable[[WorkloadRef, MergeFromConfigMap | None], Mapping[str, Any] | None]
 """Reads the ConfigMap holding the user's options file (None: it does not exist, or there is no
