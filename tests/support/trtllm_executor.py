@@ -241,6 +241,8 @@ class StandinLlmRequest:
         self.hashes = prefix_hashes(self.tokens, prev=self.chain_seed, extras=extras)
         self.reuse_hashes = prefix_hashes(self.tokens, prev=self.reuse_seed, extras=extras)
         self.block_ids: list[int] = []
+        self.group_pages: list[list[int]] = []
+        """Several layer groups: the other groups' pages by ordinal (-1: none), ``StandinExecutor.sliding`` order."""
         self.reported_blocks = 0
         self.context_pos = 0  # tokens with KV (context_current_position)
         self.first_chunk_done = False
@@ -498,6 +500,17 @@ def load_connector_classes(llm_args: Any) -> tuple[type, type]:
     return getattr(module, cfg.connector_scheduler_class), getattr(module, cfg.connector_worker_class)
 
 
+def layer_groups(geometry: dict[str, Any]) -> list[tuple[int | None, tuple[int, ...]]]:
+    """KVCacheManagerV2's layer groups, ``(window, layers)`` in layer-group id order: one per distinct
+    attention window of ``geometry["layer_windows"]`` (repeated over the layers, as
+    ``max_attention_window``; None: full attention), in the order the layers first use them."""
+    windows = geometry.get("layer_windows") or (geometry.get("window") or None,)
+    groups: dict[int | None, list[int]] = {}
+    for layer in range(geometry["num_layers"]):
+        groups.setdefault(windows[layer % len(windows)], []).append(layer)
+    return [(window, tuple(layers)) for window, layers in groups.items()]
+
+
 class RankState:
     """One rank's pool, worker and forward; rank 0 holds it in-process, rank 1 in its own process."""
 
@@ -520,38 +533,55 @@ class RankState:
         self.head_dim = geometry["head_dim"]
         self.kv_factor = geometry["kv_factor"]
         self.dtype = kv_cache_dtype(llm_args)
-        self.pool = torch.zeros(
-            geometry["num_blocks"],
-            self.layers,
-            self.kv_factor,
-            self.heads * self.block * self.head_dim,
-            dtype=self.dtype,
-        )
+        # One pool per KVCacheManagerV2 layer group (one for the whole model but with VSWA), each
+        # [num_blocks, its layers, kv_factor, heads * tokens_per_block * head_dim].
+        groups = layer_groups(geometry)
+        self.windows = [window for window, _layers in groups]
+        self.pools = [
+            torch.zeros(
+                geometry["num_blocks"], len(layers), self.kv_factor, self.heads * self.block * self.head_dim,
+                dtype=self.dtype,
+            )
+            for _window, layers in groups
+        ]  # fmt: skip
+        self.pool = self.pools[0]
+        self.place = {layer: (g, i) for g, (_w, layers) in enumerate(groups) for i, layer in enumerate(layers)}
+        """Model layer -> (its layer group, its index in the group's pool)."""
         _, worker_cls = load_connector_classes(llm_args)
         self.worker = worker_cls(llm_args)
         self.worker.register_forward_pass_callable()
         if kv_manager_v2:  # KVCacheManagerV2 registers its pages as a layout
-            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import describe_pool
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import describe_pools
 
-            self.worker.register_kv_cache_layout(describe_pool(self.pool, self.block, geometry["window"] or None))
+            pools = [(pool, layers, window) for pool, (window, layers) in zip(self.pools, groups, strict=True)]
+            self.worker.register_kv_cache_layout(describe_pools(pools, self.block))
+        elif len(groups) > 1:
+            raise ValueError("variable sliding-window attention with a KV connector needs KVCacheManagerV2")
         else:
             self.worker.register_kv_caches(self.pool)
         self.mismatches = 0
 
     def _block_view(self, block: int, layer: int) -> torch.Tensor:
-        return self.pool[block, layer].view(self.kv_factor, self.heads, self.block, self.head_dim)
+        group, index = self.place[layer]
+        return self.pools[group][block, index].view(self.kv_factor, self.heads, self.block, self.head_dim)
+
+    def _read_from(self, layer: int, start: int) -> int:
+        """The first position the forward of tokens ``start`` on reads in ``layer``'s group: its
+        sliding window's, from the first query's (0: full attention)."""
+        window = self.windows[self.place[layer][0]]
+        return 0 if window is None else max(0, start + 1 - window)
 
     def step(
         self,
         meta: Any,
         work: list[tuple[int, list[int], list[int], int, int]],
-        overwritten: list[int],
+        overwritten: list[list[int]],
         block_copies: list[tuple[int, int]],
     ) -> dict[str, Any]:
         """``block_copies`` (partial reuse, from prepare_resources), bind metadata, start_load_kv,
         per-layer forward of ``work`` (hashes, blocks, [start, end)) and of other traffic that
         overwrites ``overwritten`` (so stale KV never passes a check), wait_for_save."""
-        for src, dst in block_copies:
+        for src, dst in block_copies:  # partial reuse: one layer group only (the stand-in's VSWA has none)
             self.pool[dst].copy_(self.pool[src])
         self.worker.bind_connector_meta(meta)
         # _kv_connector_start_batch runs outside any try in both executor loops (py_executor.py):
@@ -565,8 +595,9 @@ class RankState:
                 self.worker.wait_for_layer_load(layer, None)
                 for _rid, hashes, blocks, start, end in work:
                     self._forward_layer(layer, hashes, blocks, start, end)
-                for block in overwritten:
-                    self.pool[block, layer].fill_(-1.0)
+                group, index = self.place[layer]
+                for block in overwritten[group]:
+                    self.pools[group][block, index].fill_(-1.0)
                 self.worker.save_kv_layer(layer, None)
             self.worker.wait_for_save(None)
         except Exception as exc:
@@ -574,8 +605,8 @@ class RankState:
         finally:
             self.worker._clear_connector_meta()
         partial = {}
-        for rid, hashes, blocks, _start, end in work:
-            self.mismatches += self._check(hashes, blocks, end)
+        for rid, hashes, blocks, start, end in work:
+            self.mismatches += self._check(hashes, blocks, start, end)
             partial[rid] = self._attend(blocks, end)
         return {"partial": partial, "mismatches": self.mismatches}
 
@@ -584,32 +615,47 @@ class RankState:
         done_saving, done_loading = self.worker.get_finished(new_saving_ids, new_loading_ids)
         return list(done_saving), list(done_loading)
 
-    def _forward_layer(self, layer: int, hashes: list[int], blocks: list[int], start: int, end: int) -> None:
+    def _forward_layer(self, layer: int, hashes: list[int], blocks: list[list[int]], start: int, end: int) -> None:
         h = torch.tensor(hashes[start:end], dtype=torch.int64)
         vals = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)[: self.kv_factor]
+        pages = blocks[self.place[layer][0]]
         for pos in range(start, end):
-            view = self._block_view(blocks[pos // self.block], layer)
+            page = pages[pos // self.block]
+            if page < 0:
+                raise RuntimeError(f"stand-in: the forward writes position {pos} of a block without a page")
+            view = self._block_view(page, layer)
             view[:, :, pos % self.block, :] = vals[:, :, pos - start, :]
 
-    def _check(self, hashes: list[int], blocks: list[int], end: int) -> int:
+    def _check(self, hashes: list[int], blocks: list[list[int]], start: int, end: int) -> int:
+        """KV positions (block x layer) the forward of ``[start, end)`` reads that differ from the
+        deterministic forward: every block of a full-attention layer, a sliding layer's window."""
         bad = 0
         h = torch.tensor(hashes[:end], dtype=torch.int64)
         for layer in range(self.layers):
             expected = kv_values(h, layer, self.head_offset, self.heads, self.head_dim, self.dtype)[: self.kv_factor]
-            for b in range((end + self.block - 1) // self.block):
+            pages = blocks[self.place[layer][0]]
+            for b in range(self._read_from(layer, start) // self.block, (end + self.block - 1) // self.block):
                 lo, hi = b * self.block, min(end, (b + 1) * self.block)
-                got = self._block_view(blocks[b], layer)[:, :, : hi - lo, :]
+                if pages[b] < 0:
+                    bad += 1  # the window reads a block without a page
+                    continue
+                got = self._block_view(pages[b], layer)[:, :, : hi - lo, :]
                 if not _bit_equal(got, expected[:, :, lo:hi, :]):
                     bad += 1
         return bad
 
-    def _attend(self, blocks: list[int], end: int) -> int:
-        """A stand-in for attention: a checksum of the request's KV as read from the pool."""
+    def _attend(self, blocks: list[list[int]], end: int) -> int:
+        """A stand-in for attention: a checksum of the KV the last position's query reads from the pools
+        (a sliding layer: its window), whatever positions this forward computed."""
         total = 0
-        for b in range((end + self.block - 1) // self.block):
-            n = min(self.block, end - b * self.block)
-            view = self.pool[blocks[b]].view(self.layers, self.kv_factor, self.heads, self.block, self.head_dim)
-            total += int(view[:, :, :, :n, :].to(torch.int64).sum()) * (b + 1)
+        for layer in range(self.layers):
+            pages = blocks[self.place[layer][0]]
+            for b in range(self._read_from(layer, end - 1) // self.block, (end + self.block - 1) // self.block):
+                if pages[b] < 0:
+                    continue
+                n = min(self.block, end - b * self.block)
+                view = self._block_view(pages[b], layer)
+                total += int(view[:, :, :n, :].to(torch.int64).sum()) * (b + 1)
         return total
 
     def close(self) -> None:
@@ -780,13 +826,21 @@ class StandinExecutor:
         follower_commit_lag_s: float = 0.0,
         mla: bool = False,
         sliding_window: int = 0,
+        layer_windows: tuple[int | None, ...] = (),
     ) -> None:
         """``follower_commit_lag_s``: ranks other than 0 send each COMMIT this much later (``commits_lagging``);
         ``mla``: DeepSeek's multi-head latent attention, one latent head of ``head_dim`` per layer and no
         value half (``kv_factor`` 1, the pool V1 builds for ``SELFKONLY`` and V2 registers with one "key"
         buffer), the same bytes on every tensor-parallel rank;
         ``sliding_window``: every layer attends to this many tokens (0: all), one V2 layer group with that
-        ``window_size`` (the -1 pages of passed blocks are not modelled: the connector refuses the layout)."""
+        ``window_size`` (the -1 pages of passed blocks are not modelled: the connector refuses the layout);
+        ``layer_windows``: variable sliding-window attention (GPT-OSS, Gemma), each layer's window (None:
+        full attention) repeated over the layers as ``max_attention_window``: one V2 layer group per
+        window, each its own pages; a sliding group's pages behind its window go back to the pool after
+        each forward and read -1 (:meth:`_release_stale`), device reuse holds only a sliding group's
+        window before the match end (``_prune_match``), and a connector's loaded prefix gets sliding
+        pages only inside the window at its end (``_resize_for_connector_prefix``). Partial reuse and
+        asynchronous loads are not modelled with several groups (refused)."""
         _ensure_paths()
         self.llm_args = llm_args
         self.kv_manager_v2 = resolve_kv_cache_manager(llm_args, version)
@@ -820,7 +874,23 @@ class StandinExecutor:
             "head_dim": head_dim,
             "kv_factor": 1 if mla else 2,
             "window": sliding_window,
+            "layer_windows": layer_windows,
         }
+        groups = layer_groups(geometry)
+        self.group_windows = [window for window, _layers in groups]
+        self.primary_group = next((g for g, w in enumerate(self.group_windows) if w is None), 0)
+        """The layer group ``self.blocks`` serves (``req.block_ids``): the first full-attention one."""
+        self.sliding = [
+            (g, w, BlockManager(num_blocks)) for g, w in enumerate(self.group_windows) if g != self.primary_group
+        ]
+        """The other layer groups (VSWA): ``(layer group id, window, its pages)``; ``req.group_pages`` aligned."""
+        if self.sliding and not self.kv_manager_v2:
+            raise ValueError("variable sliding-window attention with a KV connector needs KVCacheManagerV2")
+        if self.sliding and self.partial_reuse:
+            raise ValueError(
+                "stand-in: partial reuse is not modelled across layer groups; pass enable_partial_reuse=False"
+            )
+        self._other_group_traffic: list[list[int]] = [[] for _ in self.sliding]
         os.environ[WORLD_ENV] = str(self.tp)
         self.blocks = BlockManager(num_blocks)
         self.followers: list[tuple[Any, Any]] = []
@@ -894,24 +964,128 @@ class StandinExecutor:
         """
         evicted = self.blocks.evict_all()
         self._other_traffic.extend(evicted)
+        for pending, (_g, _w, pages) in zip(self._other_group_traffic, self.sliding, strict=True):
+            pending.extend(pages.evict_all())
         return len(evicted)
 
     def _other_traffic_request(self, output: Any) -> StandinLlmRequest | None:
         """Give this iteration's still-free evicted blocks to a request of other traffic."""
-        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData
 
         taken = [b for b in self._other_traffic if b in self.blocks.free]
         self._other_traffic = []
-        if not taken:
+        taken_groups = []
+        for pending, (_g, _w, pages) in zip(self._other_group_traffic, self.sliding, strict=True):
+            taken_groups.append([b for b in pending if b in pages.free])
+            pending.clear()
+        if not taken and not any(taken_groups):
             return None
         for block in taken:
             self.blocks.free.remove(block)
             self.blocks.refs[block] = 1
+        for ids, (_g, _w, pages) in zip(taken_groups, self.sliding, strict=True):
+            for block in ids:
+                pages.free.remove(block)
+                pages.refs[block] = 1
         self._other_ids -= 1
         req = StandinLlmRequest(PromptRequest(self._other_ids, []))
-        req.block_ids = taken
-        output.new_requests.append(RequestData(req.request_id, [], list(taken), 0, 0))
+        width = max([len(taken), *map(len, taken_groups)])  # every group's list as long (-1: no page)
+        req.block_ids = taken + [-1] * (width - len(taken))
+        req.group_pages = [ids + [-1] * (width - len(ids)) for ids in taken_groups]
+        output.new_requests.append(self._request_data(req, [], 0, 0, first=True))
         return req
+
+    # --- layer groups (VSWA) ----------------------------------------------------------------------
+    def pages_by_group(self, req: StandinLlmRequest) -> list[list[int]]:
+        """The request's pages per layer group, in layer-group id order (``get_page_indices_by_layer_group``)."""
+        out: list[list[int]] = [[] for _ in self.group_windows]
+        out[self.primary_group] = list(req.block_ids)
+        for (g, _w, _pages), ids in zip(self.sliding, req.group_pages, strict=True):
+            out[g] = list(ids)
+        return out
+
+    def _request_data(self, req: StandinLlmRequest, tokens: list[int], computed: int, scheduled: int, *,
+                      first: bool, new_blocks: list[int] | None = None,
+                      new_group_pages: list[list[int]] | None = None) -> Any:  # fmt: skip
+        """One ``RequestData``: a first report lists every page, a later one the pages added since; with
+        several layer groups the flat list is empty and the per-group lists carry -1 in place."""
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData
+
+        blocks = list(req.block_ids) if first else list(new_blocks or [])
+        if not self.sliding:
+            return RequestData(req.request_id, tokens, blocks, computed, scheduled, cache_salt=req.salt)
+        by_group: list[list[int]] = [[] for _ in self.group_windows]
+        by_group[self.primary_group] = blocks
+        extra = req.group_pages if first else (new_group_pages or [[] for _ in self.sliding])
+        for (g, _w, _pages), ids in zip(self.sliding, extra, strict=True):
+            by_group[g] = list(ids)
+        return RequestData(req.request_id, tokens, [], computed, scheduled, cache_salt=req.salt,
+                           new_block_ids_by_layer_group=by_group)  # fmt: skip
+
+    def _first_live(self, history: int, window: int) -> int:
+        """``AttnLifeCycle.get_stale_range`` (_life_cycle_registry.py @1548780d, no sink tokens): a
+        sliding group holds pages from this block on once ``history`` tokens have KV."""
+        return max(0, (history + 1 - window) // self.block)
+
+    def _prune_match(self, req: StandinLlmRequest, salt: str, reused: list[int]) -> list[int]:
+        """``BlockRadixTree._prune_match`` (@065ff9e9): the device match is cut back until every sliding
+        group holds its window before the match's end; those pages are taken (the others read -1)."""
+        n = len(reused)
+        while n > 0:
+            short = [
+                o for _g, window, pages in self.sliding
+                for o in range(self._first_live(n * self.block, window), n)
+                if pages.reuse.get((salt, req.reuse_hashes[(o + 1) * self.block - 1])) is None
+            ]  # fmt: skip
+            if not short:
+                break
+            n = min(short)
+        self.blocks.release(reused[n:], {})
+        req.group_pages = []
+        for _g, window, pages in self.sliding:
+            live = self._first_live(n * self.block, window)
+            ids = [-1] * live + [
+                pages.reuse[(salt, req.reuse_hashes[(o + 1) * self.block - 1])] for o in range(live, n)
+            ]
+            for page in ids[live:]:
+                pages.refs[page] = pages.refs.get(page, 0) + 1
+                pages.cached_free.pop(page, None)
+            req.group_pages.append(ids)
+        return reused[:n]
+
+    def _grow_groups(self, req: StandinLlmRequest, history: int) -> list[list[int]]:
+        """Pages of the other groups for the ordinals the primary group has and they do not yet: none
+        for those already behind the window at ``history`` (``resize(capacity, history)``)."""
+        added = []
+        for (_g, window, pages), ids in zip(self.sliding, req.group_pages, strict=True):
+            new = [
+                -1 if o < self._first_live(history, window) else pages.allocate(1)[0]
+                for o in range(len(ids), len(req.block_ids))
+            ]
+            ids.extend(new)
+            added.append(new)
+        return added
+
+    def _release_stale(self, req: StandinLlmRequest, history: int) -> None:
+        """``_unlock_stale_blocks``: once ``history`` tokens have KV, a sliding group's pages behind
+        its window leave the request, committed (reusable until evicted) if full, else freed."""
+        for (_g, window, pages), ids in zip(self.sliding, req.group_pages, strict=True):
+            for o in range(min(self._first_live(history, window), len(ids))):
+                if ids[o] >= 0:
+                    pages.release([ids[o]], self._commit_keys(req, {o: ids[o]}))
+                    ids[o] = -1
+
+    def _release_pages(self, req: StandinLlmRequest, commit: bool) -> None:
+        """Every page of the request goes back (full blocks committed for reuse when ``commit``)."""
+        self.blocks.release([b for b in req.block_ids if b >= 0], self._commit_keys(req) if commit else {})
+        for (_g, _w, pages), ids in zip(self.sliding, req.group_pages, strict=True):
+            held = {o: page for o, page in enumerate(ids) if page >= 0}
+            pages.release(list(held.values()), self._commit_keys(req, held) if commit else {})
+        req.group_pages = [[] for _ in self.sliding]
+
+    def _request_finished(self, req: StandinLlmRequest) -> bool:
+        if self.sliding:
+            return bool(self.scheduler.request_finished_by_layer_group(req, self.pages_by_group(req)))
+        return bool(self.scheduler.request_finished(req, list(req.block_ids)))
 
     def run(self, prompts: list[PromptRequest], timeout_s: float = 300.0) -> list[RequestResult]:
         """Admit ``prompts`` (each ``arrive_after`` iterations from now) and iterate until every one
@@ -939,17 +1113,22 @@ class StandinExecutor:
         for _ in range(iterations):
             self._iteration([], [])
 
-    def _commit_keys(self, req: StandinLlmRequest) -> dict[int, tuple[str, int, int, tuple[int, ...] | None]]:
+    def _commit_keys(
+        self, req: StandinLlmRequest, pages: dict[int, int] | None = None
+    ) -> dict[int, tuple[str, int, int, tuple[int, ...] | None]]:
+        """Reuse keys of the request's full blocks, by page: the primary group's, or ``pages`` (ordinal -> page)."""
         salt, b = req.salt or "", self.block
         full = min(req.context_pos, len(req.tokens)) // b
+        if pages is None:
+            pages = dict(enumerate(req.block_ids))
         return {
-            req.block_ids[i]: (salt, req.reuse_hashes[(i + 1) * b - 1], req.reuse_hashes[i * b - 1] if i else req.reuse_seed,
-                               None if req.has_multimodal_in(i * b, (i + 1) * b) else tuple(req.tokens[i * b : (i + 1) * b]))
-            for i in range(full)
+            page: (salt, req.reuse_hashes[(i + 1) * b - 1], req.reuse_hashes[i * b - 1] if i else req.reuse_seed,
+                   None if req.has_multimodal_in(i * b, (i + 1) * b) else tuple(req.tokens[i * b : (i + 1) * b]))
+            for i, page in pages.items() if i < full and page >= 0
         }  # fmt: skip
 
     def _iteration(self, new: list[StandinLlmRequest], active: list[StandinLlmRequest]) -> None:
-        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import SchedulerOutput
 
         self.iterations += 1
         self._check_load_deadline()
@@ -973,7 +1152,8 @@ class StandinExecutor:
                 req.replay_on_admission = False
                 dropped = [(src, dst) for src, dst in block_copies if dst in req.block_ids]
                 block_copies[:] = [copy for copy in block_copies if copy not in dropped]
-                self.blocks.release(req.block_ids + [src for src, _dst in dropped], {})
+                self.blocks.release([src for src, _dst in dropped], {})
+                self._release_pages(req, False)
                 req.block_ids, req.context_pos = [], 0
                 replays.append(req)
                 continue
@@ -992,10 +1172,7 @@ class StandinExecutor:
             if req.returning:  # back from an asynchronous load: first report, computed_position counts the load
                 req.returning = False
                 n = self._first_chunk_len(req)
-                output.new_requests.append(
-                    RequestData(req.request_id, list(req.tokens), list(req.block_ids), req.context_pos, n,
-                                cache_salt=req.salt)
-                )  # fmt: skip
+                output.new_requests.append(self._request_data(req, list(req.tokens), req.context_pos, n, first=True))
                 req.reported_blocks = len(req.block_ids)
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             elif req.context_pos < req.prompt_len:  # later context chunk
@@ -1004,9 +1181,11 @@ class StandinExecutor:
                     waiting.append(req)  # V2 schedules a chunk only when its pages fit
                     continue
                 new_pages = self._grow_to(req, req.context_pos + n) if self.kv_manager_v2 else []
+                new_group_pages = self._grow_groups(req, req.context_pos)
                 output.cached_requests.append(
-                    RequestData(req.request_id, [], new_pages, req.context_pos, n, cache_salt=req.salt)
-                )
+                    self._request_data(req, [], req.context_pos, n, first=False, new_blocks=new_pages,
+                                       new_group_pages=new_group_pages)
+                )  # fmt: skip
                 scheduled.append((req, req.context_pos, req.context_pos + n))
             else:  # generation: KV of the last sampled token
                 pos = len(req.tokens) - 1
@@ -1017,16 +1196,20 @@ class StandinExecutor:
                         continue
                     new_blocks = self.blocks.allocate(1)
                     req.block_ids.extend(new_blocks)
+                new_group_pages = self._grow_groups(req, pos)
                 output.cached_requests.append(
-                    RequestData(req.request_id, [req.tokens[-1]], new_blocks, pos, 1, cache_salt=req.salt)
-                )
+                    self._request_data(req, [req.tokens[-1]], pos, 1, first=False, new_blocks=new_blocks,
+                                       new_group_pages=new_group_pages)
+                )  # fmt: skip
                 scheduled.append((req, pos, pos + 1))
         if waiting and not scheduled:
             self._pause_for_pages(active)
         for req, start, end in scheduled:
-            work.append((req.request_id, req.hashes, list(req.block_ids), start, end))
+            work.append((req.request_id, req.hashes, self.pages_by_group(req), start, end))
         other = self._other_traffic_request(output)
-        overwritten = list(other.block_ids) if other else []
+        overwritten: list[list[int]] = [[] for _ in self.group_windows]
+        if other is not None:
+            overwritten = [[b for b in ids if b >= 0] for ids in self.pages_by_group(other)]
         dummy: list[int] = []
         if self.attention_dp and not active and not self.parked:
             # _pad_attention_dp_dummy_request: an idle DP rank joins the other ranks' forward with a
@@ -1036,12 +1219,13 @@ class StandinExecutor:
             self.dummy_forwards += 1
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        replies = self._step_all_ranks(meta, work, overwritten + dummy, block_copies)
+        overwritten[self.primary_group] += dummy
+        replies = self._step_all_ranks(meta, work, overwritten, block_copies)
         self.blocks.release(dummy, {})
         self.blocks.release([src for src, _dst in block_copies], {})
         if other is not None:  # other traffic's request ends: its blocks go back to the pool
-            self.scheduler.request_finished(other, list(other.block_ids))
-            self.blocks.release(other.block_ids, {})
+            self._request_finished(other)
+            self._release_pages(other, False)
         errors = [r["error"] for r in replies if "error" in r]
         if errors:  # _handle_errors(error_msg): every active request, not only this batch
             for req in list(active):
@@ -1054,6 +1238,7 @@ class StandinExecutor:
             if end <= req.prompt_len:
                 req.result.computed_prompt_tokens += end - start
             req.context_pos = end
+            self._release_stale(req, end)  # update_context_resources, after the forward
             if req.finished_unseen:  # overlap: the extra step ran; _update_requests now sees it finished
                 self.overlap_extra_steps += 1
                 finished.append(req)
@@ -1075,10 +1260,10 @@ class StandinExecutor:
             active.remove(req)
             req.is_finished = True
             self.results[req.request_id] = req.result
-            if self.scheduler.request_finished(req, list(req.block_ids)):
+            if self._request_finished(req):
                 self.saving[req.request_id] = req
             else:
-                self.blocks.release(req.block_ids, self._commit_keys(req))
+                self._release_pages(req, True)
         # _handle_canceled_requests, after _send_kv_async: a cancelled (or client-aborted) request is
         # marked finished and _handle_responses frees its blocks; the next prepare_resources may
         # hand them to another request.
@@ -1118,7 +1303,7 @@ class StandinExecutor:
         for rid in saved:
             req = self.saving.pop(rid)
             self._announced.discard(rid)
-            self.blocks.release(req.block_ids, self._commit_keys(req))
+            self._release_pages(req, True)
 
     def _allocate(self, req: StandinLlmRequest, block_copies: list[tuple[int, int]]) -> tuple[int, bool] | None:
         """``prepare_resources`` for a first context chunk: device reuse, the connector's answer,
@@ -1127,6 +1312,8 @@ class StandinExecutor:
         salt = req.salt or ""
         max_reuse = ((req.prompt_len - 1) // self.block) * self.block
         reused = self.blocks.match(salt, req.reuse_hashes, self.block, max_reuse)
+        if self.sliding:
+            reused = self._prune_match(req, salt, reused)
         num_reused = len(reused) * self.block
         partial_src, partial = self._match_partial(req, salt, len(reused))
         num_reused += partial
@@ -1137,6 +1324,8 @@ class StandinExecutor:
         matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
         if is_async and matched == 0:
             raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
+        if is_async and self.sliding:
+            raise NotImplementedError("stand-in: asynchronous loads under several layer groups are not modelled")
         if self.kv_manager_v2:
             honoured, page_tokens = self._v2_serve(req, num_reused, matched)
         else:  # V1 allocates the whole prompt at the first chunk and honours the whole offer
@@ -1148,7 +1337,12 @@ class StandinExecutor:
             block_copies.append((partial_src, req.block_ids[len(reused)]))
         if self.behaviour.records_honoured_tokens:  # commit_new_matched_tokens records it on the request
             req.py_num_connector_matched_tokens = honoured
-        self.scheduler.update_state_after_alloc(req, list(req.block_ids))
+        if self.sliding:  # _resize_for_connector_prefix: history is the served end
+            self._release_stale(req, num_reused + honoured)
+            self._grow_groups(req, num_reused + honoured)
+            self.scheduler.update_state_after_alloc_by_layer_group(req, self.pages_by_group(req))
+        else:
+            self.scheduler.update_state_after_alloc(req, list(req.block_ids))
         req.context_pos = num_reused + honoured
         req.result.device_reused_tokens = num_reused
         req.result.connector_matched_tokens = honoured
@@ -1204,7 +1398,7 @@ class StandinExecutor:
             raise RuntimeError("stand-in KV pool exhausted: no context request to pause")
         victim = max(candidates, key=lambda r: len(r.block_ids))
         active.remove(victim)
-        self.blocks.release(victim.block_ids, self._commit_keys(victim))
+        self._release_pages(victim, True)
         victim.block_ids, victim.context_pos, victim.first_chunk_end = [], 0, None
         self._paused.append(victim)
         self.pauses += 1
@@ -1230,7 +1424,6 @@ class StandinExecutor:
         active: list[StandinLlmRequest],
     ) -> None:
         """Schedule an allocated new request, or park it while its asynchronous load runs."""
-        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData
 
         if is_async:
             # new_async_requests.loading: build_scheduler_output skips it and
@@ -1242,16 +1435,7 @@ class StandinExecutor:
             req.parked_at = time.monotonic()
             return
         n = self._first_chunk_len(req)
-        output.new_requests.append(
-            RequestData(
-                request_id=req.request_id,
-                new_tokens=list(req.tokens),
-                new_block_ids=list(req.block_ids),
-                computed_position=req.context_pos - matched,
-                num_scheduled_tokens=n,
-                cache_salt=req.salt,
-            )
-        )
+        output.new_requests.append(self._request_data(req, list(req.tokens), req.context_pos - matched, n, first=True))
         req.reported_blocks = len(req.block_ids)
         scheduled.append((req, req.context_pos, req.context_pos + n))
         active.append(req)
@@ -1279,7 +1463,7 @@ class StandinExecutor:
         return remaining if self.chunk is None else min(remaining, self.chunk)
 
     def _step_all_ranks(
-        self, meta: Any, work: list[Any], overwritten: list[int], block_copies: list[tuple[int, int]]
+        self, meta: Any, work: list[Any], overwritten: list[list[int]], block_copies: list[tuple[int, int]]
     ) -> list[dict[str, Any]]:
         for parent, _ in self.followers:
             parent.send(("step", meta, work, overwritten, block_copies))
@@ -1305,10 +1489,10 @@ class StandinExecutor:
         """A request ended other than by finishing: ``request_finished`` only where this version's
         ``_do_terminate_request`` calls it; otherwise its blocks are simply freed."""
         req.is_finished = True  # finish_by_reason(CANCELLED) or the error path, before the blocks go
-        if self.behaviour.request_finished_on_termination and self.scheduler.request_finished(req, list(req.block_ids)):
+        if self.behaviour.request_finished_on_termination and self._request_finished(req):
             self.saving[req.request_id] = req
             return
-        self.blocks.release(req.block_ids, commit)
+        self._release_pages(req, bool(commit))
 
     def close(self) -> None:
         """Stop rank processes and the connectors' threads."""

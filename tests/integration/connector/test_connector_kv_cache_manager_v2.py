@@ -110,9 +110,9 @@ def test_on_a_1_3_rc_before_the_v2_connector_path_the_engine_runs_v1_whatever_th
 def test_one_sliding_window_layer_group_is_refused_at_engine_start_naming_the_window(
     lmcache_server: LMCacheServer, version: str
 ) -> None:
-    """All layers share one 64-token window: V2 registers one group with that ``window_size`` and would
-    report the blocks the window passed as -1 (BAD_PAGE_INDEX, the pool's last page to a flat
-    connector) while handing their pages to other requests. The worker refuses the layout at start."""
+    """All layers share one 64-token window: V2 registers one group with that ``window_size``, whose
+    pages behind the window go back to the pool. With no full-attention group to anchor its chunks
+    the worker refuses the layout at start, naming the window."""
     args = connector_llm_args(f"swa-{version}-model", lmcache_server.url, kv_cache_manager_v2=True)
-    with pytest.raises(RuntimeError, match=r"sliding attention window of 64 tokens"):
+    with pytest.raises(RuntimeError, match=r"sliding attention window \(64 tokens\) and none attends"):
         StandinExecutor(args, version=version, sliding_window=64)

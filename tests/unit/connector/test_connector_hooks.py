@@ -100,6 +100,9 @@ class FakeBackend:
     def register(self, pool: Any, geometry: Any, layout: Any = None) -> None:
         pass
 
+    def layer_groups(self) -> None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -194,24 +197,17 @@ def test_a_failed_load_never_raises_from_start_load_kv_but_stops_the_forward(fak
     assert worker.get_finished([1], []) == ([1], [])  # nothing to publish: its blocks go back
 
 
-def test_a_model_with_several_kv_layer_groups_is_refused_at_start_by_name(fake: FakeBackend, trtllm: Any) -> None:
-    """KVCacheManagerV2 hands a layout; variable sliding-window models have one group per window."""
-    from types import SimpleNamespace
+def test_a_model_whose_every_layer_group_slides_is_refused_at_start_naming_the_windows(
+    fake: FakeBackend, trtllm: Any
+) -> None:
+    """Served layer groups need one that attends to the whole prompt (the anchor, whose pages never
+    leave a live request); a model of sliding windows only is refused at start, by its windows."""
+    import torch
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import describe_pool
 
+    layout = describe_pool(torch.zeros(8, 2, 2, 64, dtype=torch.float16), 16, 4096)
     worker = trtllm.KvoffloadConnectorWorker(_args())
-    layout = SimpleNamespace(groups=(SimpleNamespace(window_size=4096), SimpleNamespace(window_size=None)))
-    with pytest.raises(RuntimeError, match=r"2 layer groups \(attention windows: 4096, full\)"):
-        worker.register_kv_cache_layout(layout)
-
-
-def test_one_sliding_window_layer_group_is_refused_at_start_naming_the_window(fake: FakeBackend, trtllm: Any) -> None:
-    """KVCacheManagerV2 reports the blocks a sliding window passed as -1 (BAD_PAGE_INDEX) and hands
-    their pages to other requests without restating them: the connector refuses such a pool at start."""
-    from types import SimpleNamespace
-
-    worker = trtllm.KvoffloadConnectorWorker(_args())
-    layout = SimpleNamespace(groups=(SimpleNamespace(window_size=4096),))
-    with pytest.raises(RuntimeError, match=r"sliding attention window of 4096 tokens"):
+    with pytest.raises(RuntimeError, match=r"sliding attention window \(4096 tokens\) and none attends"):
         worker.register_kv_cache_layout(layout)
 
 
@@ -330,5 +326,5 @@ def test_a_layer_group_of_two_regions_per_page_is_refused_at_start_naming_them(f
     regions = tuple(KvCacheRegion(t.data_ptr(), t[0].numel() * 2, t.stride(0) * 2, 8, refs) for t in (pool, scales))
     layout = KvCacheLayout(16, (KvCacheLayerGroupLayout(0, (0, 1), None, regions),), torch.float16)
     worker = trtllm.KvoffloadConnectorWorker(_args())
-    with pytest.raises(RuntimeError, match=r"1 layer group\(s\), 2 region\(s\) per page"):
+    with pytest.raises(RuntimeError, match=r"1 layer group, 2 region\(s\) per page"):
         worker.register_kv_cache_layout(layout)

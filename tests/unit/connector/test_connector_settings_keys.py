@@ -15,7 +15,6 @@ from kvoffload.connector.backends.base import kv_geometry
 from kvoffload.connector.keys import cache_model_name, chunk_layout, normalize_salt, salt_of
 from kvoffload.connector.settings import (
     SettingsError,
-    layer_groups_problem,
     parse_settings,
 )
 from kvoffload.policy import Policy
@@ -210,18 +209,3 @@ def test_metrics_bound_once_and_errors_bounded() -> None:
     disabled = ConnectorMetrics("unit-model", contract.BACKEND_SIDECAR, enabled=False)
     disabled.lookup_requests.inc()
     disabled.error("lookup", "timeout")
-
-
-@pytest.mark.parametrize(
-    ("windows", "refused_for"),
-    [
-        ([None], None),
-        ([], None),
-        ([4096], "sliding attention window of 4096 tokens"),
-        ([128, None], "2 layer groups (attention windows: 128, full)"),
-        ([None, None, 512], "3 layer groups (attention windows: 512, full)"),
-    ],
-)
-def test_only_one_full_attention_layer_group_is_served(windows: list[int | None], refused_for: str | None) -> None:
-    problem = layer_groups_problem(windows)
-    assert problem is None if refused_for is None else refused_for in (problem or "")

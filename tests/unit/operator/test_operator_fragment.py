@@ -467,7 +467,8 @@ def test_fuzz_renderer_never_raises_and_injects_exactly_once(containers: list[di
         ("kv_connector_config:\n  connector: lmcache\n", "kv_connector_config.connector"),
         ("kv_cache_config:\n  enable_block_reuse: false\n", "kv_cache_config.enable_block_reuse"),
         ("kv_cache_config:\n  host_cache_size: 1073741824\n", "kv_cache_config.host_cache_size"),
-        ("kv_cache_config:\n  max_attention_window: [4096, 32768]\n", "kv_cache_config.max_attention_window"),
+        ("kv_cache_config:\n  max_attention_window: [4096, 32768]\n  use_kv_cache_manager_v2: false\n",
+         "kv_cache_config.max_attention_window"),
         ("scheduler_config:\n  capacity_scheduler_policy: MAX_UTILIZATION\n", "scheduler_config.capacity_scheduler_policy"),
         ("pipeline_parallel_size: 2\n", "pipeline_parallel_size"),
         ("max_beam_width: 4\n", "max_beam_width"),
@@ -492,6 +493,7 @@ def test_user_options_tensorrt_llm_refuses_with_a_connector_are_refused_naming_t
         "kv_connector_config:\n  connector_module: kvoffload.connector.trtllm\n",
         "speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 1\n",
         "kv_cache_config:\n  max_attention_window: [32768, 32768]\n",
+        "kv_cache_config:\n  max_attention_window: [4096, 32768]\n",  # VSWA: served on KVCacheManagerV2
         "kv_cache_config:\n  use_kv_cache_manager_v2: true\n",
         "kv_cache_config:\n  use_kv_cache_manager_v2: auto\n",
     ],
@@ -507,24 +509,38 @@ def test_user_options_that_run_with_the_connector_are_kept(user_options: str) ->
         assert {**merged[key], **value} == merged[key] if isinstance(value, dict) else merged[key] == value
 
 
-@pytest.mark.parametrize(
-    ("args", "feature"),
-    [
-        (["openai/gpt-oss-120b", "--backend", "pytorch"], "GPT-OSS alternates sliding-window and full-attention"),
-        (["serve", "/models/google/gemma-3-27b-it"], "Gemma 3 alternates local sliding-window"),
-        (["Qwen/Qwen3-Next-80B-A3B-Instruct"], "Qwen3-Next mixes linear-attention"),
-    ],
-)
-def test_a_model_with_several_kv_layer_groups_is_refused_before_the_pod_naming_its_attention(
-    args: list[str], feature: str
-) -> None:
-    """KVCacheManagerV2 gives these models several layer groups, which the connector refuses at engine
-    start, after the weights are loaded: the operator says so first, from the model argument."""
+def test_a_hybrid_linear_attention_model_is_refused_before_the_pod_naming_why() -> None:
+    """Qwen3-Next's linear-attention layers keep a recurrent state, not per-token KV: a prefix cannot be
+    restored from cached blocks. The operator says so before the pod, from the model argument."""
     engine = container()
-    engine["args"] = args
+    engine["args"] = ["Qwen/Qwen3-Next-80B-A3B-Instruct"]
     r = render_injection_fragment(deployment(containers=[engine]), settings_for(), NATIVE)
     assert isinstance(r, PolicyError) and r.reason == "unsupported", r
-    assert r.field == "container trtllm model" and feature in r.message and "opt this workload out" in r.message
+    assert "Qwen3-Next mixes linear-attention layers" in r.message and "opt this workload out" in r.message
+
+
+@pytest.mark.parametrize(
+    ("model", "feature"),
+    [
+        ("openai/gpt-oss-120b", "GPT-OSS alternates sliding-window and full-attention"),
+        ("/models/google/gemma-3-27b-it", "Gemma 3 alternates local sliding-window"),
+    ],
+)
+def test_a_sliding_window_model_is_injected_unless_its_options_force_the_v1_manager(model: str, feature: str) -> None:
+    """GPT-OSS and Gemma run on KVCacheManagerV2 by default, where the connector serves their layer
+    groups; an options file forcing V1 (which refuses a connector with sliding windows) is refused
+    before the pod, naming the setting."""
+    engine = container(options_file="/config/extra.yaml")
+    engine["args"] = ["serve", model, "--extra_llm_api_options", "/config/extra.yaml"]
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    obj = deployment(containers=[engine], volumes=[{"name": "cfg", "configMap": {"name": "llm-options"}}])
+    served = render_injection_fragment(
+        obj, settings_for(), NATIVE, "kv_cache_config:\n  free_gpu_memory_fraction: 0.8\n"
+    )
+    assert isinstance(served, RenderedInjection), served
+    v1 = render_injection_fragment(obj, settings_for(), NATIVE, "kv_cache_config:\n  use_kv_cache_manager_v2: false\n")
+    assert isinstance(v1, PolicyError) and v1.reason == "unsupported", v1
+    assert feature in v1.message and "use_kv_cache_manager_v2: false" in v1.message
 
 
 @pytest.mark.parametrize(
@@ -555,7 +571,8 @@ def test_a_latent_attention_model_the_connector_cannot_serve_is_refused_before_t
         ["/models/deepseek-ai/DeepSeek-R1-0528"],
         ["moonshotai/Kimi-K2-Instruct"],
         ["deepseek-ai/DeepSeek-V2-Lite"],
-        ["--host", "0.0.0.0", "openai/gpt-oss-120b"],  # not said plainly: left to the engine's own check
+        ["--host", "0.0.0.0", "openai/gpt-oss-120b"],
+        ["serve", "google/gemma-3-27b-it"],  # sliding windows on KVCacheManagerV2 (its default for Gemma)
     ],
 )
 def test_models_of_one_layer_group_latent_attention_or_unknown_ones_are_injected(args: list[str]) -> None:

@@ -104,3 +104,90 @@ def key_ranks(layout: PoolLayout, world_size: int, rank: int) -> KeyRanks:
     if layout.replicated:
         return KeyRanks(1, 0, rank == 0)
     return KeyRanks(world_size, rank, True)
+
+
+# --- several layer groups (KVCacheManagerV2) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One KVCacheManagerV2 layer group as the connector moves it: one region of ``page_bytes`` per
+    page slot, holding its layers' KV for ``tokens_per_block`` tokens."""
+
+    group_id: int
+    window_size: int | None
+    """Its attention window in tokens; None: full attention."""
+    num_layers: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class GroupedLayout:
+    """A cache of several layer groups, or of one sliding-window group (``connectors/kv_cache_layout.py``
+    @ae7a7216): page indices are per group, and a sliding group's pages behind its window go back to
+    the pool (their ordinals then read ``BAD_PAGE_INDEX``).
+
+    A chunk is **one object for every group**: for each block ordinal of the chunk, the anchor group's
+    page and then each other group's, so one lookup, one PREPARE and one COMMIT serve all groups. A
+    chunk is stored only while every group holds all its blocks; a load writes a sliding group's pages
+    only where the engine gave them one (its window), the full-attention groups the whole prefix.
+    """
+
+    groups: tuple[LayerGroup, ...]
+    """The anchor first (a full-attention group: its pages never leave a live request), then the others
+    in the layout's order."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block ordinal across every group: a chunk holds ``blocks_per_chunk`` of these."""
+        return sum(group.page_bytes for group in self.groups)
+
+    @property
+    def group_ids(self) -> tuple[int, ...]:
+        """Upstream's layer group ids, anchor first (the order of ``TransferOp.group_block_ids``' groups)."""
+        return tuple(group.group_id for group in self.groups)
+
+    def tag(self) -> str:
+        """What the cache key's model name adds: every group's window, layers and page bytes, in
+        chunk order, so another geometry never reads these chunks."""
+        return "lg-" + "-".join(f"{g.window_size or 'full'}x{g.num_layers}x{g.page_bytes}" for g in self.groups)
+
+
+def describe_layer_groups(groups: Sequence[tuple[int, int | None, int, Sequence[int], Sequence[int]]]) -> GroupedLayout:
+    """The grouped layout of ``(group_id, window_size, num_layers, region_sizes, expansions)`` per
+    layer group, or ``PoolLayoutError`` naming why it cannot be moved: each group one region of one
+    page expansion, and at least one full-attention group (the anchor)."""
+    described: list[LayerGroup] = []
+    for group_id, window, layers, region_sizes, expansions in groups:
+        if len(region_sizes) != 1:
+            raise PoolLayoutError(
+                f"layer group {group_id} holds {len(region_sizes)} regions per page (block scales, or layers of "
+                "differing size); the connector moves one region per page"
+            )
+        if any(e != 1 for e in expansions):
+            raise PoolLayoutError(
+                f"layer group {group_id} has a page expansion factor of {max(expansions)} (layers of different "
+                "tokens per block); the connector moves groups of one tokens per block"
+            )
+        if window is not None and window <= 0:
+            raise PoolLayoutError(f"layer group {group_id} has an attention window of {window} tokens")
+        described.append(LayerGroup(group_id, window, layers, int(region_sizes[0])))
+    anchors = [g for g in described if g.window_size is None]
+    if not anchors:
+        windows = ", ".join(str(g.window_size) for g in described)
+        raise PoolLayoutError(
+            f"every layer group of this model keeps a sliding attention window ({windows} tokens) and none "
+            "attends to the whole prompt; the connector serves models with at least one full-attention group"
+        )
+    anchor = anchors[0]
+    return GroupedLayout((anchor, *[g for g in described if g is not anchor]))
+
+
+GROUP_PAGE_STRIDE = 1 << 32
+"""Page slots are below 2**32: a page of group index ``g`` (chunk order, 1 and on) is named
+``g * GROUP_PAGE_STRIDE + slot`` where one set names the pages of several groups (fences)."""
+
+
+def page_key(group_index: int, slot: int) -> int:
+    """One int naming page ``slot`` of the group at ``group_index`` in chunk order (the anchor's: ``slot``)."""
+    return group_index * GROUP_PAGE_STRIDE + slot

@@ -62,13 +62,13 @@ class OpPipeline:
         with self._cv:
             keep: deque[Work] = deque()
             for op, event in self._queue:
-                if touched.isdisjoint(op.block_ids):
+                if touched.isdisjoint(op.pages()):
                     keep.append((op, event))
                     continue
                 self._done(op.request_id)
                 taken(op, event)
             self._queue = keep
-            self._cv.wait_for(lambda: self._current is None or touched.isdisjoint(self._current.block_ids))
+            self._cv.wait_for(lambda: self._current is None or touched.isdisjoint(self._current.pages()))
 
     def pending_requests(self) -> frozenset[int]:
         """Requests with an op queued or running."""

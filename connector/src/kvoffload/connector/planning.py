@@ -152,6 +152,39 @@ def plan_save(
     return start, end
 
 
+def first_live_block(history_tokens: int, window_size: int | None, tokens_per_block: int) -> int:
+    """The first block ordinal a layer group still holds a page for once ``history_tokens`` have KV:
+    a sliding window of ``W`` tokens released the blocks before ``(history + 1 - W) // B``
+    (KVCacheManagerV2's ``AttnLifeCycle.get_stale_range``, no sink tokens); full attention: 0."""
+    if window_size is None:
+        return 0
+    return max(0, (history_tokens + 1 - window_size) // tokens_per_block)
+
+
+def grouped_save_end(
+    start: int,
+    end: int,
+    group_block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
+    first_live: list[int] | tuple[int, ...],
+    tokens_per_block: int,
+    chunk_size: int,
+) -> int:
+    """The end of the chunks of ``[start, end)`` (chunk-aligned) whose every block has a live page in
+    every other layer group (``group_block_ids[g]``, from ordinal ``first_live[g]`` on; -1: no page):
+    a chunk holds every group's pages, so one without a page in some group is never stored, nor is
+    anything after it (lookups find prefixes). ``start`` when the first chunk cannot be stored."""
+    saved = start
+    per_chunk = chunk_size // tokens_per_block
+    for chunk_start in range(start, end, chunk_size):
+        first = chunk_start // tokens_per_block
+        ordinals = range(first, first + per_chunk)
+        for ids, live in zip(group_block_ids, first_live, strict=True):
+            if first < live or any(o >= len(ids) or ids[o] < 0 for o in ordinals):
+                return saved
+        saved = chunk_start + chunk_size
+    return saved
+
+
 def pipeline_groups(start: int, end: int, chunk_size: int, groups: int) -> list[tuple[int, int]]:
     """``[start, end)`` (chunk-aligned) cut into at most ``groups`` runs of whole chunks, in order:
     one operation's PREPAREs go one group at a time, each while the previous group's copies run."""

@@ -14,6 +14,7 @@ from kvoffload.connector import planning, wire
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.identities import AdapterIdentities, prompt_table_digest
 from kvoffload.connector.keys import key_salt
+from kvoffload.connector.layout import GroupedLayout, page_key
 from kvoffload.connector.runtime import (
     ConnectorRole,
     KvCacheConnectorScheduler,
@@ -46,6 +47,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._claims = BlockClaims()
         self._reaped_scopes = ReapedScopes()
         self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
+        self._groups: GroupedLayout | None = None
+        """Several layer groups, as the worker of this process registered them (``_layer_groups``)."""
         logger.info(
             "event=scheduler_ready backend=%s url=%s model=%s chunk=%d block=%d",
             self._settings.backend,
@@ -146,11 +149,15 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             hit,
             decision.matched_tokens,
         )
-        asynchronous = decision.loads and planning.load_is_async(
-            decision.matched_tokens,
-            self._settings.async_load_min_tokens,
-            self._settings.world_size,
-            self._settings.attention_dp,
+        asynchronous = (
+            decision.loads
+            and self._layer_groups() is None
+            and planning.load_is_async(
+                decision.matched_tokens,
+                self._settings.async_load_min_tokens,
+                self._settings.world_size,
+                self._settings.attention_dp,
+            )
         )
         if asynchronous:
             self._parking.append(state.request_id)
@@ -175,19 +182,51 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._requests[rid] = state
         return state
 
+    def _layer_groups(self) -> GroupedLayout | None:
+        if self._groups is None:
+            self._groups = self._backend.layer_groups()
+        return self._groups
+
+    def _split_groups(self, by_layer_group: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        """A per-layer-group report as the anchor group's pages and the other groups' (chunk order)."""
+        groups = self._layer_groups()
+        assert groups is not None, "per-layer-group pages before the worker registered its layer groups"
+        anchor, *others = (list(by_layer_group[gid]) for gid in groups.group_ids)
+        return anchor, others
+
+    def _reported(self, req: Any) -> tuple[list[int], list[list[int]]]:
+        """The pages one ``RequestData`` reports: the flat list, or with several layer groups (the flat
+        list is then empty) the anchor group's and the other groups'."""
+        by_group = getattr(req, "new_block_ids_by_layer_group", None)
+        if by_group and self._layer_groups() is not None:
+            return self._split_groups(by_group)
+        return list(req.new_block_ids), []
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Step 2, right after allocation: remember the request's blocks (loads target them)."""
+        self._allocated(request, list(block_ids), [])
+
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        """Step 2 with several layer groups (TensorRT-LLM calls it instead of the flat form)."""
+        groups = self._layer_groups()
+        if groups is None:  # one group: the flat form
+            self._allocated(request, list(block_ids_by_layer_group[0]), [])
+            return
+        self._allocated(request, *self._split_groups(block_ids_by_layer_group))
+
+    def _allocated(self, request: Any, block_ids: list[int], group_block_ids: list[list[int]]) -> None:
         state = self._requests.get(int(request.request_id))
         if state is not None:
             self._claims.unhold(state.request_id, state.block_ids)  # a second allocation replaces the first
-            state.block_ids = list(block_ids)
+            state.block_ids = block_ids
+            state.group_block_ids = group_block_ids
             self._claims.hold(state.request_id, block_ids)
 
     def _start_over(self, state: RequestState) -> None:
         """A request asked again after its allocation was destroyed (MAX_UTILIZATION replay,
         ``reset_request_state``): its old blocks are no longer its own, an unused promise goes back."""
         self._claims.unhold(state.request_id, state.block_ids)
-        state.block_ids, state.tokens_with_kv = [], 0
+        state.block_ids, state.group_block_ids, state.tokens_with_kv = [], [], 0
         self._release_promise(state)
         self._parking = [rid for rid in self._parking if rid != state.request_id]
 
@@ -284,14 +323,16 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
     def _plan_new(self, req: Any, step: StepPlan) -> None:
         """A request scheduled for the first time (or back from parking): its load, its first save."""
         rid = int(req.request_id)
-        self._first_report(step, req.new_block_ids, req.computed_position, rid)
+        block_ids, group_block_ids = self._reported(req)
+        self._first_report(step, block_ids, req.computed_position, rid)
+        step.fresh.update(self._fresh_pages(group_block_ids, req.computed_position, True))
         state = self._requests.get(rid)
         if state is None:
             state = self._state_without_lookup(req)
         self._unpark(rid)  # back from an asynchronous load: computed_position counts it
         state.tokens = list(req.new_tokens) if len(req.new_tokens) >= len(state.tokens) else state.tokens
         if not state.block_ids:
-            state.block_ids = list(req.new_block_ids)
+            state.block_ids, state.group_block_ids = block_ids, group_block_ids
             self._claims.hold(rid, state.block_ids)
         load = self._honoured(state)
         before = req.computed_position + load.matched_tokens
@@ -305,21 +346,35 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
         )
         self._step_computed(state, before, req.num_scheduled_tokens)
-        self._plan_save(state, step.saves)
+        self._plan_save(state, step.saves, before)
+
+    def _fresh_pages(self, group_block_ids: list[list[int]], computed: int, first_report: bool) -> list[int]:
+        """Other layer groups' pages of one report that were free before this iteration, as page keys."""
+        return [
+            page_key(g, slot)
+            for g, ids in enumerate(group_block_ids, 1)
+            for slot in planning.fresh_blocks(ids, computed, self._block, first_report)
+            if slot >= 0
+        ]
 
     def _plan_cached(self, req: Any, step: StepPlan) -> None:
         """A running request: its new tokens and blocks, and a save when they fill new chunks."""
         rid = int(req.request_id)
-        self._reap_vanished(list(req.new_block_ids), [], rid)
-        step.fresh.update(req.new_block_ids)
+        block_ids, group_block_ids = self._reported(req)
+        self._reap_vanished(block_ids, [], rid)
+        step.fresh.update(block_ids)
+        step.fresh.update(self._fresh_pages(group_block_ids, 0, False))
         state = self._requests.get(rid)
         if state is None:
             return
         state.tokens.extend(req.new_tokens)
-        state.block_ids.extend(req.new_block_ids)
-        self._claims.hold(rid, list(req.new_block_ids))
-        self._step_computed(state, state.tokens_with_kv, req.num_scheduled_tokens)
-        self._plan_save(state, step.saves)
+        state.block_ids.extend(block_ids)
+        for ids, new in zip(state.group_block_ids, group_block_ids, strict=True):
+            ids.extend(new)
+        self._claims.hold(rid, block_ids)
+        before = state.tokens_with_kv
+        self._step_computed(state, before, req.num_scheduled_tokens)
+        self._plan_save(state, step.saves, before)
 
     def _forget_all_on_idle_rank(self) -> list[int]:
         """An idle attention-DP rank's forward may write any free block unseen: every request still
@@ -363,7 +418,9 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             for reason, tokens in planning.split_computed(state.computed_why, before, end):
                 self._metrics.record_prompt_tokens("computed", reason, tokens)
 
-    def _plan_save(self, state: RequestState, saves: list[wire.TransferOp]) -> None:
+    def _plan_save(self, state: RequestState, saves: list[wire.TransferOp], history: int) -> None:
+        """Store the request's new whole chunks; with several layer groups only those every group still
+        holds a page for in this forward (``history``: tokens with KV before it)."""
         if not state.cacheable:
             return
         span = planning.plan_save(
@@ -376,6 +433,13 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         )
         if span is None:
             return
+        groups = self._layer_groups()
+        if groups is not None and state.group_block_ids:
+            live = [planning.first_live_block(history, g.window_size, self._block) for g in groups.groups[1:]]
+            end = planning.grouped_save_end(span[0], span[1], state.group_block_ids, live, self._block, self._chunk)
+            if end <= span[0]:
+                return
+            span = (span[0], end)
         saves.append(self._op(state, span[0], span[1], 0))
         state.stored_upto = span[1]
         state.saves_issued += 1
@@ -389,17 +453,19 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         secured: wire.SecuredLoad | None = None,
     ) -> wire.TransferOp:
         copy_end = state.load.copy_end if secured is not None else None
+        last = end if copy_end is None else copy_end
         return wire.TransferOp(
             request_id=state.request_id,
             session_id=state.session_id,
             token_ids=tuple(state.tokens[:end]),
             start=start,
             end=end,
-            block_ids=planning.block_slice(state.block_ids, start, end if copy_end is None else copy_end, self._block),
+            block_ids=planning.block_slice(state.block_ids, start, last, self._block),
             skip_tokens=skip,
             salt=state.salt,
             secured=secured,
             copy_end=copy_end,
+            group_block_ids=tuple(planning.block_slice(ids, start, last, self._block) for ids in state.group_block_ids),
         )
 
     def request_reset(self, request: Any) -> None:
@@ -408,6 +474,12 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         state = self._requests.get(int(request.request_id))
         if state is not None:
             self._start_over(state)
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        """Step 5 with several layer groups: as ``request_finished`` (the anchor group's pages)."""
+        if self._layer_groups() is None:
+            return self.request_finished(request, list(cache_block_ids_by_layer_group[0]))
+        return self.request_finished(request, self._split_groups(cache_block_ids_by_layer_group)[0])
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Step 5: forget the request; True (hold its blocks) when it had saves: ``get_finished``

@@ -23,6 +23,9 @@ class RequestState:
     """False: its keys cannot name what its KV depends on (``keys.key_salt``); never looked up or saved."""
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    """Its pages by block ordinal (several layer groups: the anchor group's)."""
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    """Several layer groups: the other groups' pages, aligned with ``block_ids`` (-1: none)."""
     tokens_with_kv: int = 0
     stored_upto: int = 0
     load: LoadDecision = NO_LOAD

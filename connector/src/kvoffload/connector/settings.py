@@ -7,7 +7,7 @@ the TensorRT-LLM build has that field) overrides ``KVOFFLOAD_SERVER_URL``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,37 +235,12 @@ def engine_config_problem(llm_args: Any) -> str | None:
 
     Without block reuse TensorRT-LLM asks for matched tokens but applies none of them (V1), or
     refuses the connector (KVCacheManagerV2). Either KV cache manager is served: the honoured count
-    is read per request (``scheduler._honoured``), and several layer groups are refused when the
-    worker is handed its layout (``worker.register_kv_cache_layout``).
+    is read per request (``scheduler._honoured``), and a layout of several layer groups is moved as
+    one chunk per block range (``worker.register_kv_cache_layout``, ``layout.GroupedLayout``).
     """
     if _attr(llm_args, "kv_cache_config", "enable_block_reuse") is False:
         return (
             "kv_cache_config.enable_block_reuse=false: TensorRT-LLM then applies none of the tokens a KV "
             "connector loads; set it to true (the kvoffload operator does unless the options file says false)"
-        )
-    return None
-
-
-def layer_groups_problem(window_sizes: Sequence[int | None]) -> str | None:
-    """Why the connector cannot move a KVCacheManagerV2 layout of layer groups with these attention
-    windows (None: full attention), or None.
-
-    Several groups are variable sliding-window or hybrid models. One sliding-window group leaves the
-    blocks the window passed without a page: V2 reports them ``BAD_PAGE_INDEX`` (-1, which would address
-    the pool's last page) and reclaims pages it reported before without restating them, so a chunk
-    saved once complete could read a page another request holds by then.
-    """
-    if len(window_sizes) > 1:
-        windows = sorted({str(w or "full") for w in window_sizes})
-        return (
-            f"this model's KV cache has {len(window_sizes)} layer groups (attention windows: {', '.join(windows)}), "
-            "as variable sliding-window or hybrid attention models do; the connector moves one pool of uniform "
-            "blocks: use it with models of one full attention window"
-        )
-    if window_sizes and window_sizes[0]:
-        return (
-            f"this model's KV cache keeps a sliding attention window of {window_sizes[0]} tokens; blocks the "
-            "window passed have no page (BAD_PAGE_INDEX) and their pages go to other requests, which the "
-            "connector's chunk saves cannot follow: use it with models of one full attention window"
         )
     return None

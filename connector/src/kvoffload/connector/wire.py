@@ -51,6 +51,18 @@ class TransferOp:
     """For a load: its chunks, secured at lookup."""
     copy_end: int | None = None
     """For a load TensorRT-LLM honoured in part: where its copies (and ``block_ids``) end."""
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    """Several layer groups (``layout.GroupedLayout``): ``block_ids`` are the anchor group's pages and
+    these the other groups', one tuple per group in chunk order, aligned with ``block_ids``; -1 where
+    the group has no page (behind a sliding window): a load leaves it, a store never names one."""
+
+    def pages(self) -> tuple[int, ...]:
+        """Every page the op reads or writes, other groups' named by ``layout.page_key`` (fences)."""
+        if not self.group_block_ids:
+            return self.block_ids
+        stride = 1 << 32  # layout.GROUP_PAGE_STRIDE (wire imports nothing of the connector)
+        extra = (g * stride + s for g, ids in enumerate(self.group_block_ids, 1) for s in ids if s >= 0)
+        return (*self.block_ids, *extra)
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ from typing import Any
 
 from kvoffload.connector import wire
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, kv_geometry, read_hf_config
-from kvoffload.connector.layout import PoolLayoutError, describe_pool
+from kvoffload.connector.backends.blockcopy import GroupedPages
+from kvoffload.connector.layout import PoolLayoutError, describe_layer_groups, describe_pool
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
     ConnectorRole,
@@ -21,7 +22,6 @@ from kvoffload.connector.runtime import (
     stream_event,
     use_private_stream,
 )
-from kvoffload.connector.settings import layer_groups_problem
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -51,6 +51,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._failures_lock = threading.Lock()
         self._load_failures: list[tuple[wire.TransferOp, BackendError]] = []
         self._kv_device: Any = None
+        self._saves_in_forward = False
+        """Saves copy inside ``wait_for_save`` whatever ``async_save`` says: with layer groups a sliding
+        group's pages behind its window go back to the pool right after this forward."""
         if self._settings.async_save:
             self._saves.start()
 
@@ -86,23 +89,49 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Step 0 on TensorRT-LLM main with KVCacheManagerV2 (``connectors/kv_cache_layout.py``
-        @ae7a7216): one full-attention layer group of one region is one pool
-        (``as_single_pool_tensor``) and goes to ``register_kv_caches``; several groups, a sliding
-        window, or a group of several regions are refused here, at start, by name."""
+        @ae7a7216). One full-attention layer group of one region is one pool
+        (``as_single_pool_tensor``) and goes to ``register_kv_caches``. Several groups, or a sliding
+        window, are moved as a ``layout.GroupedLayout``: every group's pages of a block in one chunk.
+        What cannot be moved is refused here, at start, by name."""
         groups = tuple(getattr(layout, "groups", ()))
-        problem = layer_groups_problem([getattr(g, "window_size", None) for g in groups])
-        if problem is not None:
-            raise RuntimeError(f"kvoffload: {problem}")
-        single = getattr(layout, "as_single_pool_tensor", None)
-        pool = single() if single is not None else None
-        if pool is None:
-            regions = len(getattr(groups[0], "regions", ())) if groups else 0
+        if len(groups) == 1 and getattr(groups[0], "window_size", None) is None:
+            single = getattr(layout, "as_single_pool_tensor", None)
+            pool = single() if single is not None else None
+            if pool is None:
+                regions = len(getattr(groups[0], "regions", ()))
+                raise RuntimeError(
+                    f"kvoffload: this model's KV cache layout is not one pool of uniform pages (1 layer group, "
+                    f"{regions} region(s) per page: block scales, layers of differing size or a page expansion "
+                    "factor); the connector moves one region per page"
+                )
+            self.register_kv_caches(pool)
+            return
+        try:
+            grouped = describe_layer_groups([
+                (g.layer_group_id, g.window_size, len(g.layer_ids), [r.size for r in g.regions],
+                 [b.expansion for r in g.regions for b in r.buffers])
+                for g in groups
+            ])  # fmt: skip
+        except PoolLayoutError as exc:
+            raise RuntimeError(f"kvoffload: model {self._settings.model_name!r}: {exc}") from None
+        latent = [g.layer_group_id for g in groups if not any(b.role == "value" for r in g.regions for b in r.buffers)]
+        if latent:
             raise RuntimeError(
-                f"kvoffload: this model's KV cache layout is not one pool of uniform pages ({len(groups)} layer "
-                f"group(s), {regions} region(s) per page: block scales, layers of differing size or a page "
-                "expansion factor); the connector moves one region per page"
+                f"kvoffload: model {self._settings.model_name!r}: layer group(s) {latent} hold a latent (no value "
+                "buffer) beside other groups; the connector serves multi-head latent attention as one group"
             )
-        self.register_kv_caches(pool)
+        by_id = {g.layer_group_id: g for g in groups}
+        pages = GroupedPages([by_id[gid].regions[0].as_tensor() for gid in grouped.group_ids])
+        self._kv_device = pages.device
+        self._backend.register_grouped(pages, grouped, layout.dtype)
+        # KVCacheManagerV2 releases a sliding group's pages behind the window after each forward and may
+        # hand them out before a saver thread copied them: saves copy within the forward's own hook.
+        self._saves_in_forward = True
+        logger.info(
+            "event=registered_layer_groups model=%s groups=%s saves=in_forward loads=synchronous",
+            self._settings.model_name,
+            grouped.tag(),
+        )
 
     def start_load_kv(self, stream: Any) -> None:
         """Step 3: fence queued saves off blocks handed out again, land asynchronous loads into blocks
@@ -218,7 +247,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, wire.ConnectorMetadata) or not meta.saves:
             return
-        if self._saves.started:
+        if self._saves.started and not self._saves_in_forward:
             # The saver must not copy before the forward pass wrote the KV: its copies wait on this
             # event on the device, while its PREPAREs already go to the server.
             event = stream_event(stream)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvoffload.connector.layout import PoolLayout
+from kvoffload.connector.layout import GroupedLayout, PoolLayout
 from kvoffload.connector.wire import SecuredLoad, TransferOp
 
 logger = logging.getLogger("kvoffload.connector")
@@ -108,6 +108,12 @@ class KVBackend(Protocol):
 
     def register(self, kv_pool: Any, geometry: KvGeometry, layout: PoolLayout | None = None) -> None:
         """Register the worker's KV pool (``layout``: what it holds; described from its shape when None)."""
+
+    def register_grouped(self, pages: Any, layout: GroupedLayout, dtype: Any) -> None:
+        """Register the worker's layer groups' pages (``blockcopy.GroupedPages``) as one chunk layout."""
+
+    def layer_groups(self) -> GroupedLayout | None:
+        """Scheduler: the layer groups this process's worker registered (None: one pool)."""
 
     def retrieve(self, op: TransferOp) -> int:
         """Load ``op``'s chunks into its blocks; returns bytes moved; raises BackendError."""

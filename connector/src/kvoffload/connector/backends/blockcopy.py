@@ -100,6 +100,79 @@ def scatter_chunk(pool: torch.Tensor, block_ids: Sequence[int], chunk: torch.Ten
     scatter_chunks(pool, block_ids, [chunk], skip_blocks, len(block_ids))
 
 
+def page_runs(page_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Like :func:`block_runs`, leaving out entries without a page (negative: ``BAD_PAGE_INDEX``)."""
+    start = 0
+    for i in range(1, len(page_ids) + 1):
+        if i == len(page_ids) or page_ids[i] != page_ids[i - 1] + 1 or page_ids[i] < 0 or page_ids[i - 1] < 0:
+            if page_ids[start] >= 0:
+                yield start, int(page_ids[start]), i - start
+            start = i
+
+
+class GroupedPages:
+    """The pages of several layer groups (``layout.GroupedLayout``), each group ``[num_slots, page_bytes]``
+    bytes (a strided view of its region: one slot of the pool may hold other groups' regions too).
+    In a chunk, a block ordinal's bytes are every group's page for it, in chunk order."""
+
+    def __init__(self, groups: Sequence[torch.Tensor]) -> None:
+        self.groups = [pages.view(torch.uint8) if pages.dtype != torch.uint8 else pages for pages in groups]
+        self.offsets: list[int] = []
+        offset = 0
+        for pages in self.groups:
+            self.offsets.append(offset)
+            offset += int(pages.shape[1])
+        self.block_bytes = offset
+        self.device = self.groups[0].device
+
+    def _ids(self, group: int, block_ids: Sequence[int], group_block_ids: Sequence[Sequence[int]]) -> Sequence[int]:
+        return block_ids if group == 0 else group_block_ids[group - 1]
+
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        group_block_ids: Sequence[Sequence[int]],
+        outs: Sequence[torch.Tensor],
+        chunk_indices: Sequence[int],
+        blocks_per_chunk: int,
+    ) -> None:
+        """Chunk ``chunk_indices[i]`` of the op's blocks, every group's pages, into the slot ``outs[i]``;
+        raises if one of them has no page (a stored chunk holds every group)."""
+        for out, c in zip(outs, chunk_indices, strict=True):
+            slot = _slot_blocks(out, blocks_per_chunk, self.block_bytes)
+            lo = c * blocks_per_chunk
+            for g, (pages, offset) in enumerate(zip(self.groups, self.offsets, strict=True)):
+                ids = self._ids(g, block_ids, group_block_ids)[lo : lo + blocks_per_chunk]
+                if len(ids) != blocks_per_chunk or any(i < 0 for i in ids):
+                    raise ValueError(f"layer group {g} has no page for a block of the chunk to store")
+                dst = slot[:, offset : offset + pages.shape[1]]
+                for pos, first, n in page_runs(ids):
+                    dst[pos : pos + n].copy_(pages[first : first + n], non_blocking=True)
+
+    def scatter(
+        self,
+        block_ids: Sequence[int],
+        group_block_ids: Sequence[Sequence[int]],
+        chunks: Sequence[torch.Tensor],
+        skip_blocks: int,
+        blocks_per_chunk: int,
+    ) -> None:
+        """Write ``chunks`` (consecutive, from the first) into every group's pages, leaving the first
+        ``skip_blocks`` ordinals and the ordinals a group has no page for untouched."""
+        for i, chunk in enumerate(chunks):
+            lo = i * blocks_per_chunk
+            first_kept = max(skip_blocks - lo, 0)
+            if first_kept >= blocks_per_chunk:
+                continue
+            slot = _slot_blocks(chunk, blocks_per_chunk, self.block_bytes)
+            for g, (pages, offset) in enumerate(zip(self.groups, self.offsets, strict=True)):
+                ids = self._ids(g, block_ids, group_block_ids)[lo + first_kept : lo + blocks_per_chunk]
+                src = slot[:, offset : offset + pages.shape[1]]
+                for pos, first, n in page_runs(ids):
+                    at = first_kept + pos
+                    pages[first : first + n].copy_(src[at : at + n], non_blocking=True)
+
+
 class TransferStream:
     """Where a backend's block copies run: a dedicated CUDA stream for a GPU pool, inline on CPU."""
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvoffload.connector.backends.abandoned_lookups import AbandonedLookups
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, instance_id
+from kvoffload.connector.backends.blockcopy import GroupedPages
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
@@ -40,7 +41,14 @@ from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.identities import model_identity
 from kvoffload.connector.keys import cache_model_name, chunk_layout
-from kvoffload.connector.layout import PoolLayout, describe_pool, key_ranks, transfer_shape
+from kvoffload.connector.layout import (
+    GroupedLayout,
+    KeyRanks,
+    PoolLayout,
+    describe_pool,
+    key_ranks,
+    transfer_shape,
+)
 from kvoffload.connector.lmcache_seam import EngineType, MPTransferMode, create_transfer_context
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings
@@ -74,6 +82,8 @@ class CacheServerBackend:
         self._needs_register = False
         self._geometry: KvGeometry | None = None
         self.transfers: PoolTransfers | None = None
+        self.grouped_layout: GroupedLayout | None = None
+        """A worker's cache of several layer groups, once registered (``register_grouped``)."""
         """The registered pool's loads and stores (None before ``register``)."""
         self.chunk_size = self._initial_chunk_size()
         reports = StoreReporter(settings.model_name, settings.tokens_per_block, metrics) if settings.kv_events else None
@@ -99,6 +109,11 @@ class CacheServerBackend:
         """The model name in this backend's keys, tagged with the layout of the pool it registered
         (``keys.cache_model_name``); None before a pool was registered."""
         return self._keys.model
+
+    def layer_groups(self) -> GroupedLayout | None:
+        """Scheduler: the layer groups the worker of this process registered (None: one pool, or none yet)."""
+        local = self._process.worker(self._settings.server_url)
+        return local.grouped_layout if local is not None else None
 
     @property
     def server_keys(self) -> ServerKeys:
@@ -163,11 +178,35 @@ class CacheServerBackend:
         every tensor-parallel rank holds alike (MLA) is keyed as one rank's and stored by rank 0 only,
         and LMCache is shown its two-plane view (``layout.transfer_shape``).
         """
-        assert self._instance_id is not None, "only a worker registers a pool"
         if layout is None:
             layout = describe_pool(tuple(kv_pool.shape), self._settings.tokens_per_block)
         kv_pool = kv_pool.view(transfer_shape(tuple(kv_pool.shape), layout))
-        self._keys.use(key_ranks(layout, self._settings.world_size, self._rank))
+        self._register_pool(kv_pool, geometry, key_ranks(layout, self._settings.world_size, self._rank), layout.tag())
+
+    def register_grouped(self, pages: GroupedPages, layout: GroupedLayout, dtype: Any) -> None:
+        """Register a cache of several layer groups: a chunk holds every group's pages of its blocks
+        (``layout.GroupedLayout``), each rank its own (its heads). LMCache sizes chunk slots from the
+        registered pool, so it is shown one block of that size, ``[1, 1, 2, elems]`` of ``dtype``."""
+        import torch
+
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        per_plane = 2 * itemsize * self._settings.tokens_per_block
+        if pages.block_bytes % per_plane:
+            raise RuntimeError(
+                f"kvoffload: a block of every layer group holds {pages.block_bytes} bytes, not a whole number of "
+                f"two {dtype} planes of {self._settings.tokens_per_block} tokens"
+            )
+        head_dim = pages.block_bytes // per_plane
+        stand_in = torch.zeros((1, 1, 2, self._settings.tokens_per_block * head_dim), dtype=dtype, device=pages.device)
+        ranks = KeyRanks(self._settings.world_size, self._rank, True)
+        self.grouped_layout = layout
+        self._register_pool(stand_in, KvGeometry(1, self._settings.tokens_per_block, head_dim), ranks, layout.tag(),
+                            pages)  # fmt: skip
+
+    def _register_pool(self, kv_pool: Any, geometry: KvGeometry, ranks: KeyRanks, tag: str,
+                       pages: GroupedPages | None = None) -> None:  # fmt: skip
+        assert self._instance_id is not None, "only a worker registers a pool"
+        self._keys.use(ranks)
         if self._rank == 0:
             self._process.attach(self._settings.server_url, self)
         self._geometry = geometry
@@ -175,9 +214,9 @@ class CacheServerBackend:
             kv_pool, rank=self._rank, instance_id=self._instance_id, tokens_per_block=self._settings.tokens_per_block,
             chunk_size=self.chunk_size, timeouts=self._timeouts, use_fast_copies=self._use_fast_copies,
             connection=self.connection, segments=self.segments, keys=self._keys, committer=self.committer,
-            securing=self._securing if self._rank == 0 else None, metrics=self._metrics,
+            securing=self._securing if self._rank == 0 else None, metrics=self._metrics, pages=pages,
         )  # fmt: skip
-        chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, layout.tag())
+        chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, tag)
         weights = model_identity(self._settings.model_source, self._settings.model_revision)
         self._keys.model = cache_model_name(self._settings.model_name, chunks, weights)
         try:

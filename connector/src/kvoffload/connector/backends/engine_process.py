@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.connector.backends.commits import PendingCommits
 from kvoffload.connector.backends.inprocess import InProcessServer
+from kvoffload.connector.layout import GroupedLayout
 from kvoffload.connector.wire import SecuredLoad
 
 if TYPE_CHECKING:
@@ -29,6 +30,9 @@ class LocalWorker(Protocol):
 
     @property
     def server_keys(self) -> ServerKeys: ...
+
+    @property
+    def grouped_layout(self) -> GroupedLayout | None: ...
 
     def prepare_secured(
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str

@@ -22,7 +22,13 @@ from typing import Any
 
 from kvoffload.connector import planning
 from kvoffload.connector.backends.base import BackendError, LoadResult
-from kvoffload.connector.backends.blockcopy import CopyMark, TransferStream, gather_chunks, scatter_chunks
+from kvoffload.connector.backends.blockcopy import (
+    CopyMark,
+    GroupedPages,
+    TransferStream,
+    gather_chunks,
+    scatter_chunks,
+)
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
@@ -78,9 +84,12 @@ class PoolTransfers:
     def __init__(self, kv_pool: Any, *, rank: int, instance_id: int, tokens_per_block: int, chunk_size: int,
                  timeouts: Timeouts, use_fast_copies: bool, connection: ServerConnection, segments: Segments,
                  keys: ServerKeys, committer: Committer, securing: Securing | None,
-                 metrics: ConnectorMetrics) -> None:  # fmt: skip
+                 metrics: ConnectorMetrics, pages: GroupedPages | None = None) -> None:  # fmt: skip
         self.pool = kv_pool
-        self.block_bytes = int(kv_pool[0].numel() * kv_pool.element_size())
+        """The pool LMCache is registered with (several layer groups: a one-block stand-in of the chunk's size)."""
+        self.pages = pages
+        """Several layer groups (``layout.GroupedLayout``): their pages, which every copy reads and writes."""
+        self.block_bytes = pages.block_bytes if pages else int(kv_pool[0].numel() * kv_pool.element_size())
         self.load_copies = TransferStream(kv_pool.device)
         self.store_copies = TransferStream(kv_pool.device)
         self._rank = rank
@@ -129,6 +138,10 @@ class PoolTransfers:
         return None
 
     def _scatter(self, op: TransferOp, chunks: Any) -> None:
+        if self.pages is not None:
+            skip = op.skip_tokens // self._tokens_per_block
+            self.pages.scatter(op.block_ids, op.group_block_ids, chunks, skip, self._blocks_per_chunk)
+            return
         scatter_chunks(self.pool, op.block_ids, chunks, op.skip_tokens // self._tokens_per_block,
                        self._blocks_per_chunk)  # fmt: skip
 
@@ -180,14 +193,14 @@ class PoolTransfers:
         """Before a forward that may write ``blocks``: it runs after any asynchronous load still
         copying into one of them (a parked request that vanished); device-side, no CPU wait."""
         with self._async_lock:
-            touching = [load for load in self._async_loads if not blocks.isdisjoint(load.op.block_ids)]
+            touching = [load for load in self._async_loads if not blocks.isdisjoint(load.op.pages())]
         for load in touching:
             load.copied.order_current_stream_after()
 
     def wait_async_loads(self, blocks: frozenset[int]) -> None:
         """Return once no asynchronous load copies into one of ``blocks`` any more (host-side wait)."""
         with self._async_lock:
-            touching = [load.copied for load in self._async_loads if not blocks.isdisjoint(load.op.block_ids)]
+            touching = [load.copied for load in self._async_loads if not blocks.isdisjoint(load.op.pages())]
         for copied in touching:
             copied.wait()
 
@@ -247,7 +260,11 @@ class PoolTransfers:
             key = self._keys.key(op.session_id, op.token_ids, op.start, op.end, op.salt, worker=True)
             if self._fast_copies():
                 return fast(transfer.engine_driven_context, key, op)
+            if self.pages is not None:  # LMCache's gather/scatter knows one pool of one layer group
+                raise BackendError(operation, "unavailable", "layer groups move only through the shared-memory L1")
             return bool(submit(transfer, key).result(timeout=timeout_s))
+        except BackendError:
+            raise
         except Exception as exc:
             raise self._connection.fail(
                 operation, failure_reason(exc), repr(exc), transfer.engine_driven_context.req_client
@@ -333,9 +350,13 @@ class PoolTransfers:
                 slots, indices = prepared
                 if not indices:
                     continue  # LMCache already holds every chunk of this group
-                blocks = op.block_ids[(a - op.start) // block : (b - op.start) // block]
+                lo, hi = (a - op.start) // block, (b - op.start) // block
                 with self.store_copies.after_caller():
-                    gather_chunks(self.pool, blocks, slots, indices, bpc)
+                    if self.pages is not None:
+                        groups = [ids[lo:hi] for ids in op.group_block_ids]
+                        self.pages.gather(op.block_ids[lo:hi], groups, slots, indices, bpc)
+                    else:
+                        gather_chunks(self.pool, op.block_ids[lo:hi], slots, indices, bpc)
                 issued.keys.append(group_key)
                 issued.blocks += len(indices) * bpc
         except BaseException:

@@ -44,16 +44,24 @@ def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
     return None
 
 
-SEVERAL_LAYER_GROUPS = (
+SLIDING_WINDOW_FAMILIES = (
     ("gpt-oss", "GPT-OSS alternates sliding-window and full-attention layers"),
     ("gemma-2", "Gemma 2 alternates local sliding-window and global attention layers"),
     ("gemma-3", "Gemma 3 alternates local sliding-window and global attention layers"),
     ("gemma3", "Gemma 3 alternates local sliding-window and global attention layers"),
     ("gemma-4", "Gemma 4 alternates local sliding-window and global attention layers"),
-    ("qwen3-next", "Qwen3-Next mixes linear-attention and full-attention layers"),
 )
-"""Model families whose KV cache TensorRT-LLM splits into several layer groups (KVCacheManagerV2,
-main's default for them); matched on the model argument's last path element, lower-cased."""
+"""Model families whose KV cache KVCacheManagerV2 (main's default for them) splits into one layer
+group per attention window: served there (``connector/layout.py``, ``GroupedLayout``); TensorRT-LLM
+refuses a KV connector with variable sliding windows on the V1 manager. Matched on the model
+argument's last path element, lower-cased."""
+
+NOT_SERVED_HYBRID = (
+    ("qwen3-next", "Qwen3-Next mixes linear-attention layers, whose per-request state is a recurrent one and "
+     "not per-token KV, with full-attention ones: a prefix cannot be restored from cached KV blocks, so "
+     "kvoffload cannot serve it"),
+)  # fmt: skip
+"""Hybrid families the connector does not serve, and why."""
 
 
 NOT_SERVED_LATENT_ATTENTION = (
@@ -66,20 +74,31 @@ NOT_SERVED_LATENT_ATTENTION = (
 V2/V3/R1 and Kimi K2, is served: one latent per layer, ``connector/layout.py``)."""
 
 
-def model_layout_problem(model: str) -> str | None:
-    """Why kvoffload cannot serve ``model``'s KV cache (several layer groups, sparse or compressed
-    attention), or None; matched on the model argument's last path element, lower-cased."""
+def model_layout_problem(model: str, kv_cache_manager_v1: bool = False) -> str | None:
+    """Why kvoffload cannot serve ``model``'s KV cache (sparse, compressed or linear attention; sliding
+    windows on the V1 manager, which the options file forces when ``kv_cache_manager_v1``), or None;
+    matched on the model argument's last path element, lower-cased."""
     name = posixpath.basename(model.rstrip("/")).lower()
     for family, feature in NOT_SERVED_LATENT_ATTENTION:
         if "distill" not in name and family in name:
             return f"{feature}: opt this workload out"
-    for family, feature in SEVERAL_LAYER_GROUPS:
+    for family, feature in NOT_SERVED_HYBRID:
         if family in name:
-            return (
-                f"{feature}, so TensorRT-LLM gives its KV cache several layer groups; kvoffload moves one pool "
-                "of uniform blocks and the connector would refuse it at engine start: opt this workload out"
-            )
+            return f"{feature}: opt this workload out"
+    if kv_cache_manager_v1:
+        for family, feature in SLIDING_WINDOW_FAMILIES:
+            if family in name:
+                return (
+                    f"{feature}, which TensorRT-LLM serves with a KV connector only on KVCacheManagerV2, and the "
+                    "options file sets kv_cache_config.use_kv_cache_manager_v2: false: remove it"
+                )
     return None
+
+
+def _kv_cache_manager_v1(options: Mapping[str, Any] | None) -> bool:
+    """Whether the options file forces TensorRT-LLM's V1 KV cache manager."""
+    cache = (options or {}).get("kv_cache_config")
+    return isinstance(cache, Mapping) and cache.get("use_kv_cache_manager_v2") is False
 
 
 TRTLLM_DEFAULT_TOKENS_PER_BLOCK = 32
@@ -131,9 +150,9 @@ def user_options_problem(options: Mapping[str, Any]) -> str | None:
         return (f"kv_cache_config.host_cache_size: {host}; TensorRT-LLM refuses a KV connector with its own host "
                 "cache tier (kvoffload is that tier): remove it or set 0")  # fmt: skip
     windows = cache.get("max_attention_window")
-    if isinstance(windows, list) and len(set(windows)) > 1:
-        return (f"kv_cache_config.max_attention_window: {windows}; TensorRT-LLM refuses a KV connector with "
-                "variable sliding-window attention")  # fmt: skip
+    if isinstance(windows, list) and len(set(windows)) > 1 and _kv_cache_manager_v1(options):
+        return (f"kv_cache_config.max_attention_window: {windows} with use_kv_cache_manager_v2: false; TensorRT-LLM "
+                "serves a KV connector with variable sliding-window attention only on KVCacheManagerV2")  # fmt: skip
     scheduler = options.get("scheduler_config")
     policy = scheduler.get("capacity_scheduler_policy") if isinstance(scheduler, Mapping) else None
     if policy not in (None, CAPACITY_POLICY_FOR_CONNECTORS):
@@ -169,11 +188,23 @@ def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
     return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None
 
 
+@functools.lru_cache(maxsize=256)
+def forces_kv_cache_manager_v1(user_yaml: str | None) -> bool:
+    """Whether the user's options file sets ``use_kv_cache_manager_v2: false`` (an unreadable file is
+    refused by ``merged_options_yaml``). Cached, as the merge is."""
+    try:
+        loaded = yaml.safe_load(user_yaml) if user_yaml else None
+    except yaml.YAMLError:
+        return False
+    return isinstance(loaded, dict) and _kv_cache_manager_v1(loaded)
+
+
 def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None
                     ) -> tuple[list[str] | None, str] | PolicyError:  # fmt: skip
     """The engine's TensorRT-LLM side: (its args to apply or None, the options file it gets), or why
     its model or options cannot run with kvoffload's connector."""
-    layout_problem = model_layout_problem(engine.model) if engine.model else None
+    v1 = isinstance(engine.options, MergeFromConfigMap) and forces_kv_cache_manager_v1(user_options_yaml)
+    layout_problem = model_layout_problem(engine.model, v1) if engine.model else None
     if layout_problem:
         return PolicyError(f"container {engine.name} model", engine.model, layout_problem, reason="unsupported")
     plan = engine.options

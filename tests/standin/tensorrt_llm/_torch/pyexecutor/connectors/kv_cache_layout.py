@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 BAD_PAGE_INDEX = -1
+ROLES = ("key", "value")
+"""The roles V2 names a layer's buffers by (a latent pool has only the first)."""
 
 
 def valid_page_slots(page_indices: Iterable[int]) -> Iterator[tuple[int, int]]:
@@ -159,7 +161,7 @@ def describe_pool(pool: torch.Tensor, tokens_per_block: int, window_size: int | 
     Not upstream API: how the stand-in executor and the GPU check describe their pools."""
     _POOLS.append(weakref.ref(pool))
     slots, layers, kv_factor, _elems = pool.shape
-    roles = ("key", "value")[:kv_factor]
+    roles = ROLES[:kv_factor]
     page_bytes = pool[0].numel() * pool.element_size()
     region = KvCacheRegion(
         base=pool.data_ptr(),
@@ -170,3 +172,19 @@ def describe_pool(pool: torch.Tensor, tokens_per_block: int, window_size: int | 
     )
     group = KvCacheLayerGroupLayout(0, tuple(range(layers)), window_size, (region,))
     return KvCacheLayout(tokens_per_block, (group,), pool.dtype)
+
+
+def describe_pools(
+    pools: list[tuple[torch.Tensor, tuple[int, ...], int | None]], tokens_per_block: int
+) -> KvCacheLayout:
+    """The layout V2 gives for layer groups each in a pool of its own, ``(pool, layer ids, window)``
+    in layer-group id order (how the stand-in executor describes a VSWA model's pools)."""
+    groups = []
+    for group_id, (pool, layers, window) in enumerate(pools):
+        (region,) = describe_pool(pool, tokens_per_block, window).groups[0].regions
+        buffers = tuple(
+            KvCacheBufferRef(layers[i // len(ROLES[: pool.shape[2]])], ref.role) for i, ref in enumerate(region.buffers)
+        )
+        region = KvCacheRegion(region.base, region.size, region.stride, region.num_slots, buffers)
+        groups.append(KvCacheLayerGroupLayout(group_id, tuple(layers), window, (region,)))
+    return KvCacheLayout(tokens_per_block, tuple(groups), pools[0][0].dtype)

@@ -1,0 +1,134 @@
+"""Variable sliding-window attention (GPT-OSS, Gemma 3/4) on KVCacheManagerV2, through the real
+``lmcache server``: one layer group per attention window, each its own pages; a sliding group's
+pages behind its window go back to the pool after each forward and read -1, device reuse holds a
+sliding group's window only, and a loaded prefix gets sliding pages only inside the window at its
+end (the stand-in follows V2's ``_life_cycle_registry``, ``_block_radix_tree`` and
+``_resize_for_connector_prefix``). The stand-in's forward checks every block a full-attention layer
+reads and the window a sliding layer reads, so wrong KV in either group counts as mismatches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.support.lmcache_server import LMCacheServer
+from tests.support.trtllm_executor import CHUNK, PromptRequest, make_prompt
+
+pytestmark = pytest.mark.connector
+
+GPT_OSS = (48, None)
+"""Layers alternate a 48-token sliding window and full attention, the sliding group first (group 0)."""
+GEMMA = (40, 40, 40, 40, 40, None)
+"""Five local layers of a 40-token window to one global layer."""
+PROMPT = make_prompt(71, 4 * CHUNK + 10)
+
+
+def vswa(executor_factory: Any, model: str, url: str, windows: tuple[int | None, ...], **kwargs: Any) -> Any:
+    llm_args = {"kv_cache_manager_v2": True, **kwargs.pop("llm_args", {})}
+    return executor_factory(
+        model, url, layer_windows=windows, num_layers=len(windows) * 2, enable_partial_reuse=False,
+        llm_args=llm_args, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("windows", [GPT_OSS, GEMMA], ids=["gpt-oss", "gemma"])
+def test_a_vswa_prompt_is_stored_and_a_fresh_engine_state_loads_it_bit_exact(
+    lmcache_server: LMCacheServer, executor_factory: Any, windows: tuple[int | None, ...]
+) -> None:
+    """Every whole chunk of the prompt is stored (every group held its pages in that forward); after
+    the device forgot it, the next request loads all of them: the full-attention group the whole
+    prefix, the sliding group the window before the first computed token. The same output, no wrong KV."""
+    ex = vswa(executor_factory, f"vswa-{len(windows)}-model", lmcache_server.url, windows)
+    first = ex.run([PromptRequest(1, PROMPT, 3)])[0]
+    assert first.connector_matched_tokens == 0 and not first.failed
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(2, PROMPT, 3)])[0]
+    assert again.device_reused_tokens == 0 and again.connector_matched_tokens == 4 * CHUNK
+    assert again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+def test_a_shared_prefix_then_another_continuation_loads_the_prefix_and_its_window(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """A second prompt shares the first's two chunks and then differs: it loads those two chunks (the
+    sliding group's pages of the window before 128, which the first prompt stored mid-prompt) and
+    computes the rest; a third request of the first prompt still loads all of it."""
+    ex = vswa(executor_factory, "vswa-prefix-model", lmcache_server.url, GPT_OSS)
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    ex.evict_device_cache()
+    other = [*PROMPT[: 2 * CHUNK], *make_prompt(72, 2 * CHUNK + 7)]
+    branch = ex.run([PromptRequest(2, other, 2)])[0]
+    assert branch.connector_matched_tokens == 2 * CHUNK and not branch.failed
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(3, PROMPT, 2)])[0]
+    assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+def test_the_next_turn_reuses_the_device_window_and_loads_what_the_sliding_group_released(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """A chat's next turn extends the first prompt without evicting it: the device's match is cut to
+    where the sliding group still holds its window (its pages behind the window went back), and
+    the connector serves what lies past that, bit-exact."""
+    ex = vswa(executor_factory, "vswa-turns-model", lmcache_server.url, GPT_OSS)
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    turn = [*PROMPT, *first.output_tokens, *make_prompt(73, CHUNK + 30)]
+    second = ex.run([PromptRequest(2, turn, 2)])[0]
+    assert not second.failed
+    assert second.device_reused_tokens + second.connector_matched_tokens >= 4 * CHUNK
+    assert ex.kv_mismatches == 0
+
+
+def test_chunked_prefill_never_stores_a_chunk_whose_sliding_pages_left_before_it_completed(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Prefill in 32-token chunks with a 16-token window: when a 64-token chunk completes, the sliding
+    group already released its first blocks, so no chunk holds every group's pages and nothing is
+    stored (a chunk with another request's page in it would be wrong KV for every later hit)."""
+    ex = vswa(executor_factory, "vswa-chunked-model", lmcache_server.url, (16, None), context_chunk_size=32)
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    assert not first.failed and not again.failed
+    assert again.connector_matched_tokens == 0 and again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+def test_a_tp2_vswa_engine_stores_and_loads_each_ranks_heads_bit_exact(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    ex = vswa(executor_factory, "vswa-tp2-model", lmcache_server.url, GPT_OSS, llm_args={"tp": 2})
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+
+
+def test_a_salted_vswa_prompt_is_never_loaded_by_another_tenant(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    ex = vswa(executor_factory, "vswa-salt-model", lmcache_server.url, GPT_OSS)
+    ex.run([PromptRequest(1, PROMPT, 2, cache_salt="tenant-a")])
+    ex.evict_device_cache()
+    other = ex.run([PromptRequest(2, PROMPT, 2, cache_salt="tenant-b")])[0]
+    ex.evict_device_cache()
+    own = ex.run([PromptRequest(3, PROMPT, 2, cache_salt="tenant-a")])[0]
+    assert other.connector_matched_tokens == 0 and own.connector_matched_tokens == 4 * CHUNK
+    assert ex.kv_mismatches == 0
+
+
+def test_vswa_chunks_are_keyed_apart_from_a_dense_layout_of_the_same_model(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """The same model name with every layer full-attention (another engine build) never reads the
+    VSWA engine's chunks: the key names each group's window, layers and page bytes."""
+    dense = executor_factory("vswa-or-dense-model", lmcache_server.url, num_layers=4,
+                             llm_args={"kv_cache_manager_v2": True})  # fmt: skip
+    dense.run([PromptRequest(1, PROMPT, 2)])
+    ex = vswa(executor_factory, "vswa-or-dense-model", lmcache_server.url, GPT_OSS)
+    assert ex.run([PromptRequest(2, PROMPT, 2)])[0].connector_matched_tokens == 0
+    assert ex.kv_mismatches == 0 and dense.kv_mismatches == 0
