@@ -8,12 +8,20 @@ reads and the window a sliding layer reads, so wrong KV in either group counts a
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import CHUNK, PromptRequest, make_prompt
+from tests.support.trtllm_executor import (
+    CHUNK,
+    AttentionDpRank,
+    PromptRequest,
+    connector_llm_args,
+    make_prompt,
+    settle_commits,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -132,3 +140,88 @@ def test_vswa_chunks_are_keyed_apart_from_a_dense_layout_of_the_same_model(
     ex = vswa(executor_factory, "vswa-or-dense-model", lmcache_server.url, GPT_OSS)
     assert ex.run([PromptRequest(2, PROMPT, 2)])[0].connector_matched_tokens == 0
     assert ex.kv_mismatches == 0 and dense.kv_mismatches == 0
+
+
+def test_two_lora_adapters_never_share_vswa_chunks(lmcache_server: LMCacheServer, executor_factory: Any) -> None:
+    ex = vswa(executor_factory, "vswa-lora-model", lmcache_server.url, GPT_OSS)
+    first = ex.run([PromptRequest(1, PROMPT, 2, lora_task_id=1)])[0]
+    ex.evict_device_cache()
+    other = ex.run([PromptRequest(2, PROMPT, 2, lora_task_id=2)])[0]
+    ex.evict_device_cache()
+    again = ex.run([PromptRequest(3, PROMPT, 2, lora_task_id=1)])[0]
+    assert other.connector_matched_tokens == 0 and again.connector_matched_tokens == 4 * CHUNK
+    assert again.output_tokens == first.output_tokens and ex.kv_mismatches == 0
+
+
+def test_a_replayed_vswa_allocation_loads_bit_exact_into_its_new_pages(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """MAX_UTILIZATION destroys the first allocation (every group's pages go back) and replays the
+    request: it is asked again and loads into the pages of its second allocation."""
+    ex = vswa(executor_factory, "vswa-replay-model", lmcache_server.url, GPT_OSS)
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    ex.evict_device_cache()
+    replayed, other = ex.run(
+        [PromptRequest(2, PROMPT, 2, replay_on_admission=True), PromptRequest(3, make_prompt(74, 100), 2)]
+    )
+    assert not replayed.failed and not other.failed
+    assert replayed.connector_matched_tokens == 4 * CHUNK and replayed.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+
+
+def test_a_vswa_load_secured_before_a_server_kill_arrives_bit_exact(
+    doomed_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Every group's pages of a chunk are secured at lookup in one PREPARE; the server is SIGKILLed
+    right after, before the load: the copies come from the mapped segment, bit-exact."""
+    ex = vswa(executor_factory, "vswa-kill-model", doomed_server.url, GPT_OSS)
+    first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
+    ex.evict_device_cache()
+    lookup = ex.scheduler.get_num_new_matched_tokens
+    killed: list[int] = []
+
+    def lookup_then_kill(request: Any, computed: int) -> tuple[int, bool]:
+        result = lookup(request, computed)
+        if result[0] > 0 and not killed:
+            killed.append(result[0])
+            doomed_server.kill()
+        return result
+
+    ex.scheduler.get_num_new_matched_tokens = lookup_then_kill
+    loaded = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    assert killed == [4 * CHUNK] and not loaded.failed
+    assert loaded.output_tokens == first.output_tokens and ex.kv_mismatches == 0
+
+
+def test_a_request_cancelled_mid_prefill_leaves_no_wrong_vswa_chunk_behind(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Cancelled after its first prefill chunk: what it stored is every group's, and a later request of
+    the same prompt loads it and computes the rest, bit-exact; nothing of it stays tracked."""
+    ex = vswa(executor_factory, "vswa-cancel-model", lmcache_server.url, GPT_OSS, context_chunk_size=2 * CHUNK)
+    cancelled = ex.run([PromptRequest(1, PROMPT, 2, cancel_after=1)])[0]
+    ex.evict_device_cache()
+    later = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    clean = vswa(executor_factory, "vswa-cancel-clean-model", lmcache_server.url, GPT_OSS)
+    expected = clean.run([PromptRequest(3, PROMPT, 2)])[0]
+    assert cancelled.cancelled and not later.failed
+    assert later.connector_matched_tokens == 2 * CHUNK and later.output_tokens == expected.output_tokens
+    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+
+
+def test_two_attention_dp_ranks_load_each_others_vswa_chunks(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    model, adp = "vswa-adp-model", {"tp": 2, "attention_dp": True}
+    rank0 = vswa(executor_factory, model, lmcache_server.url, GPT_OSS, llm_args=adp, attention_dp_rank=0)
+    args = connector_llm_args(model, lmcache_server.url, kv_cache_manager_v2=True, **adp)
+    rank1 = AttentionDpRank(args, 1, dict(os.environ), layer_windows=GPT_OSS, num_layers=4, enable_partial_reuse=False)
+    try:
+        first = rank0.run([PromptRequest(1, PROMPT, 2)])[0]
+        assert settle_commits()
+        again = rank1.run([PromptRequest(2, PROMPT, 2)])[0]
+        report = rank1.report()
+    finally:
+        rank1.close()
+    assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
+    assert rank0.kv_mismatches == 0 and report["kv_mismatches"] == 0
