@@ -72,6 +72,7 @@ class CacheServerBackend:
         self._process = process
         self._use_fast_copies = use_fast_copies
         self._instance_id: int | None = instance_id() if role == "worker" else None
+        self._heartbeat_lock = threading.Lock()  # the heartbeat thread and a load catching up, one at a time
         self._lookup_timeout_s = settings.lookup_timeout_ms / 1000.0
         self._timeouts = Timeouts(settings.retrieve_timeout_ms / 1000.0, settings.store_timeout_ms / 1000.0)
         self.connection = ServerConnection(settings, role, metrics)
@@ -215,6 +216,7 @@ class CacheServerBackend:
             chunk_size=self.chunk_size, timeouts=self._timeouts, use_fast_copies=self._use_fast_copies,
             connection=self.connection, segments=self.segments, keys=self._keys, committer=self.committer,
             securing=self._securing if self._rank == 0 else None, metrics=self._metrics, pages=pages,
+            catch_up=self._catch_up,
         )  # fmt: skip
         chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, tag)
         weights = model_identity(self._settings.model_source, self._settings.model_revision)
@@ -256,9 +258,16 @@ class CacheServerBackend:
         while self.connection.wait_for_next_ping():
             try:
                 self.segments.close_retired(RETIRED_GRACE_S)
-                self.heartbeat_once()
+                with self._heartbeat_lock:
+                    self.heartbeat_once()
             except Exception:  # the thread must survive anything
                 logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
+
+    def _catch_up(self) -> None:
+        """A heartbeat now, on the caller's thread (never two at once): a restarted server's segment
+        is mapped before a load that names it is failed."""
+        with self._heartbeat_lock:
+            self.heartbeat_once()
 
     def heartbeat_once(self) -> None:
         """PING (``ServerConnection.ping``); a connection that went down is replaced first, and on

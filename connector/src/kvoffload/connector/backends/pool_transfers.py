@@ -84,7 +84,8 @@ class PoolTransfers:
     def __init__(self, kv_pool: Any, *, rank: int, instance_id: int, tokens_per_block: int, chunk_size: int,
                  timeouts: Timeouts, use_fast_copies: bool, connection: ServerConnection, segments: Segments,
                  keys: ServerKeys, committer: Committer, securing: Securing | None,
-                 metrics: ConnectorMetrics, pages: GroupedPages | None = None) -> None:  # fmt: skip
+                 metrics: ConnectorMetrics, pages: GroupedPages | None = None,
+                 catch_up: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.pool = kv_pool
         """The pool LMCache is registered with (several layer groups: a one-block stand-in of the chunk's size)."""
         self.pages = pages
@@ -106,6 +107,9 @@ class PoolTransfers:
         self._securing = securing
         """Rank 0's: gives loaded chunks back to the server (None on other ranks: nothing to give back)."""
         self._metrics = metrics
+        self._catch_up = catch_up
+        """Registers the pool with the server now if it must (a restart replaced its segment): a load
+        rank 0 secured in the new segment may reach this rank before its own heartbeat did that."""
         self._loaded: list[TransferOp] = []
         self._async_loads: list[AsyncLoad] = []
         """Asynchronous loads whose copies were issued and not yet reported finished."""
@@ -150,6 +154,9 @@ class PoolTransfers:
         if secured is None:
             raise BackendError("retrieve", "error", "load was not secured at lookup")
         transfer = self._segments.mapping(secured.segment)
+        if transfer is None and self._catch_up is not None:
+            self._catch_up()
+            transfer = self._segments.mapping(secured.segment)
         if transfer is None:
             raise BackendError("retrieve", "unavailable", f"segment {secured.segment} no longer mapped")
         edc = transfer.engine_driven_context
