@@ -264,6 +264,8 @@ class EventPublisher:
         same number, so that no other subscriber sees a gap."""
         if self._snapshot is None:
             self._snapshot = encode_batch(time.time(), [*self._inherited, *self._tracker.snapshot()], self._wire)
+        if self._journal is not None:  # the number only: a successor must not send it again
+            self._journal.append(self._sequence, [])
         sequence = self._sequence.to_bytes(8, "big")
         for payload in (self._snapshot, encode_batch(time.time(), [], self._wire)):
             try:
