@@ -63,6 +63,7 @@ POLICIES: list[dict[str, Any]] = [
     {"connector": {"backend": "inprocess"}, "cache": {"l1Size": "1Gi"}},
     {"connector": {"saveDecodeTokens": True}, "sidecar": {"gpuAccess": "nvidia-runtime"}},
     {"kvEvents": {"enabled": True, "topic": "kv@$(KVOFFLOAD_POD_IP):8000@m"}},
+    {"kvEvents": {"enabled": True, "format": "vllm-positional"}},
 ]  # fmt: skip
 
 

@@ -173,6 +173,11 @@ ENV_KV_EVENTS: Final = "KVOFFLOAD_KV_EVENTS"
 """Connector: report committed stores to the cache server's KV-event module (true/false, default false)."""
 ENV_KV_EVENTS_TOPIC: Final = "KVOFFLOAD_KV_EVENTS_TOPIC"
 """Sidecar: the ZMQ topic of every event batch (default empty; llm-d's index wants ``kv@<pod>@<model>``)."""
+ENV_KV_EVENTS_FORMAT: Final = "KVOFFLOAD_KV_EVENTS_FORMAT"
+"""Sidecar: the events' wire format (``policy_values.KV_EVENTS_FORMATS``; unset: ``vllm``, vLLM >= 0.24's maps)."""
+KV_EVENTS_JOURNAL: Final = "kv-events.journal"
+"""Sidecar: the KV-event journal's file name, ``<instance id>.`` before it, beside ``METRICS_DIR`` in
+``RUN_MOUNT_PATH`` (which outlives a server restart): a restarted server withdraws what it lists."""
 ENV_POD_IP: Final = "KVOFFLOAD_POD_IP"
 """Set by the operator beside the events topic (the downward API's ``status.podIP``), so that a
 topic can name the pod as ``$(KVOFFLOAD_POD_IP)``, which Kubernetes expands; read by no component."""

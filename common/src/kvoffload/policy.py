@@ -23,6 +23,7 @@ from kvoffload.policy_values import (
     CONNECTOR_SOURCES,
     EVICTION_POLICIES,
     GPU_ACCESS_MODES,
+    KV_EVENTS_FORMATS,
     MAX_CHUNK_SIZE,
     MAX_TIMEOUT_MS,
     MAX_WORKERS,
@@ -80,6 +81,8 @@ class Policy:
     connector reports its stores to it. Off by default: the events carry prompt token ids, unauthenticated,
     to anyone on the pod network who subscribes (docs/routing.md)."""
     kv_events_topic: str = ""
+    kv_events_format: str = KV_EVENTS_FORMATS[0]
+    """The events' wire format (``kvEvents.format``): vLLM >= 0.24's maps, or ``vllm-positional``."""
 
     def document(self) -> dict[str, Any]:
         """The policy as a CRD ``spec`` (camelCase): what the sidecar reads as policy.json."""
@@ -121,6 +124,8 @@ class Policy:
             doc["l2"] = l2
         if self.kv_events:  # only when on: a policy without events renders byte for byte as before
             doc["kvEvents"] = {"enabled": True, "topic": self.kv_events_topic}
+            if self.kv_events_format != KV_EVENTS_FORMATS[0]:
+                doc["kvEvents"]["format"] = self.kv_events_format
         return doc
 
 
@@ -160,6 +165,7 @@ FIELDS: tuple[PolicyField, ...] = (
     PolicyField(("connector", "saveDecodeTokens"), "save_decode_tokens", read_bool),
     PolicyField(("kvEvents", "enabled"), "kv_events", read_bool),
     PolicyField(("kvEvents", "topic"), "kv_events_topic", read_kv_events_topic),
+    PolicyField(("kvEvents", "format"), "kv_events_format", read_choice(KV_EVENTS_FORMATS)),
 )
 """Every field a KVCachePolicy ``spec`` may set (the CRD's properties, checked by a test)."""
 SECTIONS = ("cache", "l2", "sidecar", "connector", "kvEvents")

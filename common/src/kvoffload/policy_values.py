@@ -41,6 +41,8 @@ KV_EVENTS_TOPIC_PATTERN = r"^[^\x00-\x20\x7f]*$"
 parses ``kv@<pod>@<model>`` from it); the CRD's."""
 KV_EVENTS_TOPIC = re.compile(KV_EVENTS_TOPIC_PATTERN)
 MAX_KV_EVENTS_TOPIC_LENGTH = 256
+KV_EVENTS_FORMATS = ("vllm", "vllm-positional")
+"""KV-event wire formats: vLLM >= 0.24's tagged maps (the default), vLLM <= 0.23's positional arrays."""
 SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 """A Secret's name (DNS-1123 subdomain, at most 253 characters); the CRD's."""
 SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr",

@@ -150,16 +150,25 @@ def test_router_sees_a_prefix_in_the_disk_tier_after_l1_evicts_it_while_the_file
         server.stop()
 
 
-def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_and_never_a_tenants(
+def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_never_a_tenants_and_forgets_a_restarted_one(
     tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llm-d's kv-cache index (its event pool, vLLM adapter, per-pod subscribers, in-memory index)
     on two servers publishing with llm-d's topic ``kv@<pod>@<model>``; A with a filesystem L2. A's
     prompt ranks A in ``cpu`` and ``disk``, B's ranks B; A's L1 evicting its prompt drops A's
-    ``cpu`` match and keeps its ``disk`` match; a salted tenant's prompt matches no pod."""
+    ``cpu`` match and keeps its ``disk`` match; a salted tenant's prompt matches no pod. A's server
+    killed and started again: llm-d 0.8.1 only logs ``AllBlocksCleared``, so A is forgotten in both
+    tiers only because the new server withdraws, block by block, what its journal says A announced.
+    llm-d 0.8.1 reads only positional arrays: the servers publish ``vllm-positional``."""
     l2 = tmp_path / "l2"
     l2.mkdir()
-    topic = {name: {contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model"} for name in ("a", "b")}
+    topic = {
+        name: {
+            contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model",
+            contract.ENV_KV_EVENTS_FORMAT: "vllm-positional",
+        }
+        for name in ("a", "b")
+    }
     server_a, events_a = sidecar_server(
         tmp_path, "a", {**topic["a"], contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"}
     )
@@ -191,13 +200,19 @@ def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_and_never_a_te
         eventually(lambda: held(first, "disk") == {"pod-a": CACHED}, "llm-d sees A's prompt in A's L2")
         other = run(engine_b, 2)
         eventually(lambda: held(other, "cpu") == {"pod-b": CACHED}, "llm-d ranks B for B's prompt", 60.0)
-        run(engine_a, 3)  # fills A's 64 MiB L1: the first prompt leaves L1, not L2
+        third = run(engine_a, 3)  # fills A's 64 MiB L1: the first prompt leaves L1, not L2
         eventually(lambda: held(first, "cpu").get("pod-a", 0) < CACHED, "A's cpu match drops")
         assert held(first, "disk") == {"pod-a": CACHED}
         tenant = run(engine_a, 5, salt="tenant-x")
         marker = run(engine_b, 6)  # B reports after the tenant's store on A was reported
         eventually(lambda: held(marker, "cpu") == {"pod-b": CACHED}, "llm-d ranks B for the marker")
         assert held(tenant, "cpu") == {} and held(tenant, "disk") == {}
+
+        assert held(third, "cpu").get("pod-a", 0) > 0 and held(first, "disk") == {"pod-a": CACHED}
+        server_a.kill()
+        server_a.start()
+        eventually(lambda: held(third, "cpu") == {} and held(first, "disk") == {}, "llm-d forgot restarted A", 60.0)
+        assert held(marker, "cpu") == {"pod-b": CACHED}
     finally:
         for part in reversed(started):
             part.stop()

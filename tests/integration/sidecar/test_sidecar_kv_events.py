@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -42,7 +43,7 @@ def test_every_subscriber_is_told_the_cache_is_empty_by_a_cold_server_and_by_one
     sidecar.wait_ready()
     endpoint = f"tcp://127.0.0.1:{port}"
     before, events = first_batch(endpoint)
-    assert events == [["AllBlocksCleared"]]
+    assert events == [{"type": "AllBlocksCleared"}]  # vLLM >= 0.24's maps, the default
 
     wait_for(sidecar.standby_is_warm, 120, "a warm standby beside the ready server")
     old = sidecar.server_pid()
@@ -55,5 +56,106 @@ def test_every_subscriber_is_told_the_cache_is_empty_by_a_cold_server_and_by_one
     wait_for(restarted, 180, "the standby's server ready")
     assert sidecar.server_pid() != old
     after, events = first_batch(endpoint)
-    assert events == [["AllBlocksCleared"]]
-    assert after > before, "a restarted server's sequence continues above its predecessor's"
+    assert events == [{"type": "AllBlocksCleared"}]  # vLLM >= 0.24's maps, the default
+    assert after == before + 1, "a restarted server numbers on from its predecessor's journal"
+
+
+# The publisher alone, on loopback (no LMCache): whom the first batch goes to, and what a restart sends.
+
+
+class Subscriber:
+    """A ZMQ SUB as routers use one, decoding with vLLM 0.34.0's own schema."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+        self.sock = context.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+
+    def next(self, timeout_s: float = 10.0) -> tuple[int, list[object]]:
+        from tests.support.vllm_events import DECODER
+
+        assert self.sock.poll(int(timeout_s * 1000)), "no batch within the timeout"
+        _topic, sequence, payload = self.sock.recv_multipart()
+        return int.from_bytes(sequence, "big"), list(DECODER.decode(payload).events)
+
+    def pending(self) -> list[tuple[int, list[object]]]:
+        """Every batch already delivered, without waiting for more."""
+        got = []
+        while self.sock.poll(0):
+            got.append(self.next())
+        return got
+
+
+def stored(publisher: object, chunk: bytes) -> None:
+    from kvoffload.sidecar.kv_events import StoredChunk
+
+    publisher.submit(lambda tracker: tracker.stored("m", [StoredChunk(chunk, list(range(64)), 0)], None, 16, ""))  # type: ignore[attr-defined]
+
+
+def test_a_new_subscribers_first_batch_goes_to_it_alone_and_the_others_see_no_gap(tmp_path: object) -> None:
+    from kvoffload.sidecar.kv_events import ChunkTracker
+    from kvoffload.sidecar.kv_events_module import EventPublisher
+    from tests.support import vllm_events as vllm
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = EventPublisher(endpoint, "", ChunkTracker())
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    publisher.start()
+    try:
+        first = Subscriber(context, endpoint)
+        sequence, events = first.next()
+        assert [type(e) for e in events] == [vllm.AllBlocksCleared]
+        assert first.next() == (sequence, [])  # the others' gap filler, under the same number
+        stored(publisher, b"a")
+        assert first.next()[0] == sequence + 1
+        second = Subscriber(context, endpoint)
+        joined, events = second.next()
+        assert [type(e) for e in events] == [vllm.AllBlocksCleared, vllm.BlockStored] and joined == sequence + 2
+        stored(publisher, b"b")
+        assert [s for s, _ in [second.next(), second.next()]] == [joined, joined + 1]
+        # the first subscriber saw no snapshot of the second's and no gap: an empty batch, then the store
+        seen = [first.next(), first.next()]
+        assert seen[0] == (joined, []) and seen[1][0] == joined + 1
+        assert [type(e) for e in seen[1][1]] == [vllm.BlockStored]
+        assert first.pending() == []
+    finally:
+        publisher.close()
+        context.destroy(0)
+
+
+def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_numbers_on(tmp_path: Path) -> None:
+    from kvoffload.sidecar.kv_event_wire import Tier
+    from kvoffload.sidecar.kv_events import ChunkTracker, block_ids
+    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
+    from tests.support import vllm_events as vllm
+
+    endpoint, journal = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "events.journal")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+        before.start()
+        sub = Subscriber(context, endpoint)
+        sub.next(), sub.next()
+        stored(before, b"a")
+        sub.next()  # one change, one batch: changes queued together go out as one
+        stored(before, b"b")
+        sub.next()
+        before.submit(lambda tracker: tracker.l2_stored([("m", b"b", "")], Tier.L2_LOCAL))
+        sub.next()
+        before.submit(lambda tracker: tracker.evicted([("m", b"a", "")]))
+        last = sub.next()[0]
+        before.close()  # as a killed server: nothing is sent on the way out
+
+        after = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+        after.start()
+        try:
+            sequence, events = sub.next(30.0)  # the SUB reconnects and subscribes again
+            assert sequence == last + 1, "numbered on from the predecessor's last batch"
+            removed = [(e.block_hashes, e.medium, e.locality) for e in events if isinstance(e, vllm.BlockRemoved)]
+            b = list(block_ids("m", b"b", 4))
+            assert removed == [(b, "CPU", None), (b, "STORAGE", "LOCAL")]  # a was withdrawn already
+            assert isinstance(events[-1], vllm.AllBlocksCleared)
+        finally:
+            after.close()
+    finally:
+        context.destroy(0)

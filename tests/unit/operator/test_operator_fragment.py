@@ -616,6 +616,21 @@ def test_kv_events_on_put_the_events_port_on_the_cache_server_and_tell_both_side
     assert env[c.ENV_POD_IP] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
     assert env_of(named(spec["containers"], "trtllm"))[c.ENV_KV_EVENTS] == "true"
     assert json.loads(r.files[c.POLICY_FILE])["kvEvents"] == {"enabled": True, "topic": topic}
+    assert c.ENV_KV_EVENTS_FORMAT not in env  # the default format (vLLM >= 0.24's maps) sets nothing
+
+
+def test_a_kv_events_format_other_than_the_default_reaches_the_cache_server_and_a_bad_one_is_refused() -> None:
+    s = _with_policy({"kvEvents": {"enabled": True, "format": "vllm-positional"}})
+    assert isinstance(s, InjectionSettings)
+    r = render_injection_fragment(deployment(), s, NATIVE)
+    assert isinstance(r, RenderedInjection)
+    sidecar = named(pod(r.workload_apply)["initContainers"], c.SIDECAR_CONTAINER)
+    assert env_of(sidecar)[c.ENV_KV_EVENTS_FORMAT] == "vllm-positional"
+    assert json.loads(r.files[c.POLICY_FILE])["kvEvents"]["format"] == "vllm-positional"
+    bad = _with_policy({"kvEvents": {"enabled": True, "format": "vllm-0.23"}})
+    assert (
+        isinstance(bad, PolicyError) and bad.field.endswith("kvEvents.format") and "vllm-positional" in bad.allowed
+    ), bad
 
 
 def test_kv_events_off_by_default_render_exactly_what_they_rendered_before() -> None:

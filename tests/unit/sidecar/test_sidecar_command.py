@@ -135,8 +135,15 @@ def test_kv_events_load_kvoffloads_server_module_only_when_a_port_is_set() -> No
     assert spec == {
         "module_path": "kvoffload.sidecar.kv_events_module",
         "factory_name": "build_server_modules",
-        "config": {"host": "0.0.0.0", "port": 5570, "topic": ""},
-    }
+        "config": {"host": "0.0.0.0", "port": 5570, "topic": "", "format": "vllm",
+                   "journal": f"/var/run/kvoffload/kvoffload.{contract.KV_EVENTS_JOURNAL}"},
+    }  # fmt: skip
+    assert contract.METRICS_DIR.startswith(contract.RUN_MOUNT_PATH + "/")  # the journal outlives a server restart
+    positional = load_settings(
+        {contract.ENV_KV_EVENTS_PORT: "5570", contract.ENV_KV_EVENTS_FORMAT: "vllm-positional"}, None
+    )
+    assert json.loads(_flag(build_server_command(positional, {}, None).argv, "--server-module"))["config"]["format"] == (
+        "vllm-positional")  # fmt: skip
     import importlib
 
     module = importlib.import_module(spec["module_path"])

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import chunk_report
 from kvoffload.lmcache_guard import CacheKeysChanged
-from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids, l2_medium
+from kvoffload.sidecar.kv_event_wire import Event, Tier, wire_event
+from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids, l2_tier
 
 pytestmark = pytest.mark.sidecar
 
 MODEL = "m~kvoffload-blocks-v1~float16-t16-b4096"
 TPB = 16
+
+
+def positional(events: list[Event]) -> list[list[object]]:
+    """The events as vLLM <= 0.23's arrays (media CPU, DISK, EXTERNAL), the form these tests read."""
+    return [wire_event(e, "vllm-positional") for e in events]
 
 
 def chunks(*hashes: bytes, size: int = 64) -> list[StoredChunk]:
@@ -22,7 +29,7 @@ def chunks(*hashes: bytes, size: int = 64) -> list[StoredChunk]:
 
 def test_a_stored_chunk_is_announced_as_its_engine_blocks_chained_to_the_chunk_before() -> None:
     tracker = ChunkTracker()
-    events = tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
+    events = positional(tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, ""))
     assert [e[0] for e in events] == ["BlockStored", "BlockStored"]
     first, second = events
     assert first[1] == list(block_ids(MODEL, b"a", 4)) and first[2] is None
@@ -33,15 +40,15 @@ def test_a_stored_chunk_is_announced_as_its_engine_blocks_chained_to_the_chunk_b
 
 def test_a_salted_store_is_never_announced_nor_its_eviction() -> None:
     tracker = ChunkTracker()
-    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "stenant") == []
-    assert tracker.evicted([(MODEL, b"a", "stenant")]) == []
+    assert positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, "stenant")) == []
+    assert positional(tracker.evicted([(MODEL, b"a", "stenant")])) == []
     assert len(tracker) == 0
 
 
 def test_an_eviction_removes_exactly_the_blocks_announced_for_that_chunk() -> None:
     tracker = ChunkTracker()
     tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
-    assert tracker.evicted([(MODEL, b"b", ""), (MODEL, b"unknown", ""), ("other-model", b"a", "")]) == [
+    assert positional(tracker.evicted([(MODEL, b"b", ""), (MODEL, b"unknown", ""), ("other-model", b"a", "")])) == [
         ["BlockRemoved", list(block_ids(MODEL, b"b", 4)), "CPU"]
     ]
 
@@ -50,42 +57,46 @@ def test_a_chunk_l1_evicts_while_l2_keeps_it_stays_announced_in_l2_only() -> Non
     tracker = ChunkTracker()
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
     ids = list(block_ids(MODEL, b"a", 4))
-    (disk,) = tracker.l2_stored([(MODEL, b"a", "")], "DISK")
+    (disk,) = positional(tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_LOCAL))
     assert disk[:2] == ["BlockStored", ids] and disk[3] == list(range(64)) and disk[6] == "DISK"
-    assert tracker.l2_stored([(MODEL, b"a", "")], "DISK") == []  # LMCache reports a key once per KV rank
-    assert tracker.evicted([(MODEL, b"a", "")]) == [["BlockRemoved", ids, "CPU"]]
-    assert [e[6] for e in tracker.snapshot()[1:]] == ["DISK"] and len(tracker) == 1
-    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "")[0][6] == "CPU"  # back in L1: announced there again
+    assert (
+        positional(tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_LOCAL)) == []
+    )  # LMCache reports a key once per KV rank
+    assert positional(tracker.evicted([(MODEL, b"a", "")])) == [["BlockRemoved", ids, "CPU"]]
+    assert [e[6] for e in positional(tracker.snapshot())[1:]] == ["DISK"] and len(tracker) == 1
+    assert (
+        positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, ""))[0][6] == "CPU"
+    )  # back in L1: announced there again
     tracker.evicted([(MODEL, b"a", "")])
-    assert tracker.evicted([(MODEL, b"a", "")], "DISK") == [["BlockRemoved", ids, "DISK"]]
+    assert positional(tracker.evicted([(MODEL, b"a", "")], Tier.L2_LOCAL)) == [["BlockRemoved", ids, "DISK"]]
     assert len(tracker) == 0
 
 
 def test_an_l2_store_before_the_report_is_announced_with_the_report_and_a_salted_one_never() -> None:
     tracker = ChunkTracker()
-    assert tracker.l2_stored([(MODEL, b"a", ""), (MODEL, b"s", "stenant")], "EXTERNAL") == []
-    events = tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    assert positional(tracker.l2_stored([(MODEL, b"a", ""), (MODEL, b"s", "stenant")], Tier.L2_SHARED)) == []
+    events = positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, ""))
     assert sorted(e[6] for e in events) == ["CPU", "EXTERNAL"]
-    assert tracker.stored(MODEL, chunks(b"s"), None, TPB, "stenant") == []
+    assert positional(tracker.stored(MODEL, chunks(b"s"), None, TPB, "stenant")) == []
 
 
 def test_past_capacity_a_chunk_is_announced_removed_from_every_tier_holding_it() -> None:
     tracker = ChunkTracker(capacity=1)
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
-    tracker.l2_stored([(MODEL, b"a", "")], "DISK")
-    removed = [e for e in tracker.stored(MODEL, chunks(b"b"), None, TPB, "") if e[0] == "BlockRemoved"]
+    tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_LOCAL)
+    removed = [e for e in positional(tracker.stored(MODEL, chunks(b"b"), None, TPB, "")) if e[0] == "BlockRemoved"]
     assert sorted(e[2] for e in removed) == ["CPU", "DISK"]
 
 
-def test_a_redis_or_shared_l2_is_external_and_a_filesystem_l2_is_disk() -> None:
-    assert (l2_medium("resp", False), l2_medium("fs_native", True), l2_medium("fs_native", False)) == (
-        "EXTERNAL", "EXTERNAL", "DISK")  # fmt: skip
+def test_a_redis_or_shared_l2_is_the_shared_tier_and_a_filesystem_l2_the_local_one() -> None:
+    assert (l2_tier("resp", False), l2_tier("fs_native", True), l2_tier("fs_native", False)) == (
+        Tier.L2_SHARED, Tier.L2_SHARED, Tier.L2_LOCAL)  # fmt: skip
 
 
 def test_a_chunk_already_announced_is_not_announced_again() -> None:
     tracker = ChunkTracker()
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
-    assert tracker.stored(MODEL, chunks(b"a"), None, TPB, "") == []
+    assert positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, "")) == []
 
 
 def test_past_capacity_the_least_recently_stored_chunk_is_announced_removed() -> None:
@@ -93,7 +104,7 @@ def test_past_capacity_the_least_recently_stored_chunk_is_announced_removed() ->
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
     tracker.stored(MODEL, chunks(b"b"), None, TPB, "")
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")  # a is used again: b is now the oldest
-    events = tracker.stored(MODEL, chunks(b"c"), None, TPB, "")
+    events = positional(tracker.stored(MODEL, chunks(b"c"), None, TPB, ""))
     assert events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"b", 4)), "CPU"]
     assert len(tracker) == 2
 
@@ -102,10 +113,11 @@ def test_a_snapshot_clears_then_restores_every_chunk_parents_first() -> None:
     tracker = ChunkTracker()
     tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
     tracker.stored(MODEL, chunks(b"a"), None, TPB, "")  # the parent moves behind its child in LRU order
-    snapshot = tracker.snapshot()
+    snapshot = positional(tracker.snapshot())
     assert snapshot[0] == ["AllBlocksCleared"]
     assert [e[1][0] for e in snapshot[1:]] == [block_ids(MODEL, b"a", 1)[0], block_ids(MODEL, b"b", 1)[0]]
-    assert tracker.clear() == [["AllBlocksCleared"]] and tracker.snapshot() == [["AllBlocksCleared"]]
+    assert positional(tracker.clear())[-1] == ["AllBlocksCleared"]
+    assert positional(tracker.snapshot()) == [["AllBlocksCleared"]]
 
 
 @given(st.integers(0, 1000), st.integers(1, 300))
@@ -183,7 +195,7 @@ class CapturingPublisher:
         self.counts: dict[str, int] = {}
 
     def submit(self, change: object) -> None:
-        self.events += change(self.tracker)  # type: ignore[operator]
+        self.events += positional(change(self.tracker))  # type: ignore[operator]
 
 
 def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_before_and_never_a_salted_report() -> None:
@@ -207,3 +219,102 @@ def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_befo
     assert publisher.events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"h2", 4)), "CPU"]
     module.on_keys_changed(CacheKeysChanged("l2", True, ((MODEL, b"h1", ""),), "resp"))
     assert publisher.events[-1][0] == "BlockStored" and publisher.events[-1][6] == "EXTERNAL"
+
+
+# The wire format (issue 45 item 1), clears (item 2) and the journal a restart reads (items 2, 3).
+
+
+def stored_and_removed() -> list[Event]:
+    tracker = ChunkTracker()
+    events = tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
+    events += tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_LOCAL)
+    events += tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_SHARED)
+    return [*events, *tracker.evicted([(MODEL, b"a", "")], Tier.L2_SHARED), *tracker.clear()]
+
+
+def test_the_default_format_is_what_vllm_0_34s_own_classes_decode_with_vllms_media_names() -> None:
+    from kvoffload.sidecar.kv_event_wire import encode_batch
+    from tests.support import vllm_events as vllm
+
+    batch = vllm.DECODER.decode(encode_batch(1.0, stored_and_removed(), "vllm"))
+    ids = list(block_ids(MODEL, b"a", 4))
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored"] * 3 + ["BlockRemoved"] * 3 + ["AllBlocksCleared"]
+    host = batch.events[0]
+    assert isinstance(host, vllm.BlockStored) and (host.block_hashes, host.token_ids, host.block_size) == (
+        ids, list(range(64)), TPB)  # fmt: skip
+    assert [(e.medium, e.locality) for e in batch.events[:3]] == [  # type: ignore[union-attr]
+        ("CPU", None), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")]  # fmt: skip
+    assert [(e.medium, e.locality) for e in batch.events[3:6]] == [  # type: ignore[union-attr]
+        ("STORAGE", "REMOTE"), ("CPU", None), ("STORAGE", "LOCAL")]  # fmt: skip
+    assert batch.data_parallel_rank == 0
+
+
+def test_the_positional_format_is_vllm_0_23s_arrays_with_the_media_dynamo_names() -> None:
+    from kvoffload.sidecar.kv_event_wire import encode_batch
+
+    _ts, events, rank = msgspec.msgpack.decode(encode_batch(1.0, stored_and_removed(), "vllm-positional"))
+    assert [e[6] for e in events[:3]] == ["CPU", "DISK", "EXTERNAL"] and events[-1] == ["AllBlocksCleared"]
+    assert [e[2] for e in events[3:6]] == ["EXTERNAL", "CPU", "DISK"] and rank == 0
+
+
+def test_a_clear_withdraws_every_block_in_each_tier_holding_it_before_the_bare_clear() -> None:
+    tracker = ChunkTracker()
+    tracker.stored(MODEL, chunks(b"a", b"b"), None, TPB, "")
+    tracker.l2_stored([(MODEL, b"b", "")], Tier.L2_LOCAL)
+    a, b = list(block_ids(MODEL, b"a", 4)), list(block_ids(MODEL, b"b", 4))
+    assert positional(tracker.clear()) == [
+        ["BlockRemoved", a, "CPU"], ["BlockRemoved", b, "CPU"], ["BlockRemoved", b, "DISK"], ["AllBlocksCleared"]]  # fmt: skip
+    assert len(tracker) == 0
+
+
+def test_a_format_the_policy_does_not_list_is_refused_naming_the_setting_and_the_choices() -> None:
+    from kvoffload import contract, policy_values
+    from kvoffload.sidecar.kv_event_wire import FORMATS
+    from kvoffload.sidecar.kv_events_module import KvEventsUnavailable, wire_format
+    from kvoffload.sidecar.settings import SettingsError, load_settings
+
+    assert FORMATS == policy_values.KV_EVENTS_FORMATS  # the sidecar reads what the policy sets
+    env = {contract.ENV_KV_EVENTS_PORT: "5570"}
+    assert load_settings(env, None).kv_events_format == "vllm"
+    assert load_settings({**env, contract.ENV_KV_EVENTS_FORMAT: "vllm-positional"}, None).kv_events_format == (
+        "vllm-positional")  # fmt: skip
+    with pytest.raises(SettingsError, match=r"KVOFFLOAD_KV_EVENTS_FORMAT: 'vllm-0.23' .*vllm, vllm-positional"):
+        load_settings({**env, contract.ENV_KV_EVENTS_FORMAT: "vllm-0.23"}, None)
+    with pytest.raises(KvEventsUnavailable, match=r"format 'maps' is not allowed; use one of vllm, vllm-positional"):
+        wire_format("maps")
+
+
+def test_a_journal_folds_to_what_is_still_announced_per_tier_and_the_last_sequence_number() -> None:
+    from kvoffload.sidecar.kv_event_wire import BlockRemoved, BlockStored, fold_journal, journal_record, withdrawals
+
+    data = journal_record(
+        7, [BlockStored([1, 2], None, [], TPB, Tier.HOST), BlockStored([3], 2, [], TPB, Tier.L2_LOCAL)]
+    )
+    data += journal_record(8, [BlockRemoved([1], Tier.HOST), BlockStored([4], None, [], TPB, Tier.L2_SHARED)])
+    state = fold_journal(data + data[:5])  # a torn tail (a crash mid-write) ends the journal
+    assert state.last_sequence == 8
+    assert {tier: list(ids) for tier, ids in state.announced.items()} == {
+        Tier.HOST: [2], Tier.L2_LOCAL: [3], Tier.L2_SHARED: [4]}  # fmt: skip
+    assert positional(withdrawals(state)) == [
+        ["BlockRemoved", [2], "CPU"], ["BlockRemoved", [3], "DISK"], ["BlockRemoved", [4], "EXTERNAL"], ["AllBlocksCleared"]]  # fmt: skip
+    assert fold_journal(data + journal_record(9, stored_and_removed()[-1:])).announced[Tier.HOST] == {}
+    assert fold_journal(b"").last_sequence == -1
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(list(Tier)), st.lists(st.integers(0, 50), max_size=4))))
+def test_a_compacted_journal_folds_to_the_state_it_was_written_from(
+    changes: list[tuple[bool, Tier, list[int]]],
+) -> None:
+    from kvoffload.sidecar.kv_event_wire import (
+        BlockRemoved,
+        BlockStored,
+        compacted_journal,
+        fold_journal,
+        journal_record,
+    )
+
+    events: list[Event] = [BlockStored(ids, None, [], TPB, t) if s else BlockRemoved(ids, t) for s, t, ids in changes]
+    state = fold_journal(b"".join(journal_record(i, [e]) for i, e in enumerate(events)))
+    again = fold_journal(compacted_journal(state))
+    assert {t: set(ids) for t, ids in again.announced.items()} == {t: set(ids) for t, ids in state.announced.items()}
+    assert again.last_sequence == state.last_sequence

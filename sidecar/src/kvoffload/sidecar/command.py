@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import signal
 import sys
 from collections.abc import Mapping
@@ -126,14 +127,18 @@ def l2_adapter_specs(settings: SidecarSettings, fs_capacity_bytes: int | None = 
     return specs
 
 
-def kv_events_module_spec(port: int, topic: str = "") -> dict[str, object]:
+def kv_events_module_spec(port: int, topic: str = "", wire: str = "vllm", journal: str = "") -> dict[str, object]:
     """The ``--server-module`` object loading kvoffload's KV-event publisher, bound on all addresses
-    (routers reach it on the pod IP; it only sends)."""
-    return {
-        "module_path": KV_EVENTS_MODULE,
-        "factory_name": "build_server_modules",
-        "config": {"host": "0.0.0.0", "port": port, "topic": topic},
-    }
+    (routers reach it on the pod IP; it only sends), in wire format ``wire``, journaling to ``journal``."""
+    config: dict[str, object] = {"host": "0.0.0.0", "port": port, "topic": topic, "format": wire}
+    if journal:
+        config["journal"] = journal
+    return {"module_path": KV_EVENTS_MODULE, "factory_name": "build_server_modules", "config": config}
+
+
+def kv_events_journal_path(settings: SidecarSettings) -> str:
+    """The KV-event journal: beside the metrics directory, in the run volume a server restart keeps."""
+    return os.path.join(os.path.dirname(settings.metrics_dir), f"{settings.instance_id}.{contract.KV_EVENTS_JOURNAL}")
 
 
 def build_server_command(
@@ -186,7 +191,15 @@ def build_server_command(
     if settings.kv_events_port is not None:
         argv += [
             "--server-module",
-            json.dumps(kv_events_module_spec(settings.kv_events_port, settings.kv_events_topic), sort_keys=True),
+            json.dumps(
+                kv_events_module_spec(
+                    settings.kv_events_port,
+                    settings.kv_events_topic,
+                    settings.kv_events_format,
+                    kv_events_journal_path(settings),
+                ),
+                sort_keys=True,
+            ),
         ]
 
     env = {k: v for k, v in base_env.items() if k not in _NOT_INHERITED}

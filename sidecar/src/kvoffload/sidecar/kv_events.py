@@ -10,11 +10,11 @@ exactly those blocks.
 Only unsalted chunks are announced: a salted chunk (a tenant's, a LoRA's, a multimodal prompt's,
 ``connector.keys.key_salt``) would let a router match another tenant's prompt to it by tokens alone.
 
-Each chunk is announced once per tier that holds it, the tier named by the event's ``medium``:
-``CPU`` for LMCache's L1 (host memory), ``DISK`` for a filesystem L2, ``EXTERNAL`` for a Redis L2
-(Dynamo's indexer 1.6.1 scores ``CPU`` as its host tier and both others as its disk tier, below it;
-a removal names its tier and leaves the others). A chunk L1 evicts while L2 keeps it stays
-announced in L2.
+Each chunk is announced once per tier that holds it (``kv_event_wire.Tier``: L1, a filesystem L2,
+a shared Redis L2), each wire format naming the tier its own way (``kv_event_wire.medium``); a
+removal names its tier and leaves the others. A chunk L1 evicts while L2 keeps it stays announced in
+L2. A clear withdraws every block in each tier holding it before the bare clear, because llm-d's
+index (<= 0.8.1) only logs ``AllBlocksCleared``.
 
 Memory is bounded: at most ``capacity`` chunks are tracked (their tokens kept as 32-bit arrays, for
 the snapshot a new subscriber gets); the least recently stored one past that is announced removed
@@ -28,22 +28,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-MEDIUM_HOST: str = "CPU"
-"""LMCache's L1 (host memory): Dynamo's host tier, llm-d's ``cpu``."""
-MEDIUM_DISK: str = "DISK"
-"""A filesystem L2 of this cache server: Dynamo's disk tier."""
-MEDIUM_EXTERNAL: str = "EXTERNAL"
-"""An L2 that other cache servers may share (Redis): Dynamo scores it with its disk tier."""
+from .kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
+
 SHARED_L2_BACKENDS = ("resp",)
 """LMCache's L2 adapter types that reach a store other servers can share (``resp``: Redis)."""
 DEFAULT_CAPACITY_CHUNKS = 16384
 """About 16 MiB of token arrays at 256-token chunks: 4 M tokens, more than most L1s hold."""
 EVENTS_PER_BATCH = 256
-
-Event = list[Any]
-"""One vLLM KV event as its positional msgpack array."""
 
 
 def block_id(cache_model: str, chunk_hash: bytes, index: int) -> int:
@@ -58,23 +50,9 @@ def block_ids(cache_model: str, chunk_hash: bytes, blocks: int) -> tuple[int, ..
     return tuple(block_id(cache_model, chunk_hash, i) for i in range(blocks))
 
 
-def l2_medium(backend: str, shared: bool) -> str:
-    """The medium of an L2 adapter LMCache names by its type (``fs_native``, ``resp``, ...)."""
-    return MEDIUM_EXTERNAL if shared or backend in SHARED_L2_BACKENDS else MEDIUM_DISK
-
-
-def block_stored(
-    ids: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int, medium: str = MEDIUM_HOST
-) -> Event:
-    return ["BlockStored", list(ids), parent, list(tokens), block_size, None, medium, None]
-
-
-def block_removed(ids: Sequence[int], medium: str = MEDIUM_HOST) -> Event:
-    return ["BlockRemoved", list(ids), medium]
-
-
-def all_blocks_cleared() -> Event:
-    return ["AllBlocksCleared"]
+def l2_tier(backend: str, shared: bool) -> Tier:
+    """The tier of an L2 adapter LMCache names by its type (``fs_native``, ``resp``, ...)."""
+    return Tier.L2_SHARED if shared or backend in SHARED_L2_BACKENDS else Tier.L2_LOCAL
 
 
 @dataclass(frozen=True)
@@ -99,11 +77,11 @@ class _Tracked:
     tokens: array
     block_size: int
     depth: int
-    media: set[str]
+    media: set[Tier]
     """The tiers holding the chunk now (announced); never empty while tracked."""
 
-    def stored_in(self, medium: str) -> Event:
-        return block_stored(self.ids, self.parent, self.tokens.tolist(), self.block_size, medium)
+    def stored_in(self, tier: Tier) -> Event:
+        return BlockStored(self.ids, self.parent, self.tokens.tolist(), self.block_size, tier)
 
 
 class ChunkTracker:
@@ -115,7 +93,7 @@ class ChunkTracker:
             raise ValueError(f"capacity: {capacity} is not allowed; use at least 1 chunk")
         self._capacity = capacity
         self._chunks: OrderedDict[tuple[str, bytes], _Tracked] = OrderedDict()
-        self._early: OrderedDict[tuple[str, bytes], set[str]] = OrderedDict()
+        self._early: OrderedDict[tuple[str, bytes], set[Tier]] = OrderedDict()
         """L2 tiers that took a chunk before its store was reported (LMCache writes L2 behind L1, and
         the connector reports after the COMMIT's answer): applied when the report comes."""
 
@@ -141,65 +119,67 @@ class ChunkTracker:
             ids = block_ids(cache_model, chunk.chunk_hash, len(chunk.tokens) // tokens_per_block)
             tracked = self._chunks.get(key)
             if tracked is None:
-                media = {MEDIUM_HOST} | self._early.pop(key, set())
+                media = {Tier.HOST} | self._early.pop(key, set())
                 tracked = _Tracked(ids, parent, array("I", chunk.tokens), tokens_per_block, chunk.depth, set())
                 self._chunks[key] = tracked
             else:
                 self._chunks.move_to_end(key)
-                media = {MEDIUM_HOST}
-            for medium in sorted(media - tracked.media):
-                tracked.media.add(medium)
-                events.append(tracked.stored_in(medium))
+                media = {Tier.HOST}
+            for tier in sorted(media - tracked.media):
+                tracked.media.add(tier)
+                events.append(tracked.stored_in(tier))
             parent = ids[-1]
         while len(self._chunks) > self._capacity:
             _, dropped = self._chunks.popitem(last=False)
-            events += [block_removed(dropped.ids, medium) for medium in sorted(dropped.media)]
+            events += [BlockRemoved(dropped.ids, tier) for tier in sorted(dropped.media)]
         return events
 
-    def evicted(self, keys: Iterable[tuple[str, bytes, str]], medium: str = MEDIUM_HOST) -> list[Event]:
-        """The tier ``medium`` dropped these (cache model, chunk hash, salt) objects; salted ones were
+    def evicted(self, keys: Iterable[tuple[str, bytes, str]], tier: Tier = Tier.HOST) -> list[Event]:
+        """The tier ``tier`` dropped these (cache model, chunk hash, salt) objects; salted ones were
         never announced. A chunk no tier holds any more is forgotten."""
         events: list[Event] = []
         for key in _announced(keys):
             tracked = self._chunks.get(key)
             if tracked is None:
                 if key in self._early:
-                    self._early[key].discard(medium)
+                    self._early[key].discard(tier)
                 continue
-            if medium in tracked.media:
-                tracked.media.discard(medium)
-                events.append(block_removed(tracked.ids, medium))
+            if tier in tracked.media:
+                tracked.media.discard(tier)
+                events.append(BlockRemoved(tracked.ids, tier))
             if not tracked.media:
                 del self._chunks[key]
         return events
 
-    def l2_stored(self, keys: Iterable[tuple[str, bytes, str]], medium: str) -> list[Event]:
-        """An L2 tier (``medium``) took these objects; a chunk whose store is not reported yet is
+    def l2_stored(self, keys: Iterable[tuple[str, bytes, str]], tier: Tier) -> list[Event]:
+        """An L2 tier (``tier``) took these objects; a chunk whose store is not reported yet is
         announced there when it is (bounded like the tracked chunks)."""
         events: list[Event] = []
         for key in _announced(keys):
             tracked = self._chunks.get(key)
             if tracked is None:
-                self._early.setdefault(key, set()).add(medium)
+                self._early.setdefault(key, set()).add(tier)
                 self._early.move_to_end(key)
                 while len(self._early) > self._capacity:
                     self._early.popitem(last=False)
-            elif medium not in tracked.media:
-                tracked.media.add(medium)
-                events.append(tracked.stored_in(medium))
+            elif tier not in tracked.media:
+                tracked.media.add(tier)
+                events.append(tracked.stored_in(tier))
         return events
 
     def clear(self) -> list[Event]:
-        """Forget every chunk (an eviction may have been lost): routers forget them too."""
+        """Forget every chunk (an eviction may have been lost): each block is withdrawn in each tier
+        holding it (routers that ignore a clear, llm-d's index <= 0.8.1, apply these), then cleared."""
+        removed: list[Event] = [BlockRemoved(t.ids, tier) for t in self._chunks.values() for tier in sorted(t.media)]
         self._chunks.clear()
         self._early.clear()
-        return [all_blocks_cleared()]
+        return [*removed, AllBlocksCleared()]
 
     def snapshot(self) -> list[Event]:
         """Everything a subscriber needs from nothing: a clear, then every tracked chunk in each tier
         holding it, parents first."""
         ordered = sorted(self._chunks.values(), key=lambda t: t.depth)
-        return [all_blocks_cleared()] + [t.stored_in(medium) for t in ordered for medium in sorted(t.media)]
+        return [AllBlocksCleared(), *(t.stored_in(tier) for t in ordered for tier in sorted(t.media))]
 
 
 def batches(events: Sequence[Event], per_batch: int = EVENTS_PER_BATCH) -> list[list[Event]]:

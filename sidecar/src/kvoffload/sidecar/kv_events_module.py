@@ -5,21 +5,26 @@ the server internals it needs (key resolution, the event bus's names) sit behind
 ``kvoffload.lmcache_guard``. It runs inside the LMCache server process and:
 
 - publishes vLLM's KV-event batches on a ZMQ XPUB socket it binds: three frames
-  ``[topic, sequence as 8-byte big-endian, msgpack [timestamp, events, dp_rank]]``;
+  ``[topic, sequence as 8-byte big-endian, msgpack [timestamp, events, dp_rank]]``, the events in
+  the configured wire format (``kv_event_wire``: vLLM >= 0.24's maps by default);
 - answers ``chunk_report.METHOD`` (the connector's report after a store's COMMIT was answered) by
   resolving the chunks' hashes with the server's own hasher (so LMCache's evictions name the same
   chunks) and announcing the unsalted ones (``kv_events.ChunkTracker``);
 - follows LMCache's event bus (``lmcache_guard.subscribe_cache_key_events``): an L1 eviction is a
   removal from the host tier, an L2 adapter's store or delete an announcement or removal in its
-  tier (``kv_events.l2_medium``);
-- sends every subscriber, when it subscribes, ``AllBlocksCleared`` and then the chunks it tracks:
-  a restarted (empty) server clears what a router believed, and a router that connects late
-  catches up. XPUB reports each subscription (``XPUB_VERBOSE``), which solves ZMQ's slow joiner.
+  tier (``kv_events.l2_tier``);
+- sends a subscriber, when it subscribes and to it alone (``XPUB_MANUAL_LAST_VALUE``), one batch:
+  the blocks its predecessor left announced withdrawn per tier, ``AllBlocksCleared``, and the chunks
+  it tracks; then an empty batch to all under the same sequence number, so that the others see no
+  gap (Dynamo's indexer drops a batch whose number it has seen, so the joiner drops that one);
+- keeps a journal (``journal`` in its config) of every block it announced and withdrew and of the
+  last sequence number: a restarted server withdraws what its predecessor left announced, block by
+  block (llm-d's index <= 0.8.1 ignores ``AllBlocksCleared``), and numbers on from where it stopped
+  (Dynamo's indexer drops numbers it has seen and logs every jump as lost batches).
 
-All tracker changes and all sends happen on one publisher thread, which owns the socket; the
-server's request threads and the event bus's thread only queue changes (bounded; an overflow
-clears and re-sends the snapshot, a lost eviction clears everything: routers under-count, never
-over-count).
+All tracker changes and all sends happen on one publisher thread, which owns the socket and the
+journal; the server's request threads and the event bus's thread only queue changes (bounded; an
+overflow or a lost eviction clears everything: routers under-count, never over-count).
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 
 from kvoffload import chunk_report
@@ -47,17 +51,31 @@ from kvoffload.lmcache_guard import (
     subscribe_cache_key_events,
 )
 
-from .kv_events import DEFAULT_CAPACITY_CHUNKS, MEDIUM_HOST, ChunkTracker, Event, StoredChunk, batches, l2_medium
+from .kv_event_wire import (
+    FORMAT_VLLM,
+    FORMATS,
+    AllBlocksCleared,
+    Event,
+    JournalState,
+    Tier,
+    WireFormat,
+    compacted_journal,
+    encode_batch,
+    fold_journal,
+    journal_record,
+    read_format,
+    withdrawals,
+)
+from .kv_events import DEFAULT_CAPACITY_CHUNKS, ChunkTracker, StoredChunk, batches, l2_tier
 
 logger = logging.getLogger("kvoffload.sidecar.kv_events")
 
 _POLL_MS = 100
 """The publisher thread's longest sleep: a change wakes it at once (``_wake``); this bounds only how
 late a rate-limited snapshot or a stop is seen."""
-_SNAPSHOT_EVERY_S = 0.5
-"""At most this often a full snapshot goes out, however fast peers subscribe (the port is open to the
-pod network: a peer subscribing in a loop must not make the server send its whole state in a loop)."""
 _QUEUE_CHANGES = 4096
+_JOURNAL_COMPACT_BYTES = 64 << 20
+"""A journal past this size is rewritten as the state it holds."""
 _SUBSCRIBE = 1
 
 Change = Callable[[ChunkTracker], list[Event]]
@@ -76,23 +94,84 @@ def check_lmcache_version(version: str) -> None:
         )
 
 
-class EventPublisher:
-    """The XPUB socket and the tracker, owned by one thread; others only ``submit`` changes."""
+def wire_format(raw: object) -> WireFormat:
+    """The configured wire format, or the reason it is refused, naming what is allowed."""
+    wire = read_format(raw) if isinstance(raw, str) else None
+    if wire is None:
+        raise KvEventsUnavailable(
+            f"kvoffload KV events: format {raw!r} is not allowed; use one of {', '.join(FORMATS)}"
+        )
+    return wire
 
-    def __init__(self, endpoint: str, topic: str, tracker: ChunkTracker) -> None:
+
+class EventJournal:
+    """The journal file: read once at start (then rewritten as the state it held), appended per batch."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._fd = -1
+
+    def open(self) -> JournalState:
+        """The predecessor's state; the file is rewritten to hold just it, and kept open for appends."""
+        try:
+            with open(self._path, "rb") as old:
+                state = fold_journal(old.read())
+        except FileNotFoundError:
+            state = fold_journal(b"")
+        self._rewrite(compacted_journal(state))
+        return state
+
+    def append(self, sequence: int, events: list[Event]) -> None:
+        if self._fd < 0:
+            return
+        os.write(self._fd, journal_record(sequence, events))
+        if os.fstat(self._fd).st_size > _JOURNAL_COMPACT_BYTES:
+            with open(self._path, "rb") as current:
+                self._rewrite(compacted_journal(fold_journal(current.read())))
+
+    def _rewrite(self, data: bytes) -> None:
+        temporary = self._path + ".tmp"
+        with open(temporary, "wb") as out:
+            out.write(data)
+        os.replace(temporary, self._path)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class EventPublisher:
+    """The XPUB socket, the tracker and the journal, owned by one thread; others only ``submit`` changes."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str,
+        tracker: ChunkTracker,
+        wire: WireFormat = FORMAT_VLLM,
+        journal: EventJournal | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self._topic = topic.encode()
         self._tracker = tracker
+        self._wire: WireFormat = wire
+        self._journal = journal
         self._changes: queue.Queue[Change] = queue.Queue(maxsize=_QUEUE_CHANGES)
-        self._resend = threading.Event()
+        self._overflowed = threading.Event()
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
-        # Routers drop a batch whose sequence is below one they saw (Dynamo's indexer ignores a
-        # restarted publisher's 0), so a server starts at the wall clock in microseconds: above what
-        # its predecessor reached unless that one sent more than a batch per microsecond.
-        self._sequence = time.time_ns() // 1000
-        self._snapshot_at = float("-inf")
+        self._sequence = 0
+        """The number of the next batch: on from the predecessor's last (its journal), else 0."""
+        self._inherited: list[Event] = []
+        """The predecessor's blocks still announced, withdrawn in every subscriber's first batch."""
+        self._snapshot: bytes | None = None
+        """The encoded first batch, until the tracker changes (a peer subscribing in a loop costs one
+        encoding per change, not one per subscription)."""
         self.counts: Counter[str] = Counter()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -100,18 +179,25 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvoffload-kv-events", daemon=True)
 
     def start(self, timeout_s: float = 5.0) -> None:
-        """Bind (on the publisher thread) and announce the empty start; raises when binding failed."""
+        """Read the journal, bind (on the publisher thread); raises when either failed."""
+        if self._journal is not None:
+            try:
+                state = self._journal.open()
+            except OSError as exc:
+                raise KvEventsUnavailable(f"kvoffload KV events: cannot keep the journal: {exc!r}") from exc
+            self._sequence = state.last_sequence + 1
+            self._inherited = withdrawals(state)[:-1]
         self._thread.start()
         if not self._bound.wait(timeout_s) or self._error is not None:
             raise KvEventsUnavailable(f"kvoffload KV events: cannot bind {self._endpoint}: {self._error!r}")
 
     def submit(self, change: Change) -> None:
-        """Queue a tracker change; never blocks (a full queue re-sends the snapshot instead)."""
+        """Queue a tracker change; never blocks (a full queue clears everything instead)."""
         try:
             self._changes.put_nowait(change)
         except queue.Full:
             self.counts["changes_dropped"] += 1
-            self._resend.set()
+            self._overflowed.set()
         self._wake()
 
     def _wake(self) -> None:
@@ -122,13 +208,17 @@ class EventPublisher:
         self._stop.set()
         self._wake()
         self._thread.join(timeout=2.0)
+        if self._journal is not None:
+            self._journal.close()
 
     def _run(self) -> None:
         context: Any = zmq.Context.instance()
         sock = context.socket(zmq.XPUB)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+            # Subscriptions come to this thread, which applies each and sends the first message after
+            # it to that subscriber alone (libzmq >= 4.3.3).
+            sock.setsockopt(zmq.XPUB_MANUAL_LAST_VALUE, 1)
             sock.bind(self._endpoint)
         except zmq.ZMQError as exc:
             self._error = exc
@@ -136,57 +226,79 @@ class EventPublisher:
             self._bound.set()
             return
         self._bound.set()
-        # No event now: a socket just bound has no subscriber to hear it. Each subscriber gets
-        # AllBlocksCleared first, with the snapshot, as the first sequence number it sees.
-        logger.info("event=kv_events_bound endpoint=%s", self._endpoint)
+        logger.info(
+            "event=kv_events_bound endpoint=%s sequence=%d format=%s", self._endpoint, self._sequence, self._wire
+        )
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(_POLL_MS))
-                if sock in ready:
-                    self._on_subscriptions(sock)
                 if self._wake_read in ready:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(self._wake_read, 4096):
                             pass
                 self._apply_changes(sock)
-                if self._resend.is_set() and time.monotonic() - self._snapshot_at >= _SNAPSHOT_EVERY_S:
-                    self._resend.clear()
-                    self._snapshot_at = time.monotonic()
-                    self._send(self._tracker.snapshot(), sock)
+                if sock in ready:
+                    self._on_subscriptions(sock)
         except Exception:  # the server must outlive its event publisher
             logger.exception("event=kv_events_publisher_failed")
         finally:
             sock.close()
 
     def _on_subscriptions(self, sock: zmq.Socket[bytes]) -> None:
-        joined = False
         while True:
             try:
                 message = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            joined = joined or message[:1] == bytes([_SUBSCRIBE])
-        if joined:
+            if message[:1] != bytes([_SUBSCRIBE]):
+                continue  # an unsubscription: libzmq drops a closed pipe's filters itself
+            sock.setsockopt(zmq.SUBSCRIBE, message[1:])
             self.counts["subscriptions"] += 1
-            self._resend.set()  # the snapshot goes after the changes queued before the join
+            self._greet(sock)
+
+    def _greet(self, sock: zmq.Socket[bytes]) -> None:
+        """The first batch, to the subscriber just applied alone; then an empty one to all under the
+        same number, so that no other subscriber sees a gap."""
+        if self._snapshot is None:
+            self._snapshot = encode_batch(time.time(), [*self._inherited, *self._tracker.snapshot()], self._wire)
+        if self._journal is not None:  # the number only: a successor must not send it again
+            self._journal.append(self._sequence, [])
+        sequence = self._sequence.to_bytes(8, "big")
+        for payload in (self._snapshot, encode_batch(time.time(), [], self._wire)):
+            try:
+                sock.send_multipart([self._topic, sequence, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                self.counts["batches_dropped"] += 1
+        self._sequence += 1
 
     def _apply_changes(self, sock: zmq.Socket[bytes]) -> None:
         events: list[Event] = []
+        if self._overflowed.is_set():  # a change was lost: what the tracker says may be wrong
+            self._overflowed.clear()
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._changes.get_nowait()
+            events += self._tracker.clear()
         while True:
             try:
                 change = self._changes.get_nowait()
             except queue.Empty:
                 break
             events += change(self._tracker)
+        if any(isinstance(e, AllBlocksCleared) for e in events):
+            events = [*self._inherited, *events]  # a clear withdraws the predecessor's blocks too
         if events:
+            self._snapshot = None
             self._send(events, sock)
 
     def _send(self, events: list[Event], sock: zmq.Socket[bytes]) -> None:
         for batch in batches(events):
-            payload = msgspec.msgpack.encode([time.time(), batch, 0])
+            if self._journal is not None:  # first: a successor withdraws what may have reached a router
+                self._journal.append(self._sequence, batch)
+            payload = encode_batch(time.time(), batch, self._wire)
             try:
                 sock.send_multipart([self._topic, self._sequence.to_bytes(8, "big"), payload], zmq.NOBLOCK)
             except zmq.Again:
@@ -239,11 +351,11 @@ class KvEventsModule:
 
     def on_keys_changed(self, change: CacheKeysChanged) -> None:
         """Event bus: a tier of the cache took or dropped these objects."""
-        keys, medium = change.keys, MEDIUM_HOST if change.tier == "l1" else l2_medium(change.backend, change.shared)
+        keys, tier = change.keys, Tier.HOST if change.tier == "l1" else l2_tier(change.backend, change.shared)
         if change.stored and change.tier == "l2":
-            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, medium))
+            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, tier))
         elif not change.stored:
-            self._publisher.submit(lambda tracker: tracker.evicted(keys, medium))
+            self._publisher.submit(lambda tracker: tracker.evicted(keys, tier))
 
     def on_events_lost(self) -> None:
         """Event bus overflow: an eviction may be lost, so routers forget everything from here."""
@@ -255,7 +367,9 @@ def build_server_modules(build: Any) -> Any:
     """LMCache's server-module factory (``ExtServerModuleBuildContext`` in, the module out).
 
     ``build.config``: ``port`` (required), ``host`` (default all addresses), ``topic`` (default
-    ``""``), ``capacity_chunks`` (default ``kv_events.DEFAULT_CAPACITY_CHUNKS``).
+    ``""``), ``capacity_chunks`` (default ``kv_events.DEFAULT_CAPACITY_CHUNKS``), ``format`` (one of
+    ``kv_event_wire.FORMATS``, default ``vllm``), ``journal`` (a file path; default none: a restarted
+    server then numbers from 0 and cannot withdraw its predecessor's blocks).
     """
     check_lmcache_version(installed_lmcache_version())
     ctx = build.server_context
@@ -266,10 +380,13 @@ def build_server_modules(build: Any) -> Any:
         )
     config = dict(build.config)
     host, port = str(config.get("host", "0.0.0.0")), int(config["port"])
+    journal = config.get("journal")
     publisher = EventPublisher(
         f"tcp://{host}:{port}",
         str(config.get("topic", "")),
         ChunkTracker(int(config.get("capacity_chunks", DEFAULT_CAPACITY_CHUNKS))),
+        wire_format(config.get("format", FORMAT_VLLM)),
+        EventJournal(str(journal)) if journal else None,
     )
     module = KvEventsModule(ctx, publisher)
     publisher.start()

@@ -88,6 +88,8 @@ class SidecarSettings:
     """Publish KV events for routers on this port (``KVOFFLOAD_KV_EVENTS_PORT``); None: no events."""
     kv_events_topic: str = ""
     """The topic of every event batch (``KVOFFLOAD_KV_EVENTS_TOPIC``; llm-d's index reads ``kv@<pod>@<model>``)."""
+    kv_events_format: str = polv.KV_EVENTS_FORMATS[0]
+    """The events' wire format (``KVOFFLOAD_KV_EVENTS_FORMAT``, one of ``policy_values.KV_EVENTS_FORMATS``)."""
     request_host: str = "127.0.0.1"
     """Where the ZMQ request port binds: loopback beside the engine; all addresses in a
     node-shared cache pod (``KVOFFLOAD_REQUEST_HOST=0.0.0.0``)."""
@@ -109,6 +111,7 @@ class SidecarSettings:
             "l2_redis": f"{self.l2_redis.host}:{self.l2_redis.port}" if self.l2_redis else "",
             "kv_events_port": str(self.kv_events_port or ""),
             "kv_events_topic": self.kv_events_topic,
+            "kv_events_format": self.kv_events_format,
         }
 
 
@@ -293,7 +296,16 @@ def load_settings(
         warm_standby=_bool(contract.ENV_WARM_STANDBY, env.get(contract.ENV_WARM_STANDBY, "true")),
         kv_events_port=kv_events_port,
         kv_events_topic=_kv_events_topic(env.get(contract.ENV_KV_EVENTS_TOPIC, "")),
+        kv_events_format=_kv_events_format(env.get(contract.ENV_KV_EVENTS_FORMAT, "")),
     )
+
+
+def _kv_events_format(raw: str) -> str:
+    """The wire format named in the env (unset or empty: the default), or a one-line error naming the choices."""
+    value = raw.strip() or polv.KV_EVENTS_FORMATS[0]
+    if value not in polv.KV_EVENTS_FORMATS:
+        raise _fail(contract.ENV_KV_EVENTS_FORMAT, raw, f"use one of {', '.join(polv.KV_EVENTS_FORMATS)}")
+    return value
 
 
 def _kv_events_topic(raw: str) -> str:

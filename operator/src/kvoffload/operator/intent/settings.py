@@ -56,7 +56,7 @@ class OperatorDefaults:
         return {"shmSize": format_bytes(self.shm_bytes), "cache": cache, "sidecar": sidecar, "connector": connector}
 
 
-FIELDS_LEFT_OUT_AT_DEFAULT = ("kv_events", "kv_events_topic")
+FIELDS_LEFT_OUT_AT_DEFAULT = ("kv_events", "kv_events_topic", "kv_events_format")
 """Fields added after injection records were first written: a record leaves them out at their
 defaults (``from_record`` fills them in), so the record of a workload that does not use them, and
 the pod-template label hashing it in admission mode, stay what an earlier operator wrote: an

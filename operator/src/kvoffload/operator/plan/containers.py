@@ -14,7 +14,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.plan.pod_memory import sidecar_resources
-from kvoffload.policy_values import PolicyError
+from kvoffload.policy_values import KV_EVENTS_FORMATS, PolicyError
 from kvoffload.quantity import format_bytes
 
 RUN_VOLUME_SIZE = "512Mi"
@@ -181,6 +181,8 @@ def kv_events_env(settings: InjectionSettings) -> list[dict[str, Any]]:
     ]
     if settings.kv_events_topic:
         env.append(env_var(c.ENV_KV_EVENTS_TOPIC, settings.kv_events_topic))
+    if settings.kv_events_format != KV_EVENTS_FORMATS[0]:  # only when set: pods of the default roll for nothing
+        env.append(env_var(c.ENV_KV_EVENTS_FORMAT, settings.kv_events_format))
     return env
 
 
