@@ -713,6 +713,9 @@ def _serve_rank(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], k
                 conn.send(state.step(msg[1], msg[2], msg[3], msg[4]))
             elif msg[0] == "finish":
                 conn.send(state.finish(msg[1], msg[2]))
+            elif msg[0] == "stall_heartbeat":  # the heartbeat thread's beats do nothing from now on
+                state.worker.backend.heartbeat_once = lambda: None
+                conn.send(None)
             elif msg[0] == "stop":
                 state.close()
                 conn.send(None)
@@ -1476,6 +1479,13 @@ class StandinExecutor:
                 raise RuntimeError(f"rank process died:\n{reply['fatal']}")
             replies.append(reply)
         return replies
+
+    def stall_follower_heartbeats(self) -> None:
+        """Ranks other than 0 stop beating (a CPU-starved rank's heartbeat thread): their connection's
+        state changes only through what the connector's own hooks do."""
+        for parent, _proc in self.followers:
+            parent.send(("stall_heartbeat",))
+            parent.recv()
 
     def _fail(self, req: StandinLlmRequest, active: list[StandinLlmRequest], error: str) -> None:
         req.result.failed = True

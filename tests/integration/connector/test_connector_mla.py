@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from kvoffload import contract
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     CHUNK,
@@ -191,23 +190,31 @@ def test_a_replayed_request_keeps_its_latent_load_when_its_old_blocks_go_to_anot
 
 
 def test_a_tp2_latent_load_secured_in_a_restarted_servers_segment_reaches_a_rank_whose_heartbeat_lags(
-    doomed_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+    doomed_server: LMCacheServer, executor_factory: Any
 ) -> None:
     """After a server restart rank 0 registers again first, stores the latent alone (one copy per TP
-    group) and secures a load in the new L1 segment; rank 1's heartbeat (30 s here) has not mapped
-    that segment yet when the load reaches it. Rank 1 registers and maps it there, instead of failing
+    group) and secures a load in the new L1 segment; rank 1's heartbeat thread (stalled here, as on a
+    starved CPU) has not mapped that segment yet when the load reaches it. Rank 1 registers and maps it there, instead of failing
     every request of the batch (``KV load failed``: what a test of the restart saw once in a while)."""
-    monkeypatch.setenv(contract.ENV_HEARTBEAT_INTERVAL_MS, "30000")
     ex = executor_factory("mla-lagging-rank-model", doomed_server.url, mla=True, **SMALL_MLA, llm_args={"tp": 2})
     prompt = make_prompt(63, 3 * CHUNK + 5)
     (first,) = ex.run([PromptRequest(1, prompt, 2)])
+    ex.stall_follower_heartbeats()
+    worker = ex.rank0.worker.backend
+    # A new registration, not a new segment identity: nothing maps the old segment any more, so the
+    # restarted server's may reuse its inode.
+    before = worker.registration_generation
     doomed_server.kill()
     doomed_server.start()
-    worker = ex.rank0.worker.backend
-    old, deadline = worker.segment, time.monotonic() + 60
-    while worker.segment in (old, None):  # rank 0 alone: rank 1's next heartbeat is up to 30 s away
+    deadline = time.monotonic() + 60
+    while worker.registration_generation == before:  # rank 0 alone
         assert time.monotonic() < deadline, "rank 0 never registered with the restarted server"
         worker.heartbeat_once()
+        time.sleep(0.05)
+    scheduler = ex.scheduler.backend
+    while not scheduler.is_up():  # its lookups go again
+        assert time.monotonic() < deadline, "the scheduler never reached the restarted server"
+        scheduler.heartbeat_once()
         time.sleep(0.05)
     ex.evict_device_cache()
     (stored,) = ex.run([PromptRequest(2, prompt, 2)])  # rank 0 stores the group's one copy

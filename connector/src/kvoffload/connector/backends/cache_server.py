@@ -216,7 +216,7 @@ class CacheServerBackend:
             chunk_size=self.chunk_size, timeouts=self._timeouts, use_fast_copies=self._use_fast_copies,
             connection=self.connection, segments=self.segments, keys=self._keys, committer=self.committer,
             securing=self._securing if self._rank == 0 else None, metrics=self._metrics, pages=pages,
-            catch_up=self._catch_up,
+            catch_up=self.heartbeat_once,
         )  # fmt: skip
         chunks = chunk_layout(kv_pool.dtype, self._settings.tokens_per_block, self.transfers.block_bytes, tag)
         weights = model_identity(self._settings.model_source, self._settings.model_revision)
@@ -258,18 +258,17 @@ class CacheServerBackend:
         while self.connection.wait_for_next_ping():
             try:
                 self.segments.close_retired(RETIRED_GRACE_S)
-                with self._heartbeat_lock:
-                    self.heartbeat_once()
+                self.heartbeat_once()
             except Exception:  # the thread must survive anything
                 logger.exception("event=heartbeat_error backend=sidecar role=%s", self._role)
 
-    def _catch_up(self) -> None:
-        """A heartbeat now, on the caller's thread (never two at once): a restarted server's segment
-        is mapped before a load that names it is failed."""
-        with self._heartbeat_lock:
-            self.heartbeat_once()
-
     def heartbeat_once(self) -> None:
+        """One heartbeat, on the caller's thread; never two at once (the heartbeat thread, a load that
+        catches up with a restarted server's segment, a test)."""
+        with self._heartbeat_lock:
+            self._beat()
+
+    def _beat(self) -> None:
         """PING (``ServerConnection.ping``); a connection that went down is replaced first, and on
         success the pool is registered again when needed (a reset, or the server's segment replaced)."""
         if self.connection.needs_reset:
