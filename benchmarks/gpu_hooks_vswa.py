@@ -32,13 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from benchmarks import gpu_transfer as gt
 from benchmarks.common import scattered_block_ids, standin_on_path
-from benchmarks.gpu_hooks_check import _kill_tree
+from benchmarks.gpu_hooks_check import _kill_tree, raw_copy_s
 
 MODEL, LAYERS, KV_HEADS, HEAD_DIM, WINDOW = "openai/gpt-oss-120b", 36, 8, 64, 128
 
@@ -147,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             failures += 0 if exact and rid in done else 1
             page = full[0].numel() * full.element_size()
             stored, loaded = 2 * nblocks * page, (nblocks + len(given)) * page
-            raw = raw_copy_s(full, src, sync)
+            idx = torch.tensor(src, device=dev)
+            raw = raw_copy_s(full, idx, idx, sync)
             print(json.dumps({
                 "round": rnd, "tokens": args.tokens, "matched": matched, "bit_exact": exact,
                 "server_killed_before_load": killed, "save_reported": rid in done, "lookup_ms": round(lookup_ms, 2),
@@ -165,20 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         sidecar.wait(timeout=60)
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
-
-
-def raw_copy_s(pool: torch.Tensor, src: Any, sync: Any) -> tuple[float, float]:
-    """Seconds to copy the ``src`` pages of one group to pinned host memory and back, by hand."""
-    gathered = pool[torch.tensor(src, device=pool.device)]
-    host = torch.empty_like(gathered, device="cpu", pin_memory=pool.is_cuda)
-    sync()
-    t0 = time.perf_counter()
-    host.copy_(gathered, non_blocking=True)
-    sync()
-    t1 = time.perf_counter()
-    gathered.copy_(host, non_blocking=True)
-    sync()
-    return t1 - t0, time.perf_counter() - t1
 
 
 if __name__ == "__main__":

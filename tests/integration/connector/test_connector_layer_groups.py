@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.lmcache_server import LMCacheServer
+from tests.support.server_kills import kill_after_first_hit
 from tests.support.trtllm_executor import (
     CHUNK,
     AttentionDpRank,
@@ -177,17 +178,7 @@ def test_a_vswa_load_secured_before_a_server_kill_arrives_bit_exact(
     ex = vswa(executor_factory, "vswa-kill-model", doomed_server.url, GPT_OSS)
     first = ex.run([PromptRequest(1, PROMPT, 2)])[0]
     ex.evict_device_cache()
-    lookup = ex.scheduler.get_num_new_matched_tokens
-    killed: list[int] = []
-
-    def lookup_then_kill(request: Any, computed: int) -> tuple[int, bool]:
-        result = lookup(request, computed)
-        if result[0] > 0 and not killed:
-            killed.append(result[0])
-            doomed_server.kill()
-        return result
-
-    ex.scheduler.get_num_new_matched_tokens = lookup_then_kill
+    killed = kill_after_first_hit(ex, doomed_server)
     loaded = ex.run([PromptRequest(2, PROMPT, 2)])[0]
     assert killed == [4 * CHUNK] and not loaded.failed
     assert loaded.output_tokens == first.output_tokens and ex.kv_mismatches == 0

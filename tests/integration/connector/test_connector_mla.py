@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.lmcache_server import LMCacheServer
+from tests.support.server_kills import kill_after_first_hit
 from tests.support.trtllm_executor import (
     CHUNK,
     AttentionDpRank,
@@ -238,17 +239,7 @@ def test_a_tp2_latent_load_secured_before_a_server_kill_arrives_bit_exact_on_eve
     prompt = make_prompt(61, 4 * CHUNK + 3)
     first = ex.run([PromptRequest(1, prompt, 2)])[0]
     ex.evict_device_cache()
-    lookup = ex.scheduler.get_num_new_matched_tokens
-    killed: list[int] = []
-
-    def lookup_then_kill(request: Any, computed: int) -> tuple[int, bool]:
-        result = lookup(request, computed)
-        if result[0] > 0 and not killed:
-            killed.append(result[0])
-            doomed_server.kill()
-        return result
-
-    ex.scheduler.get_num_new_matched_tokens = lookup_then_kill
+    killed = kill_after_first_hit(ex, doomed_server)
     loaded = ex.run([PromptRequest(2, prompt, 2)])[0]
     assert killed == [4 * CHUNK] and not loaded.failed
     assert loaded.connector_matched_tokens == 4 * CHUNK and loaded.output_tokens == first.output_tokens
