@@ -195,17 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                     a @ a
                 pool.index_copy_(0, src_idx, fresh)
             save = TransferOp(rid, f"hooks-save-{rnd}", tuple(prompt[: args.tokens]), 0, args.tokens, src, 0, "")
-            worker.bind_connector_meta(ConnectorMetadata(saves=(save,)))
-            t0 = time.perf_counter()
-            worker.wait_for_save(engine)
-            returned_ms = (time.perf_counter() - t0) * 1e3
-            worker._clear_connector_meta()
-            done: list[int] = []
+            returned_ms, saved_ms, done = save_and_wait(worker, save, engine)
             deadline = time.monotonic() + 60
-            while rid not in done and time.monotonic() < deadline:
-                done, _ = worker.get_finished([rid], [])
-                time.sleep(0.001)
-            saved_ms = (time.perf_counter() - t0) * 1e3
             request = StandinLlmRequest(PromptRequest(rid + 1000, prompt))
             t_lookup = time.perf_counter()
             matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)  # lookup + secure
@@ -272,6 +263,24 @@ def main(argv: list[str] | None = None) -> int:
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
+
+
+def save_and_wait(worker: Any, save: Any, engine: Any) -> tuple[float, float, list[int]]:
+    """``wait_for_save`` of one store op on the engine's stream, then ``get_finished`` until the worker
+    reports its request (at most 60 s): ms until the hook returned, ms until reported, the ids reported."""
+    from kvoffload.connector.wire import ConnectorMetadata
+
+    worker.bind_connector_meta(ConnectorMetadata(saves=(save,)))
+    t0 = time.perf_counter()
+    worker.wait_for_save(engine)
+    returned_ms = (time.perf_counter() - t0) * 1e3
+    worker._clear_connector_meta()
+    done: list[int] = []
+    deadline = time.monotonic() + 60
+    while save.request_id not in done and time.monotonic() < deadline:
+        done, _ = worker.get_finished([save.request_id], [])
+        time.sleep(0.001)
+    return returned_ms, (time.perf_counter() - t0) * 1e3, list(done)
 
 
 def raw_copy_s(

@@ -37,7 +37,7 @@ import torch
 
 from benchmarks import gpu_transfer as gt
 from benchmarks.common import scattered_block_ids, standin_on_path
-from benchmarks.gpu_hooks_check import _kill_tree, raw_copy_s
+from benchmarks.gpu_hooks_check import _kill_tree, raw_copy_s, save_and_wait
 
 MODEL, LAYERS, KV_HEADS, HEAD_DIM, WINDOW = "openai/gpt-oss-120b", 36, 8, 64, 128
 
@@ -96,16 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 sliding.index_copy_(0, torch.tensor(src_s, device=dev), fresh[0])
             save = TransferOp(rid, f"vswa-save-{rnd}", tuple(prompt[: args.tokens]), 0, args.tokens, src, 0, "",
                               group_block_ids=(src_s,))  # fmt: skip
-            worker.bind_connector_meta(ConnectorMetadata(saves=(save,)))
-            t0 = time.perf_counter()
-            worker.wait_for_save(engine)
-            saved_ms = (time.perf_counter() - t0) * 1e3
-            worker._clear_connector_meta()
-            done: list[int] = []
-            deadline = time.monotonic() + 60
-            while rid not in done and time.monotonic() < deadline:
-                done, _ = worker.get_finished([rid], [])
-                time.sleep(0.001)
+            saved_ms, _reported_ms, done = save_and_wait(worker, save, engine)
             request = StandinLlmRequest(PromptRequest(rid + 1000, prompt))
             t_lookup = time.perf_counter()
             matched, _is_async = scheduler.get_num_new_matched_tokens(request, 0)
