@@ -328,3 +328,26 @@ def test_a_layer_group_of_two_regions_per_page_is_refused_at_start_naming_them(f
     worker = trtllm.KvoffloadConnectorWorker(_args())
     with pytest.raises(RuntimeError, match=r"1 layer group, 2 region\(s\) per page"):
         worker.register_kv_cache_layout(layout)
+
+
+def test_a_layer_group_report_for_a_request_whose_other_pages_were_never_reported_saves_none_of_them(
+    fake: FakeBackend, trtllm: Any
+) -> None:
+    """A running request reported per layer group while the scheduler knows only its anchor pages
+    (its first report came before the worker registered its layer groups): the unknown pages are
+    never guessed, the chunk they hold is never saved (nor anything after it), and the hook does not
+    raise (an exception in ``build_connector_meta`` stops the engine)."""
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+
+    from kvoffload.connector.layout import describe_layer_groups
+
+    sched = trtllm.KvoffloadConnectorScheduler(_args())
+    tokens = list(range(129))
+    assert sched.get_num_new_matched_tokens(Req(1, tokens), 0) == (0, False)
+    sched.update_state_after_alloc(Req(1, tokens), [0, 1])
+    assert sched.build_connector_meta(_new(1, tokens, [0, 1], 0, 32)).saves == ()  # half a chunk
+    fake.layer_groups = lambda: describe_layer_groups([(0, 48, 1, [512], [1, 1]), (1, None, 1, [512], [1, 1])])
+    for ordinals, scheduled in (((2, 3), 32), ((4, 5, 6, 7), 64)):
+        by_group = [[10 + o for o in ordinals], list(ordinals)]
+        cached = RequestData(1, [], [], 0, scheduled, new_block_ids_by_layer_group=by_group)
+        assert sched.build_connector_meta(SchedulerOutput(cached_requests=[cached])).saves == ()

@@ -368,8 +368,12 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         if state is None:
             return
         state.tokens.extend(req.new_tokens)
+        if group_block_ids and len(state.group_block_ids) != len(group_block_ids):
+            # Its earlier pages in the other groups were never reported to this state: unknown, so
+            # none of those blocks is ever saved (-1), never a guess.
+            state.group_block_ids = [[-1] * len(state.block_ids) for _ in group_block_ids]
         state.block_ids.extend(block_ids)
-        for ids, new in zip(state.group_block_ids, group_block_ids, strict=True):
+        for ids, new in zip(state.group_block_ids, group_block_ids, strict=False):
             ids.extend(new)
         self._claims.hold(rid, block_ids)
         before = state.tokens_with_kv
