@@ -133,13 +133,19 @@ def connector_hooks(
         sidecar.wait(timeout=60)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def round_parser(description: str) -> argparse.ArgumentParser:
+    """The options every hooks check takes: prompt size, rounds, the server's L1, the device, a kill."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--l1", default="16Gi")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     parser.add_argument("--kill-before-last-load", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = round_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--sync-save", action="store_true", help="KVOFFLOAD_ASYNC_SAVE=false: wait_for_save copies")
     parser.add_argument("--async-load", action="store_true", help="loads answered (n, True): the loader thread copies")
     parser.add_argument(

@@ -24,7 +24,6 @@ pool -> pinned host -> pool by hand, for the hooks' rates to compare with.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -37,18 +36,13 @@ import torch
 
 from benchmarks import gpu_transfer as gt
 from benchmarks.common import scattered_block_ids, standin_on_path
-from benchmarks.gpu_hooks_check import _kill_tree, raw_copy_s, save_and_wait
+from benchmarks.gpu_hooks_check import _kill_tree, raw_copy_s, round_parser, save_and_wait
 
 MODEL, LAYERS, KV_HEADS, HEAD_DIM, WINDOW = "openai/gpt-oss-120b", 36, 8, 64, 128
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--l1", default="16Gi")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
-    parser.add_argument("--kill-before-last-load", action="store_true")
+    parser = round_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--busy", type=int, default=20)
     args = parser.parse_args(argv)
     dev = args.device
