@@ -202,4 +202,6 @@ class ServerConnection:
         self._wake.set()
 
     def close(self) -> None:
+        """Close the client and the zmq context made for it (its descriptors and I/O thread go too)."""
         self.client.close()
+        self._zmq.destroy(linger=0)
