@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload.connector.layout import page_key
+
 
 @dataclass(frozen=True)
 class SlotRef:
@@ -60,8 +62,7 @@ class TransferOp:
         """Every page the op reads or writes, other groups' named by ``layout.page_key`` (fences)."""
         if not self.group_block_ids:
             return self.block_ids
-        stride = 1 << 32  # layout.GROUP_PAGE_STRIDE (wire imports nothing of the connector)
-        extra = (g * stride + s for g, ids in enumerate(self.group_block_ids, 1) for s in ids if s >= 0)
+        extra = (page_key(g, s) for g, ids in enumerate(self.group_block_ids, 1) for s in ids if s >= 0)
         return (*self.block_ids, *extra)
 
     @property
