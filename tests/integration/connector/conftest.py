@@ -47,6 +47,17 @@ def doomed_server(
     server.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_commit_left_pending() -> Iterator[None]:
+    """Every COMMIT a test queued is answered or dropped by its end: one left pending in this process
+    would fail every later test's ``settle_commits`` instead of this one."""
+    from kvoffload.connector.runtime import ENGINE_PROCESS
+
+    yield
+    if not ENGINE_PROCESS.pending.wait_idle(15.0):
+        pytest.fail(f"COMMITs still pending after the test, sessions {ENGINE_PROCESS.pending.sessions()}")
+
+
 @pytest.fixture
 def executor_factory(connector_env: dict[str, str]) -> Iterator[Any]:
     """Build stand-in executors; all are closed at teardown."""

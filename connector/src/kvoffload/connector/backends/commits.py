@@ -92,6 +92,11 @@ class PendingCommits:
         with self._changed:
             return self._changed.wait_for(lambda: self._count == 0, timeout=timeout_s)
 
+    def sessions(self) -> list[str]:
+        """The sessions with a COMMIT pending now (what a wait that timed out names)."""
+        with self._changed:
+            return sorted(str(tag[1]) for tag, count in self._by_tag.items() if tag[0] == "session" and count > 0)
+
     def _wait(self, tag: Hashable, timeout_s: float) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: self._by_tag[tag] <= 0, timeout=timeout_s)

@@ -53,6 +53,9 @@ class Committer:
         self._unaborted_lock = threading.Lock()
         self._stranded = 0
         """Aborts the server failed as a bad payload (it runs without kvoffload's transfer guard)."""
+        self._open = True
+        """False once ``close`` queued its stop: nothing is queued after it (nothing would send it)."""
+        self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"kvoffload-commit-{role}", daemon=True)
         self._thread.start()
 
@@ -61,8 +64,12 @@ class Committer:
         """Queue the COMMIT of a finished copy prepared on ``prepared_on`` (transfer context, segment);
         ``on_done`` is called once it was answered or dropped."""
         commit = DeferredCommit(operation, prepared_on[0], key, chain, prepared_on[1], on_done)
-        self._pending.add(commit)
-        self._queue.put(commit)
+        with self._open_lock:
+            if self._open:
+                self._pending.add(commit)
+                self._queue.put(commit)
+                return
+        self._refused_after_close(commit)
 
     def abort(self, key: IPCCacheServerKey, prepared_on: tuple[Any, Segment | None]) -> None:
         """Queue the abort of a store's reservation of ``key`` (prepared on ``prepared_on``): it is
@@ -70,12 +77,16 @@ class Committer:
         self.later("abort", key, None, prepared_on)
 
     def retry_aborts(self) -> None:
-        """Queue again the aborts that could not be sent (the heartbeat calls it once the server answers)."""
-        with self._unaborted_lock:
-            kept, self._unaborted = self._unaborted, []
-        for item in kept:
-            self._pending.add(item)
-            self._queue.put(item)
+        """Queue again the aborts that could not be sent (the heartbeat calls it once the server answers).
+        After ``close`` they stay kept: the backend then leaves its context registered."""
+        with self._open_lock:
+            if not self._open:
+                return
+            with self._unaborted_lock:
+                kept, self._unaborted = self._unaborted, []
+            for item in kept:
+                self._pending.add(item)
+                self._queue.put(item)
 
     @property
     def unaborted(self) -> int:
@@ -93,9 +104,21 @@ class Committer:
             self._unaborted.append(abort)
 
     def close(self, timeout_s: float) -> None:
-        """Send what is queued (waiting at most ``timeout_s``), then stop."""
-        self._queue.put(None)
+        """Send what is queued (waiting at most ``timeout_s``), then stop; what is queued later (a
+        heartbeat's retry racing the close) is refused, never left pending."""
+        with self._open_lock:
+            self._open = False
+            self._queue.put(None)
         self._thread.join(timeout=timeout_s)
+
+    def _refused_after_close(self, item: DeferredCommit) -> None:
+        """A COMMIT queued after ``close``: a store's reservation is kept to abort (so the context is
+        not unregistered over it), a load's slots go with the context."""
+        if item.operation in ("store", "abort"):
+            self._keep_abort(item)
+        logger.warning("event=commit_after_close operation=%s session=%s", item.operation, item.key.request_id)
+        if item.on_done is not None:
+            item.on_done()
 
     def _loop(self) -> None:
         while True:
