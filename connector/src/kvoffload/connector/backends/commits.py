@@ -95,7 +95,11 @@ class PendingCommits:
     def sessions(self) -> list[str]:
         """The sessions with a COMMIT pending now (what a wait that timed out names)."""
         with self._changed:
-            return sorted(str(tag[1]) for tag, count in self._by_tag.items() if tag[0] == "session" and count > 0)
+            return sorted(
+                str(tag[1])
+                for tag, count in self._by_tag.items()
+                if isinstance(tag, tuple) and tag[0] == "session" and count > 0
+            )
 
     def _wait(self, tag: Hashable, timeout_s: float) -> bool:
         with self._changed:
