@@ -4,7 +4,10 @@ Read from NVIDIA/TensorRT-LLM through the code index: the 1.2 line's
 ``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` (@3277953, @00fdcbf) and main's
 ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (@035ab91c) and
 ``connectors/kv_cache_layout.py`` (@ae7a7216, the version with ``valid_page_slots``, ``slot_tensor``,
-``dtype`` and ``as_single_pool_tensor``: what KVCacheManagerV2 hands ``register_kv_cache_layout``). A method maps to
+``dtype`` and ``as_single_pool_tensor``: what KVCacheManagerV2 hands ``register_kv_cache_layout``).
+Main's prefix-reservation trio and ``PrefixLoad`` come from the example
+``examples/llm-api/llm_kv_cache_connector.py`` (its overrides' parameter names) and the tests that
+drive them; no stored version of ``kv_cache_connector.py`` carries them. A method maps to
 ``(parameters, abstract)``; ``attention_dp`` says whether the version has the ``supports_attention_dp``
 opt-in (``KvCacheConnectorManager.validate_attention_dp``).
 """
@@ -47,16 +50,22 @@ UPSTREAM_API: dict[str, dict[str, Any]] = {
             *("request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens"),
             *("block_hashes", "priorities", "cache_salt", "new_block_ids_by_layer_group"),
         ],
-        "SchedulerOutput": ["new_requests", "cached_requests", "attention_dp_rank"],
+        "SchedulerOutput": ["new_requests", "cached_requests", "attention_dp_rank", "prefix_loads"],
+        "PrefixLoad": [
+            *("reservation_id", "request_id", "start", "end", "block_ids_by_layer_group", "tokens", "cache_salt"),
+        ],
         "KvCacheConnectorWorker": {
             **_WORKER_12,
             "register_kv_cache_layout": (["self", "layout"], False),
+            "get_finished_prefix_loads": (["self"], False),
         },
         "KvCacheConnectorScheduler": {
             **_SCHEDULER_12,
             "request_finished_by_layer_group": (["self", "request", "cache_block_ids_by_layer_group"], False),
             "update_state_after_alloc_by_layer_group": (["self", "request", "block_ids_by_layer_group"], False),
             "wait_for_initialization": (["self"], False),
+            "reserve_prefix": (["self", "request", "num_computed_tokens", "reservation_id"], False),
+            "release_prefix_reservation": (["self", "request", "reservation_id", "start", "end"], False),
         },
     },
 }

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hack.ports import free_port
+from kvoffload.sidecar.metrics import ServerTransferState, transfer_state
 
 
 @dataclass
@@ -129,6 +130,13 @@ class LMCacheServer:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=10) as resp:
             body: dict[str, Any] = json.loads(resp.read())
         return body
+
+    def held(self) -> ServerTransferState:
+        """Read-locked chunks, live store reservations and prefetch jobs the server holds now (its
+        ``/status`` read as the sidecar's metrics read it)."""
+        state = transfer_state(json.dumps(self.status()).encode())
+        assert state is not None, "the server's /status lost the fields the sidecar reads"
+        return state
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -260,6 +260,9 @@ class StandinLlmRequest:
         self.parked_at = 0.0  # when its asynchronous load began (the attention-DP deadline counts from it)
         self.is_finished = False
         """``LlmRequest.is_finished``: set by ``finish_by_reason`` (cancel, error) and by the last token."""
+        self.prefix_load: Any = None
+        """Prefix reservations: its accepted ``PrefixLoad`` until every rank reported it finished (the
+        load owns the allocation until then: a cancel waits for it)."""
 
     def get_tokens(self, beam: int = 0) -> list[int]:
         return list(self.tokens)
@@ -409,6 +412,10 @@ class ExecutorBehaviour:
     """``commit_new_matched_tokens`` sets ``LlmRequest.py_num_connector_matched_tokens``."""
     attention_dp_with_connector: bool = False
     """A connector under ``enable_attention_dp`` (#19250; KVCacheManagerV2 only)."""
+    prefix_reservations: bool = False
+    """KVCacheManagerV2 asks a connector implementing the reservation trio ``reserve_prefix`` instead of
+    ``get_num_new_matched_tokens``, hands accepted loads over as ``SchedulerOutput.prefix_loads`` and
+    finishes them by reservation id (``get_finished_prefix_loads`` from every rank)."""
 
 
 TRTLLM_VERSIONS = {
@@ -432,6 +439,7 @@ TRTLLM_VERSIONS = {
         kv_cache_manager_v2_with_connector="served",
         records_honoured_tokens=True,
         attention_dp_with_connector=True,
+        prefix_reservations=True,
     ),
 }
 """1.3.0rc: the "auto" window before the V2 connector path (rc22-rc26); 1.4.0rc1 and main: the V2
@@ -560,6 +568,8 @@ class RankState:
         else:
             self.worker.register_kv_caches(self.pool)
         self.mismatches = 0
+        self.reservations = bool(geometry.get("prefix_reservations"))
+        """The manager polls ``get_finished_prefix_loads`` (prefix reservations enabled)."""
 
     def _block_view(self, block: int, layer: int) -> torch.Tensor:
         group, index = self.place[layer]
@@ -610,10 +620,12 @@ class RankState:
             partial[rid] = self._attend(blocks, end)
         return {"partial": partial, "mismatches": self.mismatches}
 
-    def finish(self, new_saving_ids: list[int], new_loading_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Step 6 on this rank: ``get_finished`` with the ids that started saving or loading this iteration."""
+    def finish(self, new_saving_ids: list[int], new_loading_ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Step 6 on this rank: ``get_finished`` with the ids that started saving or loading this
+        iteration, then (prefix reservations) ``get_finished_prefix_loads``."""
         done_saving, done_loading = self.worker.get_finished(new_saving_ids, new_loading_ids)
-        return list(done_saving), list(done_loading)
+        done_prefix = list(self.worker.get_finished_prefix_loads()) if self.reservations else []
+        return list(done_saving), list(done_loading), done_prefix
 
     def _forward_layer(self, layer: int, hashes: list[int], blocks: list[list[int]], start: int, end: int) -> None:
         h = torch.tensor(hashes[start:end], dtype=torch.int64)
@@ -901,6 +913,13 @@ class StandinExecutor:
         child_env[WORLD_ENV] = str(self.tp)
         ctx = mp.get_context("spawn")
         scheduler_cls, worker_cls = load_connector_classes(llm_args)
+        self.reservations = False
+        """Prefix reservations (main's KVCacheManagerV2 with a connector implementing the trio)."""
+        if self.kv_manager_v2 and self.behaviour.prefix_reservations:
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import prefix_reservations_enabled
+
+            self.reservations = prefix_reservations_enabled(worker_cls, scheduler_cls)
+        geometry["prefix_reservations"] = self.reservations
         if self.attention_dp:
             if not self.behaviour.attention_dp_with_connector:
                 raise ValueError(f"attention DP with a KV connector does not exist on TensorRT-LLM {version}")
@@ -942,6 +961,17 @@ class StandinExecutor:
         """Requests loading asynchronously (``(n, True)``): out of every batch until all ranks report the load."""
         self._loading_new: list[int] = []
         self._loading_votes: dict[int, int] = {}
+        self._next_reservation_id = 1
+        """Reservation ids only grow: a replayed allocation's stale completion names an old one."""
+        self._reserved: dict[int, StandinLlmRequest] = {}
+        """Accepted prefix loads not yet finished on every rank, by reservation id."""
+        self._prefix_votes: dict[int, int] = {}
+        self._terminating: dict[int, StandinLlmRequest] = {}
+        """Cancelled requests whose prefix load still owns their allocation (``defer_load_termination``)."""
+        self.reservations_asked: list[tuple[int, int, tuple[int, bool]]] = []
+        """``(reservation id, num_computed_tokens, answer)`` of every ``reserve_prefix``."""
+        self.reservation_releases: list[tuple[int, int, int]] = []
+        """``(reservation id, start, end)`` of every ``release_prefix_reservation``, in order."""
         self.async_loads = 0
         self.short_honours = 0
         self.grow_fails_every = 0
@@ -1097,10 +1127,11 @@ class StandinExecutor:
         active: list[StandinLlmRequest] = []
         deadline = time.monotonic() + timeout_s
         step = 0
-        while arrivals or active or self.saving or self.parked or self._paused:
+        while arrivals or active or self.saving or self.parked or self._paused or self._terminating:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"requests still running after {timeout_s}s; saving={sorted(self.saving)} parked={sorted(self.parked)}"
+                    f" loads owning cancelled requests={sorted(self._terminating)}"
                 )
             pending = [r for r in arrivals if r.arrive_after <= step]
             arrivals = arrivals[len(pending) :]
@@ -1153,6 +1184,7 @@ class StandinExecutor:
                 # go back to the pool, where the requests admitted after it may take them, and the
                 # request is replayed: asked again, allocated again.
                 req.replay_on_admission = False
+                self._release_unstarted_prefix_load(req)
                 dropped = [(src, dst) for src, dst in block_copies if dst in req.block_ids]
                 block_copies[:] = [copy for copy in block_copies if copy not in dropped]
                 self.blocks.release([src for src, _dst in dropped], {})
@@ -1276,6 +1308,9 @@ class StandinExecutor:
                 req.result.cancelled = True
                 self.results[req.request_id] = req.result
                 active.remove(req)
+                if req.prefix_load is not None:  # defer_load_termination: its load owns the allocation
+                    self._terminating[req.request_id] = req
+                    continue
                 self._terminate(req, self._commit_keys(req))
         # A parked request is in active_requests too: _handle_canceled_requests finishes it and
         # _handle_responses -> _terminate_request frees its blocks in this same iteration (py_executor.py
@@ -1287,6 +1322,9 @@ class StandinExecutor:
                 req.result.cancelled = True
                 self.results[req.request_id] = req.result
                 del self.parked[req.request_id]
+                if req.prefix_load is not None:  # defer_load_termination: its load owns the allocation
+                    self._terminating[req.request_id] = req
+                    continue
                 self._terminate(req, self._commit_keys(req))
         # Step 6: get_finished with the ids that started saving or loading now; act on ids every rank returned.
         newly_saving = [rid for rid in self.saving if rid not in self._announced]
@@ -1296,8 +1334,9 @@ class StandinExecutor:
             parent.send(("finish", newly_saving, newly_loading))
         per_rank = [self.rank0.finish(newly_saving, newly_loading)] + [parent.recv() for parent, _ in self.followers]
         ranks = 1 + len(self.followers)
-        saved = returned_by_every_rank(self._done_votes, [ids for ids, _ in per_rank], ranks)
-        for rid in returned_by_every_rank(self._loading_votes, [loaded for _, loaded in per_rank], ranks):
+        saved = returned_by_every_rank(self._done_votes, [ids for ids, _, _ in per_rank], ranks)
+        self._finish_prefix_loads([prefix for _, _, prefix in per_rank], ranks, active)
+        for rid in returned_by_every_rank(self._loading_votes, [loaded for _, loaded, _ in per_rank], ranks):
             req = self.parked.pop(rid, None)
             if req is None:  # cancelled while parked: freed at once, the late report is ignored
                 continue
@@ -1324,7 +1363,15 @@ class StandinExecutor:
         if self.kv_manager_v2 and -(-first_chunk // self.block) - len(reused) > self.blocks.available():
             self.blocks.release(reused + ([partial_src] if partial_src is not None else []), {})
             return None
-        matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
+        reservation_id = 0
+        if self.reservations:  # KVCacheManagerV2's prefix path asks reserve_prefix, once per allocation
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import check_reservation_answer
+
+            reservation_id, self._next_reservation_id = self._next_reservation_id, self._next_reservation_id + 1
+            matched, is_async = check_reservation_answer(self.scheduler.reserve_prefix(req, num_reused, reservation_id))
+            self.reservations_asked.append((reservation_id, num_reused, (matched, is_async)))
+        else:
+            matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
         if is_async and matched == 0:
             raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
         if is_async and self.sliding:
@@ -1333,6 +1380,9 @@ class StandinExecutor:
             honoured, page_tokens = self._v2_serve(req, num_reused, matched)
         else:  # V1 allocates the whole prompt at the first chunk and honours the whole offer
             honoured, page_tokens = matched, req.prompt_len
+        if reservation_id and honoured < matched:  # trim_prefix_reservation: the unused tail goes back
+            self._release_reservation(req, reservation_id, num_reused + honoured, num_reused + matched)
+            is_async = is_async and honoured > 0
         req.block_ids = reused + self.blocks.allocate(-(-page_tokens // self.block) - len(reused))
         req.first_chunk_end = min(page_tokens, req.prompt_len) if self.kv_manager_v2 else None
         req.reused_blocks = reused
@@ -1343,6 +1393,14 @@ class StandinExecutor:
         if self.sliding:  # _resize_for_connector_prefix: history is the served end
             self._release_stale(req, num_reused + honoured)
             self._grow_groups(req, num_reused + honoured)
+        if reservation_id and honoured:  # accept_prefix_load: the pages it writes, every layer group's
+            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import PrefixLoad
+
+            req.prefix_load = PrefixLoad(reservation_id, req.request_id, num_reused, num_reused + honoured,
+                                         self.pages_by_group(req), list(req.tokens), req.salt)  # fmt: skip
+        elif self.reservations:  # not read from upstream: the reservation path is not known to call it
+            pass
+        elif self.sliding:
             self.scheduler.update_state_after_alloc_by_layer_group(req, self.pages_by_group(req))
         else:
             self.scheduler.update_state_after_alloc(req, list(req.block_ids))
@@ -1427,7 +1485,14 @@ class StandinExecutor:
         active: list[StandinLlmRequest],
     ) -> None:
         """Schedule an allocated new request, or park it while its asynchronous load runs."""
-
+        if req.prefix_load is not None:  # build_scheduler_output: the accepted load, with the batch
+            output.prefix_loads.append(req.prefix_load)
+            self._reserved[req.prefix_load.reservation_id] = req
+        if is_async and self.reservations:  # take_scheduled_requests_pending_load: out until it finishes
+            self.parked[req.request_id] = req
+            self.async_loads += 1
+            req.parked_at = time.monotonic()
+            return
         if is_async:
             # new_async_requests.loading: build_scheduler_output skips it and
             # take_scheduled_requests_pending_load takes it out of this batch (no forward) until
@@ -1442,6 +1507,37 @@ class StandinExecutor:
         req.reported_blocks = len(req.block_ids)
         scheduled.append((req, req.context_pos, req.context_pos + n))
         active.append(req)
+
+    def _release_reservation(self, req: StandinLlmRequest, reservation_id: int, start: int, end: int) -> None:
+        self.reservation_releases.append((reservation_id, start, end))
+        self.scheduler.release_prefix_reservation(req, reservation_id, start, end)
+
+    def _release_unstarted_prefix_load(self, req: StandinLlmRequest) -> None:
+        """``release_unstarted_prefix_loads`` + ``reset_request_state``: a load accepted but never
+        dispatched goes back whole; the request is asked again with a new reservation id."""
+        load, req.prefix_load = req.prefix_load, None
+        if load is not None:
+            self._release_reservation(req, load.reservation_id, load.start, load.end)
+
+    def _finish_prefix_loads(self, per_rank: list[list[int]], ranks: int, active: list[StandinLlmRequest]) -> None:
+        """``PrefixLoadCompletionTracker`` + ``finish_prefix_loads``: a reservation every rank reported
+        finished releases its range; its request resumes, or ends if it was cancelled meanwhile.
+        Upstream ignores ids of no accepted load (a replayed allocation's stale completion); the
+        stand-in fails on them instead: a connector reports only loads it was handed."""
+        for ids in per_rank:
+            for rid in ids:
+                if rid not in self._reserved:
+                    raise AssertionError(f"get_finished_prefix_loads reported reservation {rid}, not dispatched")
+        for rid in returned_by_every_rank(self._prefix_votes, [sorted(set(ids)) for ids in per_rank], ranks):
+            req = self._reserved.pop(rid)
+            load, req.prefix_load = req.prefix_load, None
+            self._release_reservation(req, rid, load.start, load.end)
+            if req.request_id in self._terminating:
+                del self._terminating[req.request_id]
+                self._terminate(req, self._commit_keys(req))
+            elif self.parked.pop(req.request_id, None) is not None:
+                req.returning = True
+                active.append(req)
 
     def _match_partial(self, req: StandinLlmRequest, salt: str, full_blocks: int) -> tuple[int | None, int]:
         """With ``enable_partial_reuse``: a reusable block matching the start of the next block

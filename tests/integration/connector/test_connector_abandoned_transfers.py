@@ -13,7 +13,6 @@ The server's numbers come from its own ``GET /status`` (read as the sidecar's me
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -26,7 +25,6 @@ import pytest
 from kvoffload.connector.backends import pool_transfers
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.wire import TransferOp
-from kvoffload.sidecar.metrics import ServerTransferState, transfer_state
 from tests.support.direct_backend import backend_pair, direct_backend, pool_for
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
@@ -69,13 +67,6 @@ def guarded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
         server.stop()
 
 
-def held(server: LMCacheServer) -> ServerTransferState:
-    """Read-locked chunks, live store reservations and prefetch jobs the server holds now."""
-    state = transfer_state(json.dumps(server.status()).encode())
-    assert state is not None, "the server's /status lost the fields the sidecar reads"
-    return state
-
-
 def l1_used_bytes(server: LMCacheServer) -> int:
     return int(server.status()["storage_manager"]["l1_manager"]["memory_used_bytes"])
 
@@ -103,7 +94,7 @@ def test_a_store_whose_copy_raises_publishes_nothing_and_the_next_engines_read_o
 ) -> None:
     model = f"copy-raises-{failing_copy}"
     prompt = make_prompt(90 + failing_copy, PROMPT_TOKENS)
-    used_before, held_before = l1_used_bytes(guarded_server), held(guarded_server)
+    used_before, held_before = l1_used_bytes(guarded_server), guarded_server.held()
     copies = 0
     gather = pool_transfers.gather_chunks
 
@@ -119,7 +110,7 @@ def test_a_store_whose_copy_raises_publishes_nothing_and_the_next_engines_read_o
     assert copies >= failing_copy, "the store never reached the failing copy"
     monkeypatch.setattr(pool_transfers, "gather_chunks", gather)
 
-    assert held(guarded_server).reserved_chunks == held_before.reserved_chunks
+    assert guarded_server.held().reserved_chunks == held_before.reserved_chunks
     assert l1_used_bytes(guarded_server) == used_before, "the failed store's slots stayed in L1"
     second = executor_factory(model, guarded_server.url)
     [computed] = second.run([PromptRequest(2, prompt)])
@@ -149,7 +140,7 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
         eventually(lambda: worker.is_up() and worker.committer.unaborted == 0, "the abort answered")
     finally:
         worker.close()
-    eventually(lambda: held(guarded_server).reserved_chunks == 0, "the reservation dropped")
+    eventually(lambda: guarded_server.held().reserved_chunks == 0, "the reservation dropped")
     assert l1_used_bytes(guarded_server) == used_before
     next_worker, scheduler = backend_pair(guarded_server, "stalled-store", ENV, blocks)  # the engine after it
     try:
@@ -171,11 +162,11 @@ def test_an_engine_killed_between_prepare_and_commit_leaves_nothing_its_successo
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert dying.returncode == -signal.SIGKILL, dying.stdout + dying.stderr
-    assert held(guarded_server).reserved_chunks > 0  # its reservation outlives it, staged
+    assert guarded_server.held().reserved_chunks > 0  # its reservation outlives it, staged
     # The server reaps the silent worker: what it had reserved goes with it, unpublished.
     eventually(lambda: len(guarded_server.status()["registered_non_cuda_instance_ids"]) == workers_before,
                "the dead engine reaped", timeout_s=3 * REAP_S)  # fmt: skip
-    assert held(guarded_server).reserved_chunks == 0
+    assert guarded_server.held().reserved_chunks == 0
     assert l1_used_bytes(guarded_server) == used_before
     successor = executor_factory(model, guarded_server.url)
     [result] = successor.run([PromptRequest(1, make_prompt(95, PROMPT_TOKENS))])
@@ -193,22 +184,22 @@ def test_a_lookup_answered_too_late_leaves_no_read_lock_and_no_prefetch_job_behi
     try:
         worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0)
-        before = held(guarded_server)
+        before = guarded_server.held()
         with guarded_server.paused(), pytest.raises(BackendError):
             scheduler.lookup("late", prompt, tokens, "t")
         # Running again, the server starts the prefetch and read-locks every chunk of the prompt.
-        eventually(lambda: held(guarded_server).read_locked_chunks == before.read_locked_chunks + 8,
+        eventually(lambda: guarded_server.held().read_locked_chunks == before.read_locked_chunks + 8,
                    "the late prefetch's locks")  # fmt: skip
         # The session's next lookup settles the late one first, then hits; its own locks go with its free.
         assert scheduler.lookup("late", prompt, tokens, "t") == tokens
         scheduler.free_lookup_locks("late", prompt, ((0, tokens),), "t")
         scheduler.end_session("late")
-        eventually(lambda: held(guarded_server) == before, "the late lookup's locks and job released")
+        eventually(lambda: guarded_server.held() == before, "the late lookup's locks and job released")
         # Late again, and the request ends: its end settles it.
         with guarded_server.paused(), pytest.raises(BackendError):
             scheduler.lookup("late-then-ended", prompt, tokens, "t")
         scheduler.end_session("late-then-ended")
-        eventually(lambda: held(guarded_server) == before, "the ended request's locks and job released")
+        eventually(lambda: guarded_server.held() == before, "the ended request's locks and job released")
     finally:
         scheduler.close()
         worker.close()
@@ -219,10 +210,10 @@ def test_two_identical_prompts_loading_at_once_leave_no_read_lock_behind(
 ) -> None:
     prompt = make_prompt(99, PROMPT_TOKENS)
     run_then_close("twin-loads", guarded_server, prompt)
-    before = held(guarded_server)
+    before = guarded_server.held()
     reader = executor_factory("twin-loads", guarded_server.url, num_blocks=128)
     results = reader.run([PromptRequest(2, prompt), PromptRequest(3, prompt)])
     matched = [r.connector_matched_tokens for r in results]
     assert matched[0] > 0 and matched[0] == matched[1], f"both loads read the stored prefix: {matched}"
     assert reader.kv_mismatches == 0
-    eventually(lambda: held(guarded_server) == before, "both loads' locks released")
+    eventually(lambda: guarded_server.held() == before, "both loads' locks released")

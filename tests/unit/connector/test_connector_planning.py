@@ -201,3 +201,18 @@ def test_only_a_parked_requests_load_targets_reused_by_another_mean_it_vanished(
 def test_loads_are_synchronous_under_attention_dp() -> None:
     assert planning.load_is_async(8192, 4096, 1, attention_dp=False)
     assert not planning.load_is_async(8192, 4096, 1, attention_dp=True)
+
+
+def test_an_accepted_prefix_load_copies_only_its_range_under_the_whole_retrieve_key() -> None:
+    """KVCacheManagerV2 may trim a reservation at its tail (a failed grow) or its head (more of the
+    prompt on the device by the time the load is accepted): the copies cover exactly what was
+    accepted; the chunks stay secured under the promise's retrieve key."""
+    promise = planning.decide_load(600, 64, 512, 16, 256)  # promised [64, 512): chunks [0, 512)
+    assert planning.accept(promise, 64, 64, 512, 16) == promise
+    tail = planning.accept(promise, 64, 64, 300, 16)
+    assert (tail.matched_tokens, tail.copy_end, tail.skip_tokens) == (236, 300, 64)
+    head = planning.accept(promise, 64, 128, 512, 16)
+    assert (head.matched_tokens, head.skip_tokens, head.retrieve_start, head.retrieve_end) == (384, 128, 0, 512)
+    for start, end in ((32, 512), (64, 600), (200, 200)):
+        with pytest.raises(ValueError, match="not inside the promise"):
+            planning.accept(promise, 64, start, end, 16)

@@ -35,7 +35,7 @@ def test_both_module_paths_serve_the_same_classes() -> None:
 
 def test_standin_data_classes_are_mains() -> None:
     module = importlib.import_module(MAIN["module"])
-    for name in ("RequestData", "SchedulerOutput"):
+    for name in ("RequestData", "SchedulerOutput", "PrefixLoad"):
         assert [f.name for f in dataclasses.fields(getattr(module, name))] == MAIN[name], name
 
 

@@ -118,6 +118,25 @@ def honour(decision: LoadDecision, honoured_tokens: int, num_computed_tokens: in
     return replace(decision, matched_tokens=honoured, copy_end=num_computed_tokens + honoured)
 
 
+def accept(
+    decision: LoadDecision, num_computed_tokens: int, start: int, end: int, tokens_per_block: int
+) -> LoadDecision:
+    """The promise as a prefix reservation's accepted load ``[start, end)`` took it (TensorRT-LLM main's
+    KVCacheManagerV2 trims a reservation at either end): copies from ``start`` (what is before it is on
+    the device) to ``end``; the retrieve key, under which the chunks were secured, stays whole.
+    Raises ValueError for a range outside the promise."""
+    promised_end = num_computed_tokens + decision.matched_tokens
+    if not decision.loads or start < num_computed_tokens or end > promised_end or end <= start:
+        raise ValueError(
+            f"accepted load [{start}, {end}) is not inside the promise [{num_computed_tokens}, {promised_end})"
+        )
+    trimmed = honour(decision, end - num_computed_tokens, num_computed_tokens)
+    if start == num_computed_tokens:
+        return trimmed
+    first_written = (start // tokens_per_block) * tokens_per_block
+    return replace(trimmed, matched_tokens=end - start, skip_tokens=first_written - decision.retrieve_start)
+
+
 def decline(decision: LoadDecision) -> LoadDecision:
     """The same hit, promised to nobody (its load could not be secured). The retrieve range's
     lookup locks were taken over by PREPARE_RETRIEVE and go back with its COMMIT; the rest are freed."""

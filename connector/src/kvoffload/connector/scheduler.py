@@ -22,7 +22,14 @@ from kvoffload.connector.runtime import (
     count_skip,
     prompt_tokens,
 )
-from kvoffload.connector.scheduler_state import BlockClaims, ReapedScopes, RequestScope, RequestState, StepPlan
+from kvoffload.connector.scheduler_state import (
+    BlockClaims,
+    PrefixReservations,
+    ReapedScopes,
+    RequestScope,
+    RequestState,
+    StepPlan,
+)
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -47,6 +54,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._claims = BlockClaims()
         self._reaped_scopes = ReapedScopes()
         self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
+        self._reservations = PrefixReservations()
+        """Prefix reservations TensorRT-LLM holds open (main's KVCacheManagerV2, ``reserve_prefix``)."""
         self._groups: GroupedLayout | None = None
         """Several layer groups, as the worker of this process registered them (``_layer_groups``)."""
         logger.info(
@@ -162,6 +171,49 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         if asynchronous:
             self._parking.append(state.request_id)
         return decision.matched_tokens, asynchronous
+
+    def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        """KVCacheManagerV2's prefix path (TensorRT-LLM main) in place of ``get_num_new_matched_tokens``:
+        the same lookup, the hit secured (the server hands out and read-locks its chunks, so the source
+        stays until the load copied it), open under ``reservation_id`` until every range of it is released."""
+        matched, asynchronous = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        if matched:
+            self._reservations.open(reservation_id, int(request.request_id), num_computed_tokens,
+                                    num_computed_tokens + matched)  # fmt: skip
+        return matched, asynchronous
+
+    def release_prefix_reservation(self, request: Any, reservation_id: int, start: int, end: int) -> None:
+        """Tokens ``[start, end)`` of a reservation are no longer needed: a trimmed tail (the accepted
+        load, the rest, is planned from ``prefix_loads``), or the whole of it once its load finished on
+        every rank or was never started. A promise whose load was never planned goes back then."""
+        closed = self._reservations.release(reservation_id, start, end)
+        if not closed:
+            return
+        state = self._requests.get(int(request.request_id))
+        if state is None or state.accepted_reservation is not None or state.secured is None:
+            return  # ended, accepted (its op is planned next), or its chunks are the workers' already
+        self._release_promise(state)
+        state.load = planning.NO_LOAD
+        self._parking = [rid for rid in self._parking if rid != state.request_id]
+
+    def _accept_prefix_load(self, load: Any, step: StepPlan) -> None:
+        """A reservation's load as KVCacheManagerV2 accepted it: the pages it writes (every layer
+        group's) and the range it copies; its op is planned with its request (``_plan_new`` for a
+        synchronous load, ``_plan_parked`` for a parked one) and carries the reservation's id."""
+        request_id = self._reservations.request_of(load.reservation_id)
+        state = self._requests.get(request_id) if request_id is not None else None
+        if state is None or state.secured is None:
+            logger.error("event=prefix_load_unknown reservation=%d request=%d", load.reservation_id, load.request_id)
+            step.settled_prefix_loads.append(load.reservation_id)  # nothing secured, nothing to copy
+            return
+        by_group = [list(ids) for ids in load.block_ids_by_layer_group]
+        if self._layer_groups() is None:
+            self._allocated(state.llm_request, by_group[0], [])
+        else:
+            self._allocated(state.llm_request, *self._split_groups(by_group))
+        state.load = planning.accept(state.load, state.device_tokens, load.start, load.end, self._block)
+        state.device_tokens = load.start
+        state.accepted_reservation = load.reservation_id
 
     def _state_without_lookup(self, req: Any) -> RequestState:
         """State for a request reported without a live lookup state: one reaped while TensorRT-LLM
@@ -284,6 +336,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         """Step 3 (rank 0, then broadcast): loads for new requests, saves for every request with new full chunks."""
         step = StepPlan()
         step.fresh.update(self._reap_finished())
+        for load in getattr(scheduler_output, "prefix_loads", None) or ():
+            self._accept_prefix_load(load, step)
         parking, self._parking = self._parking, []
         for parked in [self._requests[rid] for rid in parking if rid in self._requests]:
             self._plan_parked(parked, step)
@@ -314,6 +368,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         op = self._op(parked, load.retrieve_start, load.retrieve_end, load.skip_tokens, parked.secured)
         step.async_loads.append(op)
         parked.secured = None
+        parked.accepted_reservation = None
         written = planning.written_blocks(op.block_ids, op.skip_tokens, self._block)
         self._claims.park(parked.request_id, written)
         self._backend.park_load(parked.request_id, parked.llm_request, frozenset(written))
@@ -341,6 +396,9 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             state.secured = None  # the workers copy it; rank 0 releases it after the iteration
         else:
             self._release_promise(state)  # promised, honoured for nothing
+            if state.accepted_reservation is not None:
+                step.settled_prefix_loads.append(state.accepted_reservation)
+        state.accepted_reservation = None
         self._count_sources(state, req.computed_position)
         state.computed_why = planning.computed_reasons(
             state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
@@ -469,6 +527,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             salt=state.salt,
             secured=secured,
             copy_end=copy_end,
+            reservation_id=state.accepted_reservation if secured is not None else None,
             group_block_ids=tuple(planning.block_slice(ids, start, last, self._block) for ids in state.group_block_ids),
         )
 

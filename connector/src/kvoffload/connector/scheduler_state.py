@@ -45,6 +45,8 @@ class RequestState:
     """``planning.computed_reasons`` of the scheduled prompt, set when the engine first schedules it."""
     llm_request: Any = None
     """TensorRT-LLM's ``LlmRequest`` of the lookup (its ``is_finished`` tells a cancelled parked request)."""
+    accepted_reservation: int | None = None
+    """The prefix reservation whose load KVCacheManagerV2 accepted, until that load's op is planned."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,38 @@ class BlockClaims:
         return vanished_holders(fresh, reused, self._holders, self._loading_into, owner)
 
 
+class PrefixReservations:
+    """Prefix reservations (TensorRT-LLM main): each one's request and the token ranges of it not
+    released yet. TensorRT-LLM releases each range exactly once: the tail a trim cuts, the rest
+    once the load finished everywhere (or was never started)."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+
+    def open(self, reservation_id: int, request_id: int, start: int, end: int) -> None:
+        self._open[reservation_id] = (request_id, [(start, end)])
+
+    def request_of(self, reservation_id: int) -> int | None:
+        entry = self._open.get(reservation_id)
+        return None if entry is None else entry[0]
+
+    def release(self, reservation_id: int, start: int, end: int) -> bool | None:
+        """Release ``[start, end)``: True when nothing of the reservation is left (it is closed), False
+        when some is, None for an id not open."""
+        entry = self._open.get(reservation_id)
+        if entry is None:
+            return None
+        request_id, ranges = entry
+        left: list[tuple[int, int]] = []
+        for a, b in ranges:
+            left.extend((x, y) for x, y in ((a, min(b, start)), (max(a, end), b)) if y > x)
+        if left:
+            self._open[reservation_id] = (request_id, left)
+            return False
+        del self._open[reservation_id]
+        return True
+
+
 @dataclass
 class StepPlan:
     """What one ``build_connector_meta`` gathers, request by request, for the workers."""
@@ -139,6 +173,7 @@ class StepPlan:
     saves: list[TransferOp] = field(default_factory=list)
     fresh: set[int] = field(default_factory=set)
     reused: set[int] = field(default_factory=set)
+    settled_prefix_loads: list[int] = field(default_factory=list)
 
     def metadata(self) -> ConnectorMetadata:
         return ConnectorMetadata(
@@ -147,4 +182,5 @@ class StepPlan:
             saves=tuple(self.saves),
             fresh_blocks=frozenset(self.fresh),
             reused_blocks=frozenset(self.reused),
+            settled_prefix_loads=tuple(self.settled_prefix_loads),
         )

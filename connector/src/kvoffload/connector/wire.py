@@ -57,6 +57,9 @@ class TransferOp:
     """Several layer groups (``layout.GroupedLayout``): ``block_ids`` are the anchor group's pages and
     these the other groups', one tuple per group in chunk order, aligned with ``block_ids``; -1 where
     the group has no page (behind a sliding window): a load leaves it, a store never names one."""
+    reservation_id: int | None = None
+    """For a load of a prefix reservation (TensorRT-LLM main's KVCacheManagerV2): the id every rank
+    reports through ``get_finished_prefix_loads`` once its copies are done."""
 
     def pages(self) -> tuple[int, ...]:
         """Every page the op reads or writes, other groups' named by ``layout.page_key`` (fences)."""
@@ -89,3 +92,6 @@ class ConnectorMetadata:
     """Device-reused blocks of this iteration's new requests (their prefix, a partially matched block
     included), which its forward reads: an asynchronous load still writing one belongs to a parked
     request that was cancelled, whose blocks TensorRT-LLM stored for reuse under its prompt."""
+    settled_prefix_loads: tuple[int, ...] = ()
+    """Prefix reservations whose accepted loads copy nothing (nothing of them was secured): every rank
+    reports them finished at once."""

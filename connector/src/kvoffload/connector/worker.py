@@ -45,6 +45,8 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._finished_waiting: set[int] = set()
         self._loading_started: set[int] = set()  # parked requests TensorRT-LLM told us about (get_finished)
         self._loaded_async: set[int] = set()  # parked requests whose KV is in the pool, not yet reported
+        self._finished_prefix_loads: list[int] = []
+        """Prefix reservations whose loads finished here, not yet reported (``get_finished_prefix_loads``)."""
         # Async loads: one loader thread issues parked requests' copies, off the engine's thread,
         # each after an event on the engine's stream.
         self._loads = OpPipeline("load", self._issue_async_load, on_thread_start=self._loader_stream)
@@ -151,6 +153,8 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             if meta.loads:
                 for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
                     self._loaded(op, result)
+        self._finished_prefix_loads.extend(op.reservation_id for op in meta.loads if op.reservation_id is not None)
+        self._finished_prefix_loads.extend(meta.settled_prefix_loads)
         if meta.async_loads:
             self._queue_async_loads(meta.async_loads, stream_event(stream))
 
@@ -293,10 +297,10 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             failures, self._load_failures = self._load_failures, []
         for op, error in failures:  # reported as loaded: the request's first forward then fails it
             self._loaded(op, LoadResult(0, 0.0, error))
-            self._loaded_async.add(op.request_id)
+            self._landed(op)
         for op, result in self._backend.finished_async_loads():
             self._loaded(op, result)
-            self._loaded_async.add(op.request_id)
+            self._landed(op)
         self._loading_started.update(started_loading_req_ids)
         done_loading = sorted(self._loading_started & self._loaded_async)
         self._loading_started.difference_update(done_loading)
@@ -314,6 +318,20 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         done = [rid for rid in self._finished_waiting if rid not in self._session_of]
         self._finished_waiting.difference_update(done)
         return done, done_loading
+
+    def _landed(self, op: wire.TransferOp) -> None:
+        """An asynchronous load is done here: reported by its reservation, or else by its request."""
+        if op.reservation_id is not None:
+            self._finished_prefix_loads.append(op.reservation_id)
+        else:
+            self._loaded_async.add(op.request_id)
+
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Prefix reservations (TensorRT-LLM main) whose loads are done on this rank since the last
+        call: a synchronous one once ``start_load_kv`` copied it, a parked one once its copies landed
+        (found by ``get_finished``). TensorRT-LLM finishes a reservation when every rank reported it."""
+        finished, self._finished_prefix_loads = self._finished_prefix_loads, []
+        return finished
 
     def shutdown(self) -> None:
         """Release the backend and flush metrics (newer TensorRT-LLM calls this; the stand-in does too)."""

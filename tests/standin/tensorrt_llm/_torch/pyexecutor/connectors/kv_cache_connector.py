@@ -1,9 +1,17 @@
-"""Stand-in for ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (main @035ab91c).
+"""Stand-in for ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (main @035ab91c,
+with the prefix-reservation trio as upstream's newer main states it: see below).
 
 The connector ABCs and data classes as TensorRT-LLM main has them: names, signatures, which methods
 are abstract, the ``supports_attention_dp`` opt-in, the per-layer-group forms (whose defaults
 delegate to the flat forms for one layer group and refuse several), and the worker's concrete
-metadata helpers. ``tests/standin/upstream_api.py`` pins these per supported version; the executor
+metadata helpers.
+
+The prefix reservations (``reserve_prefix`` / ``release_prefix_reservation`` on the scheduler,
+``get_finished_prefix_loads`` on the worker, ``SchedulerOutput.prefix_loads``): no stored version of
+this file carries them; their contract is taken from upstream's own code and tests that use them
+(``connectors/prefix_load_completion.py`` @785b0128, the manager's reservation unit tests, the
+executor's connector-ownership tests, KVCacheManagerV2's real-manager prefix tests and
+``examples/llm-api/llm_kv_cache_connector.py``; docs/connector.md names them). ``tests/standin/upstream_api.py`` pins these per supported version; the executor
 stand-in (``tests/support/trtllm_executor.py``) plays the ``KvCacheConnectorManager`` around them.
 """
 
@@ -31,6 +39,19 @@ class RequestData:
 
 
 @dataclass
+class PrefixLoad:
+    """A reservation's load as KVCacheManagerV2 accepted it: tokens ``[start, end)`` into these pages."""
+
+    reservation_id: int
+    request_id: int
+    start: int
+    end: int
+    block_ids_by_layer_group: list[list[int]]
+    tokens: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
 class SchedulerOutput:
     """Requests of one iteration: first appearance in ``new_requests``, later ones in ``cached_requests``."""
 
@@ -38,6 +59,8 @@ class SchedulerOutput:
     cached_requests: list[RequestData] = field(default_factory=list)
     attention_dp_rank: int | None = None
     """Under attention DP, the rank owning these requests' blocks; None on the tensor-parallel path."""
+    prefix_loads: list[PrefixLoad] = field(default_factory=list)
+    """Loads of prefix reservations accepted for this batch (only when reservations are enabled)."""
 
 
 def _grouped_form_stands_in(cls: type, base: type, flat_for_grouped: dict[str, str]) -> None:
@@ -120,6 +143,10 @@ class KvCacheConnectorWorker(ABC):
     ) -> tuple[list[int], list[int]]:
         """(finished saving ids, finished loading ids); ids only after they were passed in."""
 
+    def get_finished_prefix_loads(self) -> list[int]:
+        """Reservation ids whose prefix loads finished on this rank since the last call (opt-in)."""
+        raise NotImplementedError
+
 
 class KvCacheConnectorScheduler(ABC):
     """Rank 0 only on the tensor-parallel path; one per rank under attention DP."""
@@ -177,6 +204,48 @@ class KvCacheConnectorScheduler(ABC):
 
     def wait_for_initialization(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Optional: block until the connector is ready."""
+
+    def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
+        """Protect the source of the tokens loadable beyond ``num_computed_tokens`` (opt-in): how many, async."""
+        raise NotImplementedError
+
+    def release_prefix_reservation(self, request: Any, reservation_id: int, start: int, end: int) -> None:
+        """Tokens ``[start, end)`` of a reservation are no longer needed (each range released once)."""
+        raise NotImplementedError
+
+
+_RESERVATION_METHODS = (
+    (KvCacheConnectorScheduler, "reserve_prefix"),
+    (KvCacheConnectorScheduler, "release_prefix_reservation"),
+    (KvCacheConnectorWorker, "get_finished_prefix_loads"),
+)
+
+
+def prefix_reservations_enabled(worker_cls: type, scheduler_cls: type) -> bool:
+    """``KvCacheConnectorManager.configure_prefix_reservations(True)``: a connector that implements all
+    three reservation methods gets reservations, one implementing none keeps the per-request path, and
+    a partial set is refused."""
+    classes = {KvCacheConnectorScheduler: scheduler_cls, KvCacheConnectorWorker: worker_cls}
+    implemented = [getattr(classes[base], name) is not getattr(base, name) for base, name in _RESERVATION_METHODS]
+    if all(implemented):
+        return True
+    if any(implemented):
+        missing = [name for (_base, name), done in zip(_RESERVATION_METHODS, implemented, strict=True) if not done]
+        raise ValueError(f"prefix reservations require reserve_prefix, release_prefix_reservation and "
+                         f"get_finished_prefix_loads; missing: {missing}")  # fmt: skip
+    return False
+
+
+def check_reservation_answer(answer: Any) -> tuple[int, bool]:
+    """The manager's check of ``reserve_prefix``'s answer: ``(n >= 0 int, bool)``, never ``(0, True)``."""
+    if not isinstance(answer, tuple) or len(answer) != 2:
+        raise ValueError(f"reserve_prefix must return (num_tokens, is_async), got {answer!r}")
+    num, is_async = answer
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0 or not isinstance(is_async, bool):
+        raise ValueError(f"reserve_prefix returned an invalid answer {answer!r}")
+    if num == 0 and is_async:
+        raise ValueError("reserve_prefix returned (0, True): nothing to load asynchronously")
+    return num, is_async
 
 
 def validate_attention_dp(worker_cls: type, scheduler_cls: type) -> None:
