@@ -71,6 +71,11 @@ def l1_used_bytes(server: LMCacheServer) -> int:
     return int(server.status()["storage_manager"]["l1_manager"]["memory_used_bytes"])
 
 
+def registered_workers(server: LMCacheServer) -> set[str]:
+    """The instance ids of the workers the server holds registered."""
+    return {str(worker) for worker in server.status()["registered_non_cuda_instance_ids"]}
+
+
 def run_then_close(model: str, server: LMCacheServer, prompt: list[int]) -> None:
     """One engine runs ``prompt``, then closes (its connector unregisters its context)."""
     engine = StandinExecutor(connector_llm_args(model, server.url), num_blocks=64)
@@ -156,16 +161,17 @@ def test_an_engine_killed_between_prepare_and_commit_leaves_nothing_its_successo
 ) -> None:
     model = "killed-mid-store"
     used_before = l1_used_bytes(guarded_server)
-    workers_before = len(guarded_server.status()["registered_non_cuda_instance_ids"])
+    workers_before = registered_workers(guarded_server)
     dying = subprocess.run(
         [sys.executable, "-m", "tests.support.dying_engine", guarded_server.url, model, "95", str(PROMPT_TOKENS)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert dying.returncode == -signal.SIGKILL, dying.stdout + dying.stderr
     assert guarded_server.held().reserved_chunks > 0  # its reservation outlives it, staged
-    # The server reaps the silent worker: what it had reserved goes with it, unpublished.
-    eventually(lambda: len(guarded_server.status()["registered_non_cuda_instance_ids"]) == workers_before,
-               "the dead engine reaped", timeout_s=3 * REAP_S)  # fmt: skip
+    # The server reaps the silent worker: what it had reserved goes with it, unpublished. (By its ids:
+    # an earlier test's worker still registered may be reaped meanwhile, so a count can stay off.)
+    eventually(lambda: registered_workers(guarded_server) <= workers_before, "the dead engine reaped",
+               timeout_s=3 * REAP_S)  # fmt: skip
     assert guarded_server.held().reserved_chunks == 0
     assert l1_used_bytes(guarded_server) == used_before
     successor = executor_factory(model, guarded_server.url)
