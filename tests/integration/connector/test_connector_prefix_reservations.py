@@ -17,6 +17,7 @@ import pytest
 
 from kvoffload import contract
 from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.securing import Securing
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import CHUNK, PromptRequest, make_prompt
 
@@ -158,3 +159,41 @@ def test_a_tp2_engine_finishes_each_reservation_once_both_ranks_loaded_it(
     assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
     assert ex.kv_mismatches == 0
     released_once_each(ex)
+
+
+def test_under_tp2_a_long_hit_parks_and_its_chunks_go_back_only_once_every_rank_copied(
+    lmcache_server: LMCacheServer,
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    connector_env: dict[str, str],
+) -> None:
+    """Reservations finish a load once every rank reported it, so under tensor parallelism a long hit
+    loads asynchronously (the batch goes on) too; its secured chunks are given back to the server
+    after the reservation closed, never when rank 0 alone finished copying."""
+    monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
+    given_back: list[tuple[str, list[tuple[int, int, int]]]] = []
+    """Each give-back of secured chunks: its session, and the reservation releases made before it."""
+    executor: list[Any] = []
+    commit = Securing.commit
+
+    def recorded_commit(self: Securing, session_id: str, *args: Any) -> None:
+        given_back.append((session_id, list(executor[0].reservation_releases)))
+        commit(self, session_id, *args)
+
+    monkeypatch.setattr(Securing, "commit", recorded_commit)
+    ex = executor_factory("reservation-tp2-async-model", lmcache_server.url, llm_args={**V2, "tp": 2})
+    executor.append(ex)
+    prompt = make_prompt(48, 4 * CHUNK + 20)
+    first = ex.run([PromptRequest(1, prompt, 2)])[0]
+    ex.evict_device_cache()
+    before = lmcache_server.held()
+    again = ex.run([PromptRequest(2, prompt, 2)])[0]
+    assert ex.async_loads == 1, "the TP2 hit parked on an asynchronous load"
+    assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+    rid = ex.reservations_asked[-1][0]
+    mine = [releases for session, releases in given_back if session == ex.scheduler.session_id(2)]
+    assert mine, "the load's chunks were never given back"
+    assert all((rid, 0, 4 * CHUNK) in releases for releases in mine), "given back before every rank finished it"
+    released_once_each(ex)
+    eventually(lambda: lmcache_server.held() == before, "every read lock released")

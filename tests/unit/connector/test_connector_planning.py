@@ -203,6 +203,12 @@ def test_loads_are_synchronous_under_attention_dp() -> None:
     assert not planning.load_is_async(8192, 4096, 1, attention_dp=True)
 
 
+def test_a_tp_load_is_asynchronous_only_where_every_rank_finishes_it() -> None:
+    assert not planning.load_is_async(8192, 4096, 2)
+    assert planning.load_is_async(8192, 4096, 2, finished_by_every_rank=True)
+    assert not planning.load_is_async(8192, 4096, 2, attention_dp=True, finished_by_every_rank=True)
+
+
 def test_an_accepted_prefix_load_copies_only_its_range_under_the_whole_retrieve_key() -> None:
     """KVCacheManagerV2 may trim a reservation at its tail (a failed grow) or its head (more of the
     prompt on the device by the time the load is accepted): the copies cover exactly what was

@@ -96,16 +96,24 @@ def decide_load(
     )
 
 
-def load_is_async(matched_tokens: int, async_min_tokens: int, world_size: int, attention_dp: bool = False) -> bool:
+def load_is_async(
+    matched_tokens: int,
+    async_min_tokens: int,
+    world_size: int,
+    attention_dp: bool = False,
+    finished_by_every_rank: bool = False,
+) -> bool:
     """Whether a load runs asynchronously: TensorRT-LLM parks the request and the batch goes on.
 
     Only from ``async_min_tokens`` on (a parked request waits at least one iteration, which a short
-    load does not repay), only with one rank (under tensor parallelism every rank must have copied
-    before the chunks go back to the server, which only a synchronous load, waited for by the
-    forward's collectives, guarantees), and never under attention DP (TensorRT-LLM main marks the
-    engine failed on every rank when a parked load outlives its fixed deadline,
-    ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``; a synchronous load has no such deadline)."""
-    return async_min_tokens > 0 and world_size == 1 and not attention_dp and matched_tokens >= async_min_tokens
+    load does not repay); under tensor parallelism only where TensorRT-LLM finishes each load once
+    every rank reported it (``finished_by_every_rank``: prefix reservations, whose chunks go back to
+    the server only then) — otherwise only a synchronous load, waited for by the forward's
+    collectives, guarantees every rank copied before the chunks go back; and never under attention
+    DP (TensorRT-LLM main marks the engine failed on every rank when a parked load outlives its fixed
+    deadline, ``_KV_CONNECTOR_LOAD_TIMEOUT_SEC``; a synchronous load has no such deadline)."""
+    ranks_ok = world_size == 1 or finished_by_every_rank
+    return async_min_tokens > 0 and ranks_ok and not attention_dp and matched_tokens >= async_min_tokens
 
 
 def honour(decision: LoadDecision, honoured_tokens: int, num_computed_tokens: int) -> LoadDecision:

@@ -56,6 +56,9 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._parking: list[int] = []  # answered (n, True) since the last build_connector_meta
         self._reservations = PrefixReservations()
         """Prefix reservations TensorRT-LLM holds open (main's KVCacheManagerV2, ``reserve_prefix``)."""
+        self._copied_loads: dict[int, tuple[str, tuple[int, ...], int, int, str, wire.SecuredLoad]] = {}
+        """Reservations whose load ops went to the workers: ``release_secured``'s arguments, given back
+        when the reservation closes (every rank has copied by then), not by rank 0's worker."""
         self._groups: GroupedLayout | None = None
         """Several layer groups, as the worker of this process registered them (``_layer_groups``)."""
         logger.info(
@@ -104,6 +107,11 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         while the load runs and the batch goes on. A failed or slow lookup answers 0, so the
         engine simply computes.
         """
+        return self._lookup_and_secure(request, num_computed_tokens, finished_by_every_rank=False)
+
+    def _lookup_and_secure(
+        self, request: Any, num_computed_tokens: int, *, finished_by_every_rank: bool
+    ) -> tuple[int, bool]:
         tokens = prompt_tokens(request)
         state = self._state_for(request, len(tokens))
         if state.block_ids or state.secured is not None:
@@ -166,6 +174,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
                 self._settings.async_load_min_tokens,
                 self._settings.world_size,
                 self._settings.attention_dp,
+                finished_by_every_rank,
             )
         )
         if asynchronous:
@@ -175,8 +184,10 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
     def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
         """KVCacheManagerV2's prefix path (TensorRT-LLM main) in place of ``get_num_new_matched_tokens``:
         the same lookup, the hit secured (the server hands out and read-locks its chunks, so the source
-        stays until the load copied it), open under ``reservation_id`` until every range of it is released."""
-        matched, asynchronous = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        stays until the load copied it), open under ``reservation_id`` until every range of it is released.
+        TensorRT-LLM finishes such a load once every rank reported it, so under tensor parallelism a
+        long one is asynchronous too; its chunks go back when the reservation closes."""
+        matched, asynchronous = self._lookup_and_secure(request, num_computed_tokens, finished_by_every_rank=True)
         if matched:
             self._reservations.open(reservation_id, int(request.request_id), num_computed_tokens,
                                     num_computed_tokens + matched)  # fmt: skip
@@ -188,6 +199,10 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         every rank or was never started. A promise whose load was never planned goes back then."""
         closed = self._reservations.release(reservation_id, start, end)
         if not closed:
+            return
+        copied = self._copied_loads.pop(reservation_id, None)
+        if copied is not None:  # every rank copied it: its chunks go back to the server now
+            self._backend.release_secured(*copied)
             return
         state = self._requests.get(int(request.request_id))
         if state is None or state.accepted_reservation is not None or state.secured is None:
@@ -515,6 +530,15 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         secured: wire.SecuredLoad | None = None,
     ) -> wire.TransferOp:
         copy_end = state.load.copy_end if secured is not None else None
+        if secured is not None and state.accepted_reservation is not None:
+            self._copied_loads[state.accepted_reservation] = (
+                state.session_id,
+                tuple(state.tokens[:end]),
+                start,
+                end,
+                state.salt,
+                secured,
+            )
         last = end if copy_end is None else copy_end
         return wire.TransferOp(
             request_id=state.request_id,

@@ -223,8 +223,9 @@ class PoolTransfers:
             self._segments.close_retired(0.0)
 
     def _give_back(self, op: TransferOp) -> None:
-        """Give a load's secured chunks back to the server (every rank's keys)."""
-        if op.secured is not None and self._securing is not None:
+        """Give a load's secured chunks back to the server (every rank's keys); a prefix reservation's
+        go back when it closes (the scheduler's ``release_prefix_reservation``: every rank copied)."""
+        if op.secured is not None and self._securing is not None and op.reservation_id is None:
             self._securing.commit(op.session_id, op.token_ids, op.start, op.end, op.salt, op.secured.segment)
 
     def loaded_bytes(self, op: TransferOp) -> int:
