@@ -41,6 +41,8 @@ USER_SET = {
     "connector": {
         c.ENV_ASYNC_SAVE,
         c.ENV_ASYNC_LOAD_MIN_TOKENS,
+        c.ENV_LOAD_COST_GUARD,
+        c.ENV_RECOMPUTE_TOKENS_PER_S,
         c.ENV_HEARTBEAT_INTERVAL_MS,
         c.ENV_MODEL_NAME,
         c.ENV_TOKENS_PER_BLOCK,

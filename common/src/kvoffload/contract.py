@@ -139,6 +139,10 @@ ENV_HEARTBEAT_INTERVAL_MS: Final = "KVOFFLOAD_HEARTBEAT_INTERVAL_MS"
 ENV_ASYNC_SAVE: Final = "KVOFFLOAD_ASYNC_SAVE"
 ENV_ASYNC_LOAD_MIN_TOKENS: Final = "KVOFFLOAD_ASYNC_LOAD_MIN_TOKENS"
 """Loads of at least this many tokens run asynchronously (the request waits, the batch does not); 0: never."""
+ENV_LOAD_COST_GUARD: Final = "KVOFFLOAD_LOAD_COST_GUARD"
+"""On by default: a hit is computed instead where its load is measured slower (``load_cost``)."""
+ENV_RECOMPUTE_TOKENS_PER_S: Final = "KVOFFLOAD_RECOMPUTE_TOKENS_PER_S"
+"""The engine's prefill rate, given instead of measured (the cost guard compares loads with it)."""
 ENV_METRICS_PORT: Final = "KVOFFLOAD_METRICS_PORT"
 """Set (by the operator, where no sidecar serves the pod's /metrics): the port the connector serves them on."""
 ENV_PROMETHEUS_MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
@@ -234,14 +238,15 @@ PROMPT_TOKEN_SOURCES: Final = ("device", "cache", "computed")
 computed: the engine computed them."""
 COMPUTED_REASONS: Final = (
     "not_cached", "partial_chunk", "final_block", "declined", "lookup_timeout", "cache_unavailable", "no_lookup",
-    "uncacheable",
+    "uncacheable", "slower_to_load",
 )  # fmt: skip
 """Why prompt tokens were computed: the cache server held no KV for them; they lie past the last
 whole cache chunk (LMCache keeps whole chunks); they are the prompt's final block, which the engine
 computes for its logits even on a hit; a hit whose load could not be secured; the lookup timed
 out; the cache server was unreachable or failed; the request was never looked up; the request's
 keys cannot name what its KV depends on (a multimodal request without content hashes), so it is
-neither looked up nor saved."""
+neither looked up nor saved; a hit the cost guard computed, its load measured slower than its
+prefill (``KVOFFLOAD_LOAD_COST_GUARD``)."""
 
 # Sidecar.
 M_SIDECAR_SERVER_RESTARTS: Final = "kvoffload_sidecar_server_restarts"

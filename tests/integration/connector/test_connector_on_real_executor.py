@@ -15,6 +15,7 @@ import pytest
 
 from kvoffload import contract
 from tests.support.lmcache_server import LMCacheServer
+from tests.support.server_kills import after_each_lookup
 from tests.support.trtllm_executor import (
     CHUNK,
     KV_CACHE_MANAGER_V2_VERSIONS,
@@ -160,7 +161,6 @@ def test_engine_survives_server_kills_at_any_moment_with_correct_outputs(
     kills = {"after_lookup": 0, "random": 0}
     restarts: list[threading.Thread] = []
     armed = threading.Event()
-    lookup = ex.scheduler.get_num_new_matched_tokens
 
     restart_errors: list[BaseException] = []
 
@@ -185,15 +185,13 @@ def test_engine_survives_server_kills_at_any_moment_with_correct_outputs(
         finally:
             kill_pending.clear()
 
-    def lookup_then_maybe_kill(request: Any, computed: int) -> tuple[int, bool]:
-        result = lookup(request, computed)
-        if result[0] > 0 and armed.is_set():
+    def maybe_kill(answer: tuple[int, bool]) -> None:
+        if answer[0] > 0 and armed.is_set():
             armed.clear()
             kill_pending.set()
             kill_now("after_lookup")
-        return result
 
-    ex.scheduler.get_num_new_matched_tokens = lookup_then_maybe_kill
+    after_each_lookup(ex.scheduler, maybe_kill)
     expected: dict[tuple[int, ...], list[int]] = {}
     requests = failed = 0
     # As many rounds as the kills take: each kill's restart costs rounds that depend on the machine's
@@ -265,11 +263,9 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
     (first,) = ex.run([PromptRequest(1, prompt, 2)])
     ex.evict_device_cache()
     worker = ex.rank0.worker.backend
-    lookup = ex.scheduler.get_num_new_matched_tokens
     segments: list[Any] = []
 
-    def lookup_then_restart(request: Any, computed: int) -> tuple[int, bool]:
-        result = lookup(request, computed)
+    def restart(_answer: tuple[int, bool]) -> None:
         segments.append(worker.segment)
         doomed_server.kill()
         doomed_server.start()
@@ -279,9 +275,8 @@ def test_a_load_secured_before_a_restart_copies_from_the_old_segment_which_is_th
             time.sleep(0.05)
         segments.append(worker.segment)
         worker.segments.close_retired(0.0)  # the heartbeat's sweep once a slow restart outlasted its grace
-        return result
 
-    ex.scheduler.get_num_new_matched_tokens = lookup_then_restart
+    after_each_lookup(ex.scheduler, restart)
     (again,) = ex.run([PromptRequest(2, prompt, 2)])
     assert segments[0] is not None and segments[1] not in (None, segments[0]), segments
     assert again.connector_matched_tokens == CHUNK * (len(prompt) // CHUNK) and not again.failed

@@ -16,6 +16,7 @@ import yaml
 from kvoffload import contract
 from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
 from tests.support.lmcache_server import LMCacheServer
+from tests.support.server_kills import after_each_lookup
 from tests.support.trtllm_executor import (
     BLOCK,
     CHUNK,
@@ -278,18 +279,11 @@ def test_server_killed_between_lookup_and_load_still_gives_the_promised_kv(
     p = make_prompt(12, 200)
     (r0,) = ex.run([PromptRequest(1, p, 2)])
     ex.evict_device_cache()
-    original = ex.scheduler.get_num_new_matched_tokens
-
-    def lookup_then_crash(request: Any, computed: int) -> tuple[int, bool]:
-        result = original(request, computed)
-        doomed_server.kill()
-        return result
-
-    ex.scheduler.get_num_new_matched_tokens = lookup_then_crash
+    restore = after_each_lookup(ex.scheduler, lambda _answer: doomed_server.kill())
     (r1,) = ex.run([PromptRequest(2, p, 2)])
     assert r1.connector_matched_tokens == chunk_floor(len(p)) and not r1.failed
     assert r1.output_tokens == r0.output_tokens and r1.computed_prompt_tokens == len(p) - chunk_floor(len(p))
-    ex.scheduler.get_num_new_matched_tokens = original
+    restore()
     ex.evict_device_cache()
     (r2,) = ex.run([PromptRequest(3, p, 2)])  # server gone: a plain recompute
     assert not r2.failed and r2.connector_matched_tokens == 0 and r2.output_tokens == r0.output_tokens
@@ -332,17 +326,14 @@ def test_server_gone_after_a_batch_of_lookups_still_loads_each_of_them(
     prompts = [make_prompt(60 + i, 200) for i in range(3)]
     first = ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
     ex.evict_device_cache()
-    original = ex.scheduler.get_num_new_matched_tokens
     looked_up: list[int] = []
 
-    def crash_after_the_last_lookup(request: Any, computed: int) -> tuple[int, bool]:
-        result = original(request, computed)
-        looked_up.append(result[0])
+    def crash_after_the_last_lookup(answer: tuple[int, bool]) -> None:
+        looked_up.append(answer[0])
         if len(looked_up) == len(prompts):
             doomed_server.kill()
-        return result
 
-    ex.scheduler.get_num_new_matched_tokens = crash_after_the_last_lookup
+    after_each_lookup(ex.scheduler, crash_after_the_last_lookup)
     results = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
     assert all(n > 0 for n in looked_up)
     for before, r in zip(first, results, strict=True):

@@ -132,3 +132,40 @@ def test_server_kills_count_failed_lookups_as_computed_with_their_reason(
     lost = found["computed", "cache_unavailable"] + found["computed", "lookup_timeout"]
     assert lost >= 4 * (4 * CHUNK - CHUNK), found
     assert not any(r.failed for r in results)
+
+
+@pytest.mark.parametrize("manager_v2", [False, True], ids=["v1", "kv-cache-manager-v2"])
+def test_a_hit_measured_slower_to_load_than_to_compute_is_computed_and_counted_so(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, manager_v2: bool
+) -> None:
+    """The cost guard: once this engine process has measured loads, an engine whose prefill is
+    (given as) faster than them computes the hit, bit-exact, and counts it ``slower_to_load``; with
+    the guard off the same engine loads it."""
+    model, shared = f"sources-guard-{manager_v2}-model", make_prompt(80, 4 * CHUNK)
+    llm_args = {"kv_cache_manager_v2": manager_v2}
+
+    def engine(recompute_tokens_per_s: str, guard: str = "on") -> Any:
+        monkeypatch.setenv(contract.ENV_RECOMPUTE_TOKENS_PER_S, recompute_tokens_per_s)
+        monkeypatch.setenv(contract.ENV_LOAD_COST_GUARD, guard)
+        return executor_factory(model, lmcache_server.url, llm_args=llm_args)
+
+    slow_prefill = engine("1")  # any load pays against one token a second
+    slow_prefill.run([PromptRequest(1, [*shared, *make_prompt(81, 40)], 2)])
+    slow_prefill.evict_device_cache()
+    [measured] = slow_prefill.run([PromptRequest(2, [*shared, *make_prompt(82, 40)], 2)])
+    assert measured.connector_matched_tokens > 0, "the first engine loads, and so measures a load"
+
+    fast_prefill = engine("1e15")
+    before = token_sources(fast_prefill)  # the model's counter: the first engine's counts are in it
+    results = fast_prefill.run([PromptRequest(3, [*shared, *make_prompt(83, 40)], 2)])
+    found = token_sources(fast_prefill) - before
+    assert results[0].connector_matched_tokens == 0, "loaded a hit measured slower than its prefill"
+    assert fast_prefill.kv_mismatches == 0
+    assert found["computed", "slower_to_load"] == measured.connector_matched_tokens
+    assert by_source(found) == engine_scheduled(results)
+
+    unguarded = engine("1e15", guard="off")
+    before = token_sources(unguarded)
+    [loaded] = unguarded.run([PromptRequest(4, [*shared, *make_prompt(84, 40)], 2)])
+    assert loaded.connector_matched_tokens == measured.connector_matched_tokens
+    assert unguarded.kv_mismatches == 0 and (token_sources(unguarded) - before)["computed", "slower_to_load"] == 0

@@ -151,6 +151,21 @@ def decline(decision: LoadDecision) -> LoadDecision:
     return LoadDecision(0, 0, 0, 0, decision.free_ranges)
 
 
+def compute_instead(decision: LoadDecision) -> LoadDecision:
+    """The same hit, computed rather than loaded (nothing was secured): every chunk the lookup
+    read-locked is freed."""
+    ranges = sorted((*decision.free_ranges, (decision.retrieve_start, decision.retrieve_end)))
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return LoadDecision(0, 0, 0, 0, tuple(merged))
+
+
 def tokens_with_kv_after_step(tokens_with_kv_before: int, num_scheduled_tokens: int, num_known_tokens: int) -> int:
     """Tokens whose KV is valid after this forward pass (draft tokens never count)."""
     return min(tokens_with_kv_before + num_scheduled_tokens, num_known_tokens)
@@ -286,12 +301,14 @@ def computed_reasons(
     tokens_per_block: int,
     chunk_size: int,
     failure: str | None = None,
+    declined_as: str = "declined",
 ) -> tuple[tuple[int, int, str], ...]:
     """Why each prompt token from ``first_computed`` on is computed: ordered ``(start, end, reason)``
     ranges covering ``[first_computed, num_prompt_tokens)`` (reasons: ``contract.COMPUTED_REASONS``).
 
     ``hit_tokens`` is LMCache's hit (None: no lookup was made); ``failure`` the reason a lookup
-    failed (``lookup_timeout`` or ``cache_unavailable``) or was not made (``uncacheable``).
+    failed (``lookup_timeout`` or ``cache_unavailable``) or was not made (``uncacheable``);
+    ``declined_as`` the reason of a loadable hit that was not loaded.
     """
     ranges: list[tuple[int, int, str]] = []
     at = first_computed
@@ -310,7 +327,7 @@ def computed_reasons(
     else:
         hit = chunk_floor(min(hit_tokens, num_prompt_tokens), chunk_size)
         # loadable, yet not loaded (first_computed is past it otherwise)
-        upto(min(hit, promise_cap(num_prompt_tokens, tokens_per_block)), "declined")
+        upto(min(hit, promise_cap(num_prompt_tokens, tokens_per_block)), declined_as)
         upto(hit, "final_block")
         upto(whole_chunks, "not_cached")
     upto(num_prompt_tokens, "partial_chunk")

@@ -13,6 +13,7 @@ from kvoffload import contract
 from kvoffload.connector import bundle
 from kvoffload.connector.backends.base import BackendError, KVBackend
 from kvoffload.connector.backends.engine_process import EngineProcess
+from kvoffload.connector.load_cost import LoadCosts
 from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
 from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
@@ -41,6 +42,7 @@ __all__ = [
     "on_stream",
     "prompt_tokens",
     "stream_event",
+    "timing_event",
     "use_private_stream",
 ]
 
@@ -89,6 +91,7 @@ class ConnectorRole:
         self._metrics = metrics_for(self._settings)
         self._backend = make_backend(self._settings, role, self._rank, self._metrics)
         self._block = self._settings.tokens_per_block
+        self._costs = ENGINE_PROCESS.load_costs(self._settings.server_url)
 
     @property
     def settings(self) -> ConnectorSettings:
@@ -109,6 +112,11 @@ class ConnectorRole:
     def backend(self) -> KVBackend:
         """The backend this role looks up, secures and copies KV through."""
         return self._backend
+
+    @property
+    def load_costs(self) -> LoadCosts:
+        """The engine's measured load and prefill costs, which the cost guard weighs (``load_cost``)."""
+        return self._costs
 
 
 def count_skip(metrics: ConnectorMetrics, exc: BackendError) -> None:
@@ -142,6 +150,17 @@ def on_stream(stream: Any) -> Iterator[None]:
 
     with torch.cuda.stream(stream):
         yield
+
+
+def timing_event(stream: Any) -> Any:
+    """A CUDA event that keeps its device time, recorded now on ``stream``; None without a CUDA stream."""
+    if stream is None or not hasattr(stream, "record_event"):
+        return None
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 def stream_event(stream: Any) -> Any:

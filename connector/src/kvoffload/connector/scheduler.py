@@ -120,7 +120,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         state.tokens = tokens
         state.load = planning.NO_LOAD  # only this call's promise may turn into a load
         state.device_tokens = num_computed_tokens
-        state.lookup_hit, state.lookup_failure = None, None
+        state.lookup_hit, state.lookup_failure, state.declined_as = None, None, "declined"
         if not state.cacheable:
             state.lookup_failure = "uncacheable"
             return 0, False
@@ -141,9 +141,14 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         m.record_lookup(time.perf_counter() - t0, end, hit)
         state.lookup_hit = hit
         decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
+        if decision.loads and not self._load_pays(decision.matched_tokens):
+            logger.debug("event=load_declined request=%d reason=slower_to_load tokens=%d",
+                         state.request_id, decision.matched_tokens)  # fmt: skip
+            decision, state.declined_as = planning.compute_instead(decision), "slower_to_load"
         if decision.loads:
             # Promise only what is secured: once the server handed out and locked the chunks, the
             # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
+            t_secure = time.perf_counter()
             state.secured = self._backend.secure(
                 state.session_id,
                 token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
@@ -153,6 +158,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             )
             if state.secured is None:
                 decision = planning.decline(decision)
+            else:
+                self.load_costs.secured(decision.matched_tokens, time.perf_counter() - t_secure)
         if decision.free_ranges:
             self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
         state.load = decision
@@ -180,6 +187,11 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         if asynchronous:
             self._parking.append(state.request_id)
         return decision.matched_tokens, asynchronous
+
+    def _load_pays(self, tokens: int) -> bool:
+        """The cost guard (``load_cost``): off, or not measured slower than computing ``tokens``."""
+        settings = self._settings
+        return not settings.load_cost_guard or self.load_costs.load_pays(tokens, settings.recompute_tokens_per_s)
 
     def reserve_prefix(self, request: Any, num_computed_tokens: int, reservation_id: int) -> tuple[int, bool]:
         """KVCacheManagerV2's prefix path (TensorRT-LLM main) in place of ``get_num_new_matched_tokens``:
@@ -416,9 +428,15 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         state.accepted_reservation = None
         self._count_sources(state, req.computed_position)
         state.computed_why = planning.computed_reasons(
-            state.num_prompt_tokens, before, state.lookup_hit, self._block, self._chunk, state.lookup_failure
+            state.num_prompt_tokens,
+            before,
+            state.lookup_hit,
+            self._block,
+            self._chunk,
+            state.lookup_failure,
+            state.declined_as,
         )
-        self._step_computed(state, before, req.num_scheduled_tokens)
+        self._step_computed(state, before, req.num_scheduled_tokens, step)
         self._plan_save(state, step.saves, before)
 
     def _fresh_pages(self, group_block_ids: list[list[int]], computed: int, first_report: bool) -> list[int]:
@@ -450,7 +468,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             ids.extend(new)
         self._claims.hold(rid, block_ids)
         before = state.tokens_with_kv
-        self._step_computed(state, before, req.num_scheduled_tokens)
+        self._step_computed(state, before, req.num_scheduled_tokens, step)
         self._plan_save(state, step.saves, before)
 
     def _forget_all_on_idle_rank(self) -> list[int]:
@@ -487,11 +505,12 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._metrics.record_prompt_tokens("device", "none", device_tokens)
         self._metrics.record_prompt_tokens("cache", "none", state.load.matched_tokens)
 
-    def _step_computed(self, state: RequestState, before: int, num_scheduled_tokens: int) -> None:
+    def _step_computed(self, state: RequestState, before: int, num_scheduled_tokens: int, step: StepPlan) -> None:
         """Advance the request's KV by this step's forward pass; count the prompt tokens it computes."""
         state.tokens_with_kv = planning.tokens_with_kv_after_step(before, num_scheduled_tokens, len(state.tokens))
         if before < state.num_prompt_tokens:
             end = min(state.tokens_with_kv, state.num_prompt_tokens)
+            step.computed_prompt_tokens += max(0, end - before)
             for reason, tokens in planning.split_computed(state.computed_why, before, end):
                 self._metrics.record_prompt_tokens("computed", reason, tokens)
 

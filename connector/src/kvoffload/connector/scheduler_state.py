@@ -41,6 +41,8 @@ class RequestState:
     lookup_failure: str | None = None
     """Why the lookup failed (``lookup_timeout``, ``cache_unavailable``) or was not made
     (``uncacheable``), if so."""
+    declined_as: str = "declined"
+    """The reason counted for a hit this request computed (``slower_to_load``: the cost guard's)."""
     computed_why: tuple[tuple[int, int, str], ...] = ()
     """``planning.computed_reasons`` of the scheduled prompt, set when the engine first schedules it."""
     llm_request: Any = None
@@ -174,6 +176,7 @@ class StepPlan:
     fresh: set[int] = field(default_factory=set)
     reused: set[int] = field(default_factory=set)
     settled_prefix_loads: list[int] = field(default_factory=list)
+    computed_prompt_tokens: int = 0
 
     def metadata(self) -> ConnectorMetadata:
         return ConnectorMetadata(
@@ -183,4 +186,5 @@ class StepPlan:
             fresh_blocks=frozenset(self.fresh),
             reused_blocks=frozenset(self.reused),
             settled_prefix_loads=tuple(self.settled_prefix_loads),
+            computed_prompt_tokens=self.computed_prompt_tokens,
         )

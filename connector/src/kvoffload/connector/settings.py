@@ -75,6 +75,11 @@ class ConnectorSettings:
     """``llm_args.model``: the checkpoint (a path here, or a hub id) whose weights the keys identify."""
     model_revision: str | None = None
     """``llm_args.revision``: the hub revision pinned, which identifies a hub id's weights."""
+    load_cost_guard: bool = True
+    """Compute a hit instead of loading it where its load is measured slower (``load_cost``)."""
+    recompute_tokens_per_s: float | None = None
+    """The engine's prefill rate as the operator gives it (``KVOFFLOAD_RECOMPUTE_TOKENS_PER_S``);
+    None: measured on the device."""
 
 
 def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -107,6 +112,19 @@ def _parse_count(env: Mapping[str, str], name: str, default: int) -> int:
     value = _parse_int(env, name, default, minimum=0)
     assert value is not None
     return value
+
+
+def _parse_rate(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = -1.0
+    if not rate > 0 or rate == float("inf"):
+        raise SettingsError(f"{name}={raw!r} is not a rate; allowed: a positive number of tokens per second")
+    return rate
 
 
 def _parse_port(env: Mapping[str, str], name: str) -> int | None:
@@ -207,6 +225,8 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         l1_bytes=_inprocess_l1_bytes(env) if backend == contract.BACKEND_INPROCESS else None,
         model_source=str(_attr(llm_args, "model") or ""),
         model_revision=str(_attr(llm_args, "revision")) if _attr(llm_args, "revision") else None,
+        load_cost_guard=_parse_bool(env, contract.ENV_LOAD_COST_GUARD, True),
+        recompute_tokens_per_s=_parse_rate(env, contract.ENV_RECOMPUTE_TOKENS_PER_S),
     )
 
 

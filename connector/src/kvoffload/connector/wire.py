@@ -95,3 +95,5 @@ class ConnectorMetadata:
     settled_prefix_loads: tuple[int, ...] = ()
     """Prefix reservations whose accepted loads copy nothing (nothing of them was secured): every rank
     reports them finished at once."""
+    computed_prompt_tokens: int = 0
+    """Prompt tokens this iteration's forward computes (rank 0's worker times prefill by it)."""

@@ -11,6 +11,7 @@ from kvoffload.connector import wire
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, kv_geometry, read_hf_config
 from kvoffload.connector.backends.blockcopy import GroupedPages
 from kvoffload.connector.layout import PoolLayoutError, describe_layer_groups, describe_pool
+from kvoffload.connector.load_cost import MIN_PREFILL_SAMPLE_TOKENS
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
     ConnectorRole,
@@ -20,6 +21,7 @@ from kvoffload.connector.runtime import (
     on_stream,
     order_after,
     stream_event,
+    timing_event,
     use_private_stream,
 )
 
@@ -53,6 +55,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._failures_lock = threading.Lock()
         self._load_failures: list[tuple[wire.TransferOp, BackendError]] = []
         self._kv_device: Any = None
+        self._forward_start: tuple[int, Any] | None = None
+        self._forwards: list[tuple[int, Any, Any]] = []
+        """Forward passes timed on the device (prompt tokens, start, end) until their end has passed."""
         self._saves_in_forward = False
         """Saves copy inside ``wait_for_save`` whatever ``async_save`` says: with layer groups a sliding
         group's pages behind its window go back to the pool right after this forward."""
@@ -151,12 +156,35 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             if meta.fresh_blocks or meta.reused_blocks:
                 self._fence_async_loads(meta.fresh_blocks | meta.reused_blocks)
             if meta.loads:
-                for op, result in zip(meta.loads, self._backend.load_secured(meta.loads), strict=True):
+                results = self._backend.load_secured(meta.loads)
+                for op, result in zip(meta.loads, results, strict=True):
                     self._loaded(op, result)
+                copied = [(op.num_tokens, r.seconds) for op, r in zip(meta.loads, results, strict=True) if not r.error]
+                if copied:  # one batch of copies, waited for together
+                    self.load_costs.copied(sum(n for n, _ in copied), max(s for _, s in copied))
         self._finished_prefix_loads.extend(op.reservation_id for op in meta.loads if op.reservation_id is not None)
         self._finished_prefix_loads.extend(meta.settled_prefix_loads)
         if meta.async_loads:
             self._queue_async_loads(meta.async_loads, stream_event(stream))
+        if meta.computed_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS:  # a prefill worth timing, after the loads
+            self._forward_start = (meta.computed_prompt_tokens, timing_event(stream))
+
+    def _forward_ended(self, stream: Any) -> None:
+        """The forward pass started in ``start_load_kv`` is queued up to here: its end is marked on the
+        device, and its time read once that has passed (``_record_forwards``)."""
+        started, self._forward_start = self._forward_start, None
+        if started is not None and started[1] is not None:
+            self._forwards.append((started[0], started[1], timing_event(stream)))
+
+    def _record_forwards(self) -> None:
+        """Give the cost guard the device time of every timed forward pass that has finished."""
+        pending = []
+        for tokens, start, end in self._forwards:
+            if end.query():
+                self.load_costs.computed(tokens, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((tokens, start, end))
+        self._forwards = pending
 
     def _queue_async_loads(self, ops: tuple[wire.TransferOp, ...], event: Any) -> None:
         """Hand parked requests' loads to the loader thread, which issues their copies after ``event``
@@ -248,6 +276,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
 
     def wait_for_save(self, stream: Any) -> None:
         """Step 4 (end of forward): store this iteration's new full chunks (or queue them when async)."""
+        self._forward_ended(stream)
         meta = self._metadata
         if not isinstance(meta, wire.ConnectorMetadata) or not meta.saves:
             return
@@ -290,6 +319,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
         KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
+        self._record_forwards()
         abandoned = self._backend.abandoned_load_blocks()
         if abandoned:
             self._land_abandoned_loads(abandoned)
@@ -300,6 +330,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             self._landed(op)
         for op, result in self._backend.finished_async_loads():
             self._loaded(op, result)
+            self.load_costs.copied(op.num_tokens, result.seconds)
             self._landed(op)
         self._loading_started.update(started_loading_req_ids)
         done_loading = sorted(self._loading_started & self._loaded_async)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvoffload.connector.backends.commits import PendingCommits
 from kvoffload.connector.backends.inprocess import InProcessServer
 from kvoffload.connector.layout import GroupedLayout
+from kvoffload.connector.load_cost import LoadCosts
 from kvoffload.connector.wire import SecuredLoad
 
 if TYPE_CHECKING:
@@ -72,15 +73,22 @@ class ParkedLoads:
 
 
 class EngineProcess:
-    """Rank 0's worker backend and parked requests' loads per server URL, the COMMITs pending in this
-    process, and the cache server the in-process backend hosts here."""
+    """Rank 0's worker backend, parked requests' loads and the load costs per server URL, the COMMITs
+    pending in this process, and the cache server the in-process backend hosts here."""
 
     def __init__(self) -> None:
         self.pending = PendingCommits()
         self.inprocess = InProcessServer()
         self._workers: dict[str, LocalWorker] = {}
         self._parked: dict[str, ParkedLoads] = {}
+        self._costs: dict[str, LoadCosts] = {}
         self._lock = threading.Lock()
+
+    def load_costs(self, url: str) -> LoadCosts:
+        """The securing, copy and prefill samples of the engine using ``url`` in this process (its
+        scheduler and rank 0's worker record them)."""
+        with self._lock:
+            return self._costs.setdefault(url, LoadCosts())
 
     def parked_loads(self, url: str) -> ParkedLoads:
         """The parked requests' loads of the engine using ``url`` in this process."""
