@@ -255,7 +255,8 @@ def test_dynamo_matches_a_lora_adapters_chunks_only_for_that_adapters_requests_a
     ranks A for a request of ``adapter-a`` (the query's ``lora_name``), and only A; B for the unscoped
     request, and only B (A's copy is the adapter's: of no use to it); nobody for ``adapter-b``. A
     multimodal prompt on B (its keys carry the image's digest, which no router computes alike) is
-    never announced: no unscoped match, once a later marker store on B was announced."""
+    never announced: no unscoped match, once a later marker store on B was announced; nor is one under
+    the adapter and a tenant's ``cache_salt``. A's L1 evicting the adapter's chunks withdraws them."""
     _server_a, _server_b, indexer = two_servers
     monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
     engine_a = executor_factory("events-model", _server_a.url, num_blocks=40, **GEOMETRY)
@@ -276,9 +277,20 @@ def test_dynamo_matches_a_lora_adapters_chunks_only_for_that_adapters_requests_a
     image = make_prompt(23, SHORT)
     tenants_run(engine_b, PromptRequest(23, image, 2, multimodal_hashes=[IMAGE], multimodal_positions=[10],
                                         multimodal_lengths=[64]))  # fmt: skip
+    salted = make_prompt(25, CHUNK + 10)  # the adapter and a tenant's salt: a scope no router is asked under
+    tenants_run(engine_b, PromptRequest(25, salted, 2, cache_salt="tenant-x", lora_task_id=1, lora_path=adapter))
     marker = tenants_run(engine_b, PromptRequest(24, make_prompt(24, CHUNK + 10), 2))
     eventually(lambda: indexer.host_tier_matches(marker) == {2: CHUNK}, "B announced the marker after the image")
     assert indexer.host_tier_matches(image) == {} and indexer.host_tier_matches(image, "adapter-a") == {}
+    assert indexer.host_tier_matches(salted) == {} and indexer.host_tier_matches(salted, "adapter-a") == {}
+
+    # Two more prompts fill A's 64 MiB L1: LMCache evicts the adapter's chunks (under their salt) first.
+    tenants_run(engine_a, PromptRequest(26, make_prompt(26, PROMPT), 2))
+    tenants_run(engine_a, PromptRequest(27, make_prompt(27, PROMPT), 2))
+    eventually(
+        lambda: indexer.host_tier_matches(prompt, "adapter-a").get(1, 0) < SHORT_CACHED,
+        "A's score for the adapter's evicted chunks drops",
+    )
 
 
 def test_llm_ds_index_matches_a_lora_adapters_chunks_only_under_the_adapters_name_and_never_a_multimodal_prompt(
