@@ -11,6 +11,9 @@ Formats (``kvEvents.format``, ``KVOFFLOAD_KV_EVENTS_FORMAT``):
   filesystem L2 ``STORAGE``+``LOCAL``, a Redis (shared) L2 ``STORAGE``+``REMOTE``.
 - ``vllm-positional``: vLLM <= 0.23's positional arrays, with the media Dynamo names (``CPU``,
   ``DISK``, ``EXTERNAL``): for consumers that read only arrays (llm-d's kv-cache index <= 0.8.1).
+
+Both carry a LoRA adapter's chunks with ``lora_id`` and ``lora_name`` (``BlockStored.lora``), which
+Dynamo 1.6.1 and llm-d 0.8.1 key by; ``extra_keys`` is never sent (docs/routing.md, "Tenants").
 """
 
 from __future__ import annotations
