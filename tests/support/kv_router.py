@@ -71,15 +71,20 @@ class DynamoIndexer:
         self.stop()  # the caller never learns of a process whose start failed
         raise TimeoutError(f"dynamo.indexer did not answer within {timeout_s}s")
 
-    def host_tier_matches(self, tokens: Sequence[int]) -> dict[int, int]:
+    def host_tier_matches(self, tokens: Sequence[int], lora_name: str | None = None) -> dict[int, int]:
         """Worker id -> tokens of ``tokens``' prefix it holds in its host (CPU) tier; absent workers hold none."""
-        return self.tier_matches(tokens, "cpu")
+        return self.tier_matches(tokens, "cpu", lora_name)
 
-    def tier_matches(self, tokens: Sequence[int], tier: str) -> dict[int, int]:
+    def tier_matches(self, tokens: Sequence[int], tier: str, lora_name: str | None = None) -> dict[int, int]:
         """Worker id -> tokens of ``tokens``' prefix it holds down to ``tier``: the indexer's columns are
         cumulative (``cpu``: device or host memory; ``disk``: also media ``DISK``, ``EXTERNAL``,
-        ``SHARED``, as indexer 1.6.1 answers); absent workers hold none."""
-        body = json.dumps({"token_ids": list(tokens), "model_name": ROUTER_MODEL}).encode()
+        ``SHARED``, as indexer 1.6.1 answers); absent workers hold none. ``lora_name``: asked for a
+        request of that LoRA adapter (the query's ``lora_name``, which 1.6.1 matches against the
+        events' ``lora_name``); None: an unscoped request."""
+        query: dict[str, object] = {"token_ids": list(tokens), "model_name": ROUTER_MODEL}
+        if lora_name is not None:
+            query["lora_name"] = lora_name
+        body = json.dumps(query).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/query", data=body, headers={"Content-Type": "application/json"}
         )
@@ -143,7 +148,9 @@ class LlmdIndex:
 
     def tier_matches(self, tokens: Sequence[int], tier: str, model: str) -> dict[str, int]:
         """Pod id -> tokens of ``tokens``' prefix it holds in ``tier`` (llm-d's device tier: the
-        event's medium lowercased, ``cpu``, ``disk``, ``external``); absent pods hold none."""
+        event's medium lowercased, ``cpu``, ``disk``, ``external``); absent pods hold none. ``model``:
+        the served model, or a LoRA adapter's name for a request of that adapter (llm-d 0.8.1 keys an
+        event with a ``lora_name`` under that name instead of the topic's model)."""
         body = json.dumps({"token_ids": list(tokens), "model": model}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/query", data=body)
         with urllib.request.urlopen(request, timeout=5) as answer:

@@ -5,6 +5,10 @@ The connector (``connector.backends``) encodes it; the cache server's KV-event m
 through LMCache's opaque ``server_module_call`` envelope: a JSON header line, then the token ids as
 little-endian uint32 (a 32k-token prompt encodes in 0.2 ms this way, 4.5 ms as JSON, on the committer
 thread that sends the next COMMIT); standard library only.
+
+An unsalted store's header has 7 fields; a LoRA-scoped one (``LoraScope``) 9, the adapter's id and
+name appended, so a server that predates them refuses only the scoped reports (it announced no
+salted chunk anyway).
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ class ReportError(ValueError):
 
 
 @dataclass(frozen=True)
+class LoraScope:
+    """The LoRA adapter a router matches a chunk under: vLLM's ``lora_id`` and ``lora_name`` of a
+    ``BlockStored`` (Dynamo and llm-d key by the name; the id alone scopes nothing)."""
+
+    lora_id: int
+    """TensorRT-LLM's ``lora_task_id`` (``LoRARequest.lora_int_id``), vLLM's ``lora_int_id``."""
+    lora_name: str
+    """The name the router knows the adapter by (``keys.lora_scope``)."""
+
+
+@dataclass(frozen=True)
 class ChunksStored:
     """Chunks ``[start, end)`` of a prompt (token offsets, chunk-aligned) were committed to the cache."""
 
@@ -39,7 +54,10 @@ class ChunksStored:
     end: int
     tokens_per_block: int
     salt: str
-    """The store's key salt; a server announces only unsalted (``""``) chunks."""
+    """The store's key salt; a server announces unsalted (``""``) chunks and LoRA-scoped ones (``lora``)."""
+    lora: LoraScope | None = None
+    """The router scope of a salted store whose salt is its LoRA adapter's alone; None: unscoped
+    (``salt == ""``) or a scope no router can match (never announced)."""
 
 
 def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
@@ -53,6 +71,8 @@ def encode(report: ChunksStored) -> bytes:
     """The report as bytes; raises ``OverflowError`` for a token id outside uint32."""
     header = [report.served_model, report.cache_model, report.world_size, report.start, report.end,
               report.tokens_per_block, report.salt]  # fmt: skip
+    if report.lora is not None:
+        header += [report.lora.lora_id, report.lora.lora_name]
     return json.dumps(header, separators=(",", ":")).encode() + b"\n" + _tokens_bytes(report.token_ids[: report.end])
 
 
@@ -67,9 +87,10 @@ def decode(payload: bytes) -> ChunksStored:
         raise ReportError(f"chunks_stored: token_ids: {len(packed) // 4} tokens, more than {MAX_TOKENS}")
     if not newline or len(packed) % 4:
         raise ReportError(f"chunks_stored: token_ids must follow the header as uint32, got {len(packed)} bytes")
-    if not isinstance(fields, list) or len(fields) != 7:
-        raise ReportError("chunks_stored: header must be a JSON array of 7 fields")
-    served, cache, world, start, end, tpb, salt = fields
+    if not isinstance(fields, list) or len(fields) not in (7, 9):
+        raise ReportError("chunks_stored: header must be a JSON array of 7 fields (9 with a LoRA scope)")
+    served, cache, world, start, end, tpb, salt = fields[:7]
+    lora = _lora_scope(fields[7:])
     if not (isinstance(served, str) and isinstance(cache, str) and isinstance(salt, str)):
         raise ReportError("chunks_stored: served_model, cache_model and salt must be strings")
     ints = (world, start, end, tpb)
@@ -84,4 +105,13 @@ def decode(payload: bytes) -> ChunksStored:
             f"chunks_stored: need world_size>=1, tokens_per_block>=1, 0<=start<end<=len(token_ids); "
             f"got world_size={world} tokens_per_block={tpb} start={start} end={end} len={len(tokens)}"
         )
-    return ChunksStored(served, cache, world, tuple(tokens), start, end, tpb, salt)
+    return ChunksStored(served, cache, world, tuple(tokens), start, end, tpb, salt, lora)
+
+
+def _lora_scope(fields: list[object]) -> LoraScope | None:
+    if not fields:
+        return None
+    lora_id, lora_name = fields
+    if not (isinstance(lora_id, int) and not isinstance(lora_id, bool) and isinstance(lora_name, str) and lora_name):
+        raise ReportError(f"chunks_stored: lora_id must be an integer and lora_name a non-empty string, got {fields!r}")
+    return LoraScope(lora_id, lora_name)

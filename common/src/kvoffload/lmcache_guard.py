@@ -204,11 +204,11 @@ def subscribe_cache_key_events(event_bus: Any, on_change: Callable[[CacheKeysCha
 
 
 def resolve_chunk_hashes(
-    server_context: Any, cache_model: str, world_size: int, token_ids: Sequence[int], end: int
+    server_context: Any, cache_model: str, world_size: int, token_ids: Sequence[int], end: int, salt: str = ""
 ) -> list[bytes]:
-    """The hashes of a prompt's chunks up to token ``end``, as the server keys them (its own hasher,
-    LMCache 0.5.6's ``MPCacheServerContext.resolve_obj_keys``), on a throwaway session so that no
-    request's own session is touched; unsalted (salted chunks are never announced)."""
+    """The hashes of a prompt's chunks up to token ``end``, as the server keys them under ``salt`` (its
+    own hasher, LMCache 0.5.6's ``MPCacheServerContext.resolve_obj_keys``), on a throwaway session so
+    that no request's own session is touched."""
     from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
     session = f"kvoffload-kv-events-{threading.get_ident()}"
@@ -220,7 +220,7 @@ def resolve_chunk_hashes(
         start=0,
         end=end,
         request_id=session,
-        cache_salt="",
+        cache_salt=salt,
         num_kv_readers=1,
     )
     try:

@@ -216,3 +216,131 @@ def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_never_a_tenant
     finally:
         for part in reversed(started):
             part.stop()
+
+
+# Tenants (issue 45 item 4): a LoRA adapter's chunks are announced under the adapter and matched only
+# for its requests; chunks no router can be asked about (multimodal, a tenant's salt) never.
+
+SHORT = 2 * CHUNK + 10
+"""Two whole chunks and a tail: a LoRA prompt, a multimodal one and a marker fit one 64 MiB L1 unevicted."""
+SHORT_CACHED = 2 * CHUNK
+IMAGE = [11, -12, 13, -14, 15, -16, 17, -18]
+"""A multimodal item's content digest (8 int32, as TensorRT-LLM hashes images)."""
+
+
+def adapter_checkpoint(root: Path, name: str) -> str:
+    """A LoRA checkpoint directory named ``name``: the name routers know the adapter by."""
+    directory = root / "adapters" / name
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(f'{{"r": 8, "name": "{name}"}}')
+    (directory / "adapter_model.safetensors").write_bytes(name.encode() * 4096)
+    return str(directory)
+
+
+def tenants_run(engine: Any, request: PromptRequest) -> list[int]:
+    (result,) = engine.run([request])
+    assert not result.failed, result.error
+    assert settle_commits()
+    engine.evict_device_cache()
+    return request.prompt
+
+
+def test_dynamo_matches_a_lora_adapters_chunks_only_for_that_adapters_requests_and_never_a_multimodal_prompt(
+    two_servers: tuple[LMCacheServer, LMCacheServer, DynamoIndexer],
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """One prompt, stored on A under adapter ``adapter-a`` and on B without an adapter. Dynamo 1.6.1
+    ranks A for a request of ``adapter-a`` (the query's ``lora_name``), and only A; B for the unscoped
+    request, and only B (A's copy is the adapter's: of no use to it); nobody for ``adapter-b``. A
+    multimodal prompt on B (its keys carry the image's digest, which no router computes alike) is
+    never announced: no unscoped match, once a later marker store on B was announced; nor is one under
+    the adapter and a tenant's ``cache_salt``. A's L1 evicting the adapter's chunks withdraws them."""
+    _server_a, _server_b, indexer = two_servers
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    engine_a = executor_factory("events-model", _server_a.url, num_blocks=40, **GEOMETRY)
+    engine_b = executor_factory("events-model", _server_b.url, num_blocks=40, **GEOMETRY)
+    adapter = adapter_checkpoint(tmp_path, "adapter-a")
+    prompt = make_prompt(21, SHORT)
+
+    tenants_run(engine_a, PromptRequest(21, prompt, 2, lora_task_id=1, lora_path=adapter))
+    eventually(
+        lambda: indexer.host_tier_matches(prompt, "adapter-a") == {1: SHORT_CACHED},
+        "Dynamo ranks A, which holds the adapter's chunks, for a request of that adapter",
+    )
+    tenants_run(engine_b, PromptRequest(22, prompt, 2))
+    eventually(lambda: indexer.host_tier_matches(prompt) == {2: SHORT_CACHED}, "an unscoped request ranks B only")
+    assert indexer.host_tier_matches(prompt, "adapter-a") == {1: SHORT_CACHED}
+    assert indexer.host_tier_matches(prompt, "adapter-b") == {}
+
+    image = make_prompt(23, SHORT)
+    tenants_run(engine_b, PromptRequest(23, image, 2, multimodal_hashes=[IMAGE], multimodal_positions=[10],
+                                        multimodal_lengths=[64]))  # fmt: skip
+    salted = make_prompt(25, CHUNK + 10)  # the adapter and a tenant's salt: a scope no router is asked under
+    tenants_run(engine_b, PromptRequest(25, salted, 2, cache_salt="tenant-x", lora_task_id=1, lora_path=adapter))
+    marker = tenants_run(engine_b, PromptRequest(24, make_prompt(24, CHUNK + 10), 2))
+    eventually(lambda: indexer.host_tier_matches(marker) == {2: CHUNK}, "B announced the marker after the image")
+    assert indexer.host_tier_matches(image) == {} and indexer.host_tier_matches(image, "adapter-a") == {}
+    assert indexer.host_tier_matches(salted) == {} and indexer.host_tier_matches(salted, "adapter-a") == {}
+
+    # Two more prompts fill A's 64 MiB L1: LMCache evicts the adapter's chunks (under their salt) first.
+    tenants_run(engine_a, PromptRequest(26, make_prompt(26, PROMPT), 2))
+    tenants_run(engine_a, PromptRequest(27, make_prompt(27, PROMPT), 2))
+    eventually(
+        lambda: indexer.host_tier_matches(prompt, "adapter-a").get(1, 0) < SHORT_CACHED,
+        "A's score for the adapter's evicted chunks drops",
+    )
+
+
+def test_llm_ds_index_matches_a_lora_adapters_chunks_only_under_the_adapters_name_and_never_a_multimodal_prompt(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with llm-d's index (0.8.1, ``vllm-positional``), which keys an event that names a LoRA
+    adapter under the adapter's name instead of the topic's model: A's adapter chunks match a request
+    for model ``adapter-a`` only; the unscoped request (model ``events-model``) matches B's copy only;
+    ``adapter-b`` matches nothing; B's multimodal prompt is never announced."""
+    topic = {
+        name: {
+            contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model",
+            contract.ENV_KV_EVENTS_FORMAT: "vllm-positional",
+        }
+        for name in ("a", "b")
+    }
+    server_a, events_a = sidecar_server(tmp_path, "a", topic["a"])
+    server_b, events_b = sidecar_server(tmp_path, "b", topic["b"])
+    index = LlmdIndex({"pod-a": events_a, "pod-b": events_b}, BLOCK, tmp_path / "llmd-index.log")
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    started: list[Any] = []
+    try:
+        for part in (server_a, server_b, index):
+            part.start()
+            started.append(part)
+        engine_a = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
+        engine_b = executor_factory("events-model", server_b.url, num_blocks=40, **GEOMETRY)
+        adapter = adapter_checkpoint(tmp_path, "adapter-a")
+        prompt = make_prompt(31, SHORT)
+
+        def held(tokens: list[int], model: str = "events-model") -> dict[str, int]:
+            return index.tier_matches(tokens, "cpu", model)
+
+        # llm-d's subscriber retries its connection every 5 s: the first events may wait for it.
+        tenants_run(engine_b, PromptRequest(32, prompt, 2))
+        eventually(lambda: held(prompt) == {"pod-b": SHORT_CACHED}, "an unscoped request ranks B", 60.0)
+        tenants_run(engine_a, PromptRequest(31, prompt, 2, lora_task_id=1, lora_path=adapter))
+        eventually(
+            lambda: held(prompt, "adapter-a") == {"pod-a": SHORT_CACHED},
+            "llm-d ranks A, which holds the adapter's chunks, for a request of that adapter",
+            60.0,
+        )
+        assert held(prompt) == {"pod-b": SHORT_CACHED} and held(prompt, "adapter-b") == {}
+
+        image = make_prompt(33, SHORT)
+        tenants_run(engine_b, PromptRequest(33, image, 2, multimodal_hashes=[IMAGE], multimodal_positions=[10],
+                                            multimodal_lengths=[64]))  # fmt: skip
+        marker = tenants_run(engine_b, PromptRequest(34, make_prompt(34, CHUNK + 10), 2))
+        eventually(lambda: held(marker) == {"pod-b": CHUNK}, "B announced the marker after the image")
+        assert held(image) == {} and held(image, "adapter-a") == {}
+    finally:
+        for part in reversed(started):
+            part.stop()

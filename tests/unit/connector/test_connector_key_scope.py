@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.connector.keys import ChunkLayout, cache_model_name, chunk_layout, key_salt, normalize_salt, salt_of
+from kvoffload.chunk_report import LoraScope
+from kvoffload.connector.keys import (
+    ChunkLayout,
+    cache_model_name,
+    chunk_layout,
+    key_salt,
+    lora_scope,
+    normalize_salt,
+    salt_of,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -185,3 +194,52 @@ def test_multimodal_embeddings_passed_without_content_hashes_are_not_cacheable()
 def test_other_weights_under_one_model_name_are_another_model_in_keys() -> None:
     assert cache_model_name("/models/llama", BF16, "wabc") != cache_model_name("/models/llama", BF16, "wdef")
     assert cache_model_name("/models/llama", BF16, "") == cache_model_name("/models/llama", BF16)
+
+
+# Router scope (issue 45 item 4): which chunks a router can match, and under which adapter.
+
+
+@dataclass
+class AdapterRequest(Request):
+    py_lora_path: str | None = None
+
+
+@pytest.mark.parametrize(
+    ("request_", "prompt_table", "scope"),
+    [
+        (AdapterRequest(lora_task_id=7, py_lora_path="/adapters/sql-lora"), b"", LoraScope(7, "sql-lora")),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/adapters/sql-lora/"), b"", LoraScope(7, "sql-lora")),
+        (AdapterRequest(lora_task_id=0, py_lora_path="hub/org/chat-lora"), b"", LoraScope(0, "chat-lora")),
+        (AdapterRequest(), b"", None),
+        (AdapterRequest(cache_salt="tenant"), b"", None),
+        (AdapterRequest(lora_task_id=7), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/"), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x", cache_salt="tenant"), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x", cache_salt_id=3), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x", **image(IMAGE_A)), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x", multimodal_positions=[3]), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x", input_token_extra_ids=[0, 1]), b"", None),
+        (AdapterRequest(lora_task_id=7, py_lora_path="/a/x"), b"table-digest", None),
+    ],
+    ids=[
+        "adapter",
+        "trailing-slash",
+        "relative-path",
+        "no-adapter",
+        "salt-only",
+        "no-path",
+        "root-path",
+        "adapter+salt",
+        "adapter+salt-id",
+        "adapter+image",
+        "adapter+placeholders",
+        "adapter+extra-ids",
+        "adapter+prompt-table",
+    ],
+)
+def test_a_router_can_match_only_a_chunk_whose_adapter_alone_scopes_it_named_by_its_checkpoint(
+    request_: AdapterRequest, prompt_table: bytes, scope: LoraScope | None
+) -> None:
+    """Dynamo and llm-d key a chunk by ``lora_name`` and nothing else a TensorRT-LLM request scopes it by
+    (docs/routing.md, "Tenants"): a LoRA scope only where the adapter is the whole key scope."""
+    assert lora_scope(request_, prompt_table) == scope

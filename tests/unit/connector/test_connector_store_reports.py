@@ -71,6 +71,18 @@ def test_salted_stores_and_other_tensor_parallel_ranks_are_never_reported() -> N
     assert client.sent == [] and errors.counted == []
 
 
+def test_a_salted_store_is_reported_only_under_the_lora_scope_its_store_named_for_that_salt() -> None:
+    client, errors = Client(), Errors()
+    reporter = StoreReporter("served", 16, errors)  # type: ignore[arg-type]
+    adapter = chunk_report.LoraScope(7, "adapter-a")
+    reporter.scope("kA", adapter)
+    reporter.report(client, key(salt="kA"))
+    reporter.report(client, key(salt="stenant"))  # a tenant's salt: no scope was ever named for it
+    (request,) = client.sent
+    report = chunk_report.decode(request.payload)
+    assert (report.salt, report.lora) == ("kA", adapter) and errors.counted == []
+
+
 def test_a_failing_connection_or_a_refused_report_is_counted_never_raised() -> None:
     errors = Errors()
     reporter = StoreReporter("served", 16, errors)  # type: ignore[arg-type]

@@ -172,6 +172,7 @@ class FakeServerContext:
 
     def __init__(self) -> None:
         self.resolved: list[tuple[int, int]] = []
+        self.salts: list[str] = []
         self.removed: list[str] = []
         self.session_manager = self
 
@@ -180,6 +181,7 @@ class FakeServerContext:
 
         start, end = key.start, key.end  # type: ignore[attr-defined]
         self.resolved.append((start, end))
+        self.salts.append(key.cache_salt)  # type: ignore[attr-defined]
         chunks = range(start // self.chunk_size, end // self.chunk_size)
         # two KV ranks per chunk, as LMCache returns them for world size 2
         return [[SimpleNamespace(chunk_hash=f"h{i}".encode()) for i in chunks for _rank in range(2)]]
@@ -318,3 +320,74 @@ def test_a_compacted_journal_folds_to_the_state_it_was_written_from(
     again = fold_journal(compacted_journal(state))
     assert {t: set(ids) for t, ids in again.announced.items()} == {t: set(ids) for t, ids in state.announced.items()}
     assert again.last_sequence == state.last_sequence
+
+
+# Tenants (issue 45 item 4): LoRA-scoped chunks announced under their adapter, other salted ones never.
+
+ADAPTER_A = chunk_report.LoraScope(7, "adapter-a")
+
+
+def test_a_lora_scoped_store_is_announced_under_its_adapter_apart_from_the_unsalted_copy_of_its_tokens() -> None:
+    tracker = ChunkTracker()
+    (scoped,) = positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, "kA", ADAPTER_A))
+    ids = list(block_ids(MODEL, b"a", 4, "kA"))
+    assert scoped[:2] == ["BlockStored", ids] and (scoped[5], scoped[7]) == (7, "adapter-a")
+    assert set(ids).isdisjoint(block_ids(MODEL, b"a", 4))  # LMCache's hash of the tokens is the same
+    (plain,) = positional(tracker.stored(MODEL, chunks(b"a"), None, TPB, ""))
+    assert plain[1] == list(block_ids(MODEL, b"a", 4)) and (plain[5], plain[7]) == (None, None)
+    assert positional(tracker.evicted([(MODEL, b"a", "")])) == [["BlockRemoved", plain[1], "CPU"]]
+    assert positional(tracker.evicted([(MODEL, b"a", "kA")])) == [["BlockRemoved", ids, "CPU"]]
+    assert len(tracker) == 0
+
+
+def test_a_lora_scoped_chunks_children_chain_under_its_salt_and_its_l2_copy_keeps_the_scope() -> None:
+    tracker = ChunkTracker()
+    assert tracker.l2_stored([(MODEL, b"b", "kA"), (MODEL, b"t", "stenant")], Tier.L2_LOCAL) == []
+    tracker.stored(MODEL, chunks(b"a"), None, TPB, "kA", ADAPTER_A)
+    # once an adapter's report named its salt, an L2 store under it before its own report waits for it
+    assert tracker.l2_stored([(MODEL, b"b", "kA"), (MODEL, b"t", "stenant")], Tier.L2_LOCAL) == []
+    events = positional(tracker.stored(MODEL, chunks(b"b"), b"a", TPB, "kA", ADAPTER_A))
+    assert [(e[6], e[5], e[7]) for e in events] == [("CPU", 7, "adapter-a"), ("DISK", 7, "adapter-a")]
+    assert events[0][2] == block_ids(MODEL, b"a", 4, "kA")[-1]
+    assert [e[5] for e in positional(tracker.snapshot())[1:]] == [7, 7, 7]
+    assert positional(tracker.stored(MODEL, chunks(b"t"), None, TPB, "stenant")) == []  # a tenant's: never
+
+
+def test_the_default_format_carries_the_adapter_as_vllm_0_34s_lora_id_and_lora_name() -> None:
+    from kvoffload.sidecar.kv_event_wire import encode_batch
+    from tests.support import vllm_events as vllm
+
+    tracker = ChunkTracker()
+    events = tracker.stored(MODEL, chunks(b"a"), None, TPB, "kA", ADAPTER_A) + tracker.stored(
+        MODEL, chunks(b"a"), None, TPB, ""
+    )
+    scoped, plain = vllm.DECODER.decode(encode_batch(1.0, events, "vllm")).events
+    assert isinstance(scoped, vllm.BlockStored) and (scoped.lora_id, scoped.lora_name) == (7, "adapter-a")
+    assert isinstance(plain, vllm.BlockStored) and (plain.lora_id, plain.lora_name) == (None, None)
+
+
+def test_a_lora_scoped_report_round_trips_and_a_bad_scope_is_refused_naming_the_fields() -> None:
+    report = chunk_report.ChunksStored("m", MODEL, 1, tuple(range(64)), 0, 64, TPB, "kA", ADAPTER_A)
+    assert chunk_report.decode(chunk_report.encode(report)) == report
+    head = chunk_report.encode(report).partition(b"\n")[0]
+    assert head.endswith(b',7,"adapter-a"]')
+    tokens = b"\x01\x00\x00\x00"
+    for bad in (b'["m","c",1,0,1,16,"kA",7,""]', b'["m","c",1,0,1,16,"kA","7","a"]', b'["m","c",1,0,1,16,"kA",7]'):
+        with pytest.raises(chunk_report.ReportError, match=r"lora_id|fields"):
+            chunk_report.decode(bad + b"\n" + tokens)
+
+
+def test_the_server_module_announces_a_lora_scoped_report_under_its_adapter_hashed_under_its_salt() -> None:
+    from kvoffload.sidecar.kv_events_module import KvEventsModule
+
+    ctx, publisher = FakeServerContext(), CapturingPublisher()
+    module = KvEventsModule(ctx, publisher)  # type: ignore[arg-type]
+    report = chunk_report.ChunksStored("m", MODEL, 2, tuple(range(128)), 0, 128, TPB, "kA", ADAPTER_A)
+    assert module.chunks_stored(chunk_report.encode(report)) == b"ok"
+    assert ctx.salts == ["kA"]
+    assert [(e[1], e[5], e[7]) for e in publisher.events] == [
+        (list(block_ids(MODEL, b"h0", 4, "kA")), 7, "adapter-a"),
+        (list(block_ids(MODEL, b"h1", 4, "kA")), 7, "adapter-a"),
+    ]
+    module.on_keys_changed(CacheKeysChanged("l1", False, ((MODEL, b"h1", "kA"),)))
+    assert publisher.events[-1] == ["BlockRemoved", list(block_ids(MODEL, b"h1", 4, "kA")), "CPU"]

@@ -14,6 +14,10 @@ bytes mean the same to both:
   ``cpp/include/tensorrt_llm/batch_manager/kvCacheManager.h`` @2213a799) that the token ids do not
   show, and what a cache shared by deployments needs beyond it.
 
+Routers see a narrower scope (:func:`lora_scope`): of all that, only a LoRA adapter is something a
+KV-aware router can match a request by (vLLM's ``lora_name``), so a chunk whose salt is its adapter's
+alone is announced under that adapter and every other salted chunk is not announced.
+
 Salts are hashed into fixed-length tokens because LMCache rejects salts with ``@ / \\ NUL`` or over
 128 characters, and a tenant's raw salt should never appear in a cache server's logs.
 """
@@ -23,7 +27,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Literal
+
+from kvoffload.chunk_report import LoraScope
 
 CHUNK_LAYOUT_TAG = "kvoffload-blocks-v1"
 _SALT_ATTRS = ("cache_salt", "cache_salt_id", "py_cache_salt", "py_cache_salt_id")
@@ -124,6 +131,32 @@ def key_salt(request: Any, adapter: bytes | None = b"", prompt_table: bytes = b"
         )
     )
     return "k" + hashlib.blake2b(scope, digest_size=16).hexdigest()
+
+
+_LORA_PATH_ATTRS = ("py_lora_path",)
+
+
+def lora_scope(request: Any, prompt_table: bytes = b"") -> LoraScope | None:
+    """The LoRA scope a router can match ``request``'s chunks under, when its adapter is all that
+    scopes its keys; None when it has no adapter or more than one (a ``cache_salt``, multimodal
+    items, prompt-tuning ids or ``prompt_table``: routers cannot match those, docs/routing.md), or an
+    adapter without a checkpoint path to name it by.
+
+    The name is the last component of the adapter's checkpoint path (``LlmRequest.py_lora_path``,
+    ``LoRARequest.lora_path``): TensorRT-LLM's request carries no adapter name, and that directory's
+    name is what a router lists the adapter as where a deployment names adapters after their
+    checkpoints (``--lora-modules <name>=<dir>/<name>``). The id is ``lora_task_id``.
+    """
+    task = _first_set(request, _LORA_ATTRS)
+    if task is None or salt_of(request) or prompt_table:
+        return None
+    if any(_is_set(request, a) for a in ("multimodal_hashes", "multimodal_positions", "multimodal_lengths")):
+        return None
+    if any(_is_set(request, a) for a in (*_MULTIMODAL_DATA_ATTRS, *_EXTRA_IDS_ATTRS)):
+        return None
+    path = _first_set(request, _LORA_PATH_ATTRS)
+    name = PurePosixPath(str(path).rstrip("/")).name if path else ""
+    return LoraScope(int(task), name) if name else None
 
 
 def _is_set(obj: Any, attr: str) -> bool:

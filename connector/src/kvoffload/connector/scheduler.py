@@ -13,7 +13,7 @@ from typing import Any
 from kvoffload.connector import planning, wire
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.identities import AdapterIdentities, prompt_table_digest
-from kvoffload.connector.keys import key_salt
+from kvoffload.connector.keys import key_salt, lora_scope
 from kvoffload.connector.layout import GroupedLayout, page_key
 from kvoffload.connector.runtime import (
     ConnectorRole,
@@ -88,13 +88,15 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         rid = int(request.request_id)
         state = self._requests.get(rid)
         if state is None:
-            salt = key_salt(request, self._adapters.of(request), prompt_table_digest(request))
+            table = prompt_table_digest(request)
+            salt = key_salt(request, self._adapters.of(request), table)
             state = RequestState(
                 request_id=rid,
                 session_id=self.session_id(rid),
                 salt=salt or "",
                 num_prompt_tokens=num_prompt_tokens,
                 cacheable=salt is not None,
+                lora=lora_scope(request, table) if salt else None,
             )
             self._requests[rid] = state
         return state
@@ -257,6 +259,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             cacheable=scope.cacheable if scope else False,
             lookup_failure=None if scope else "uncacheable",
             llm_request=scope.llm_request if scope else None,
+            lora=scope.lora if scope else None,
         )
         self._requests[rid] = state
         return state
@@ -333,7 +336,9 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         if state is None:
             return None
         if not ended and getattr(state.llm_request, "is_finished", False) is not True:
-            self._reaped_scopes.keep(request_id, RequestScope(state.salt, state.cacheable, state.llm_request))
+            self._reaped_scopes.keep(
+                request_id, RequestScope(state.salt, state.cacheable, state.llm_request, state.lora)
+            )
         self._claims.unhold(request_id, state.block_ids)
         self._release_promise(state)  # promised, never loaded (the request ended first)
         self._backend.end_session(state.session_id)
@@ -568,6 +573,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             block_ids=planning.block_slice(state.block_ids, start, last, self._block),
             skip_tokens=skip,
             salt=state.salt,
+            lora=state.lora,
             secured=secured,
             copy_end=copy_end,
             reservation_id=state.accepted_reservation if secured is not None else None,

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload.chunk_report import LoraScope
 from kvoffload.connector.planning import NO_LOAD, LoadDecision, vanished_holders
 from kvoffload.connector.wire import ConnectorMetadata, SecuredLoad, TransferOp
 
@@ -21,6 +22,9 @@ class RequestState:
     num_prompt_tokens: int
     cacheable: bool = True
     """False: its keys cannot name what its KV depends on (``keys.key_salt``); never looked up or saved."""
+    lora: LoraScope | None = None
+    """The adapter a router matches its salted chunks under (``keys.lora_scope``); None: unscoped
+    (no salt) or a scope no router can match (its chunks are never announced)."""
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     """Its pages by block ordinal (several layer groups: the anchor group's)."""
@@ -58,6 +62,7 @@ class RequestScope:
     salt: str
     cacheable: bool
     llm_request: Any
+    lora: LoraScope | None = None
 
 
 class ReapedScopes:

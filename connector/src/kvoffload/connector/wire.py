@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload.chunk_report import LoraScope
 from kvoffload.connector.layout import page_key
 
 
@@ -60,6 +61,8 @@ class TransferOp:
     reservation_id: int | None = None
     """For a load of a prefix reservation (TensorRT-LLM main's KVCacheManagerV2): the id every rank
     reports through ``get_finished_prefix_loads`` once its copies are done."""
+    lora: LoraScope | None = None
+    """The router scope of its salted chunks (``keys.lora_scope``), for the store's KV-event report."""
 
     def pages(self) -> tuple[int, ...]:
         """Every page the op reads or writes, other groups' named by ``layout.page_key`` (fences)."""

@@ -11,6 +11,9 @@ Formats (``kvEvents.format``, ``KVOFFLOAD_KV_EVENTS_FORMAT``):
   filesystem L2 ``STORAGE``+``LOCAL``, a Redis (shared) L2 ``STORAGE``+``REMOTE``.
 - ``vllm-positional``: vLLM <= 0.23's positional arrays, with the media Dynamo names (``CPU``,
   ``DISK``, ``EXTERNAL``): for consumers that read only arrays (llm-d's kv-cache index <= 0.8.1).
+
+Both carry a LoRA adapter's chunks with ``lora_id`` and ``lora_name`` (``BlockStored.lora``), which
+Dynamo 1.6.1 and llm-d 0.8.1 key by; ``extra_keys`` is never sent (docs/routing.md, "Tenants").
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from enum import Enum
 from typing import Any, Final, Literal
 
 import msgspec
+
+from kvoffload.chunk_report import LoraScope
 
 FORMAT_VLLM: Final = "vllm"
 FORMAT_VLLM_POSITIONAL: Final = "vllm-positional"
@@ -57,6 +62,8 @@ class BlockStored:
     tokens: Sequence[int]
     block_size: int
     tier: Tier
+    lora: LoraScope | None = None
+    """The adapter a router must be asked under to match these blocks (``lora_id``, ``lora_name``)."""
 
 
 @dataclass(frozen=True)
@@ -93,17 +100,19 @@ def wire_event(event: Event, wire: WireFormat) -> Any:
             return ["BlockRemoved", list(event.ids), name]
         removed: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(event.ids), "medium": name}
         return removed if locality is None else {**removed, "locality": locality}
+    lora_id, lora_name = (None, None) if event.lora is None else (event.lora.lora_id, event.lora.lora_name)
     if wire == FORMAT_VLLM_POSITIONAL:
-        return ["BlockStored", list(event.ids), event.parent, list(event.tokens), event.block_size, None, name, None]
+        return ["BlockStored", list(event.ids), event.parent, list(event.tokens), event.block_size, lora_id, name,
+                lora_name]  # fmt: skip
     stored: dict[str, Any] = {
         "type": "BlockStored",
         "block_hashes": list(event.ids),
         "parent_block_hash": event.parent,
         "token_ids": list(event.tokens),
         "block_size": event.block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": name,
-        "lora_name": None,
+        "lora_name": lora_name,
     }
     return stored if locality is None else {**stored, "locality": locality}
 

@@ -7,8 +7,11 @@ is announced as its engine blocks (``tokens_per_block`` tokens each), with ids d
 cache's chunk hash, so that LMCache's eviction of that chunk (which names the chunk hash) removes
 exactly those blocks.
 
-Only unsalted chunks are announced: a salted chunk (a tenant's, a LoRA's, a multimodal prompt's,
-``connector.keys.key_salt``) would let a router match another tenant's prompt to it by tokens alone.
+Unsalted chunks are announced unscoped, and chunks whose salt is their LoRA adapter's alone under that
+adapter (``chunk_report.LoraScope``: vLLM's ``lora_id`` and ``lora_name``, which Dynamo and llm-d
+match only for requests of that adapter). Every other salted chunk (a tenant's ``cache_salt``, a
+multimodal or prompt-tuning prompt's, ``connector.keys.key_salt``) is never announced: no router
+can be asked under its scope, and unscoped it would rank a pod for prompts that cannot use it.
 
 Each chunk is announced once per tier that holds it (``kv_event_wire.Tier``: L1, a filesystem L2,
 a shared Redis L2), each wire format naming the tier its own way (``kv_event_wire.medium``); a
@@ -26,8 +29,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from kvoffload.chunk_report import LoraScope
+from kvoffload.lmcache_guard import KeyTriple
 
 from .kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
 
@@ -36,18 +42,20 @@ SHARED_L2_BACKENDS = ("resp",)
 DEFAULT_CAPACITY_CHUNKS = 16384
 """About 16 MiB of token arrays at 256-token chunks: 4 M tokens, more than most L1s hold."""
 EVENTS_PER_BATCH = 256
+MAX_SCOPED_SALTS = 4096
+"""Salts of LoRA-scoped chunks remembered (one per adapter), for L2 stores that come before the report."""
 
 
-def block_id(cache_model: str, chunk_hash: bytes, index: int) -> int:
-    """The stable 63-bit id of block ``index`` of a chunk (positive in both signed and unsigned readers)."""
-    digest = hashlib.blake2b(
-        cache_model.encode() + b"\0" + chunk_hash + index.to_bytes(4, "big"), digest_size=8
-    ).digest()
+def block_id(cache_model: str, chunk_hash: bytes, index: int, salt: str = "") -> int:
+    """The stable 63-bit id of block ``index`` of a chunk (positive in both signed and unsigned readers);
+    a salted chunk's differs from the unsalted one of the same tokens."""
+    scope = cache_model.encode() + (b"\0" + salt.encode() if salt else b"")
+    digest = hashlib.blake2b(scope + b"\0" + chunk_hash + index.to_bytes(4, "big"), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 
-def block_ids(cache_model: str, chunk_hash: bytes, blocks: int) -> tuple[int, ...]:
-    return tuple(block_id(cache_model, chunk_hash, i) for i in range(blocks))
+def block_ids(cache_model: str, chunk_hash: bytes, blocks: int, salt: str = "") -> tuple[int, ...]:
+    return tuple(block_id(cache_model, chunk_hash, i, salt) for i in range(blocks))
 
 
 def l2_tier(backend: str, shared: bool) -> Tier:
@@ -65,11 +73,6 @@ class StoredChunk:
     """The chunk's index in its prompt (0: the first); parents sort before children by it."""
 
 
-def _announced(keys: Iterable[tuple[str, bytes, str]]) -> Iterator[tuple[str, bytes]]:
-    """(cache model, chunk hash) of the unsalted objects among (model, hash, salt): salted ones are never announced."""
-    return ((model, chunk_hash) for model, chunk_hash, salt in keys if salt == "")
-
-
 @dataclass
 class _Tracked:
     ids: tuple[int, ...]
@@ -79,9 +82,10 @@ class _Tracked:
     depth: int
     media: set[Tier]
     """The tiers holding the chunk now (announced); never empty while tracked."""
+    lora: LoraScope | None
 
     def stored_in(self, tier: Tier) -> Event:
-        return BlockStored(self.ids, self.parent, self.tokens.tolist(), self.block_size, tier)
+        return BlockStored(self.ids, self.parent, self.tokens.tolist(), self.block_size, tier, self.lora)
 
 
 class ChunkTracker:
@@ -92,10 +96,12 @@ class ChunkTracker:
         if capacity < 1:
             raise ValueError(f"capacity: {capacity} is not allowed; use at least 1 chunk")
         self._capacity = capacity
-        self._chunks: OrderedDict[tuple[str, bytes], _Tracked] = OrderedDict()
-        self._early: OrderedDict[tuple[str, bytes], set[Tier]] = OrderedDict()
+        self._chunks: OrderedDict[KeyTriple, _Tracked] = OrderedDict()
+        self._early: OrderedDict[KeyTriple, set[Tier]] = OrderedDict()
         """L2 tiers that took a chunk before its store was reported (LMCache writes L2 behind L1, and
         the connector reports after the COMMIT's answer): applied when the report comes."""
+        self._scoped_salts: OrderedDict[str, None] = OrderedDict()
+        """Salts a LoRA-scoped report came with: an L2 store under another salt is never announced."""
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -107,20 +113,27 @@ class ChunkTracker:
         parent_hash: bytes | None,
         tokens_per_block: int,
         salt: str,
+        lora: LoraScope | None = None,
     ) -> list[Event]:
-        """Chunks of one prompt, in order, committed to L1; ``parent_hash`` is the chunk before the first."""
-        if salt != "" or not chunks:
+        """Chunks of one prompt, in order, committed to L1; ``parent_hash`` is the chunk before the first.
+        Salted ones are announced only under their LoRA scope (``lora``), never without one."""
+        if (salt != "" and lora is None) or not chunks:
             return []
+        if salt != "":
+            self._scoped_salts[salt] = None
+            self._scoped_salts.move_to_end(salt)
+            while len(self._scoped_salts) > MAX_SCOPED_SALTS:
+                self._scoped_salts.popitem(last=False)
         blocks = len(chunks[0].tokens) // tokens_per_block
-        parent = block_ids(cache_model, parent_hash, blocks)[-1] if parent_hash is not None else None
+        parent = block_ids(cache_model, parent_hash, blocks, salt)[-1] if parent_hash is not None else None
         events: list[Event] = []
         for chunk in chunks:
-            key = (cache_model, chunk.chunk_hash)
-            ids = block_ids(cache_model, chunk.chunk_hash, len(chunk.tokens) // tokens_per_block)
+            key = (cache_model, chunk.chunk_hash, salt)
+            ids = block_ids(cache_model, chunk.chunk_hash, len(chunk.tokens) // tokens_per_block, salt)
             tracked = self._chunks.get(key)
             if tracked is None:
                 media = {Tier.HOST} | self._early.pop(key, set())
-                tracked = _Tracked(ids, parent, array("I", chunk.tokens), tokens_per_block, chunk.depth, set())
+                tracked = _Tracked(ids, parent, array("I", chunk.tokens), tokens_per_block, chunk.depth, set(), lora)
                 self._chunks[key] = tracked
             else:
                 self._chunks.move_to_end(key)
@@ -134,11 +147,11 @@ class ChunkTracker:
             events += [BlockRemoved(dropped.ids, tier) for tier in sorted(dropped.media)]
         return events
 
-    def evicted(self, keys: Iterable[tuple[str, bytes, str]], tier: Tier = Tier.HOST) -> list[Event]:
-        """The tier ``tier`` dropped these (cache model, chunk hash, salt) objects; salted ones were
-        never announced. A chunk no tier holds any more is forgotten."""
+    def evicted(self, keys: Iterable[KeyTriple], tier: Tier = Tier.HOST) -> list[Event]:
+        """The tier ``tier`` dropped these objects; ones never announced are ignored. A chunk no tier
+        holds any more is forgotten."""
         events: list[Event] = []
-        for key in _announced(keys):
+        for key in keys:
             tracked = self._chunks.get(key)
             if tracked is None:
                 if key in self._early:
@@ -151,11 +164,14 @@ class ChunkTracker:
                 del self._chunks[key]
         return events
 
-    def l2_stored(self, keys: Iterable[tuple[str, bytes, str]], tier: Tier) -> list[Event]:
+    def l2_stored(self, keys: Iterable[KeyTriple], tier: Tier) -> list[Event]:
         """An L2 tier (``tier``) took these objects; a chunk whose store is not reported yet is
-        announced there when it is (bounded like the tracked chunks)."""
+        announced there when it is (bounded like the tracked chunks), unless its salt is one no
+        LoRA-scoped report came with (a tenant's: never announced)."""
         events: list[Event] = []
-        for key in _announced(keys):
+        for key in keys:
+            if key[2] != "" and key[2] not in self._scoped_salts:
+                continue
             tracked = self._chunks.get(key)
             if tracked is None:
                 self._early.setdefault(key, set()).add(tier)
@@ -173,6 +189,7 @@ class ChunkTracker:
         removed: list[Event] = [BlockRemoved(t.ids, tier) for t in self._chunks.values() for tier in sorted(t.media)]
         self._chunks.clear()
         self._early.clear()
+        self._scoped_salts.clear()
         return [*removed, AllBlocksCleared()]
 
     def snapshot(self) -> list[Event]:

@@ -9,7 +9,8 @@ the server internals it needs (key resolution, the event bus's names) sit behind
   the configured wire format (``kv_event_wire``: vLLM >= 0.24's maps by default);
 - answers ``chunk_report.METHOD`` (the connector's report after a store's COMMIT was answered) by
   resolving the chunks' hashes with the server's own hasher (so LMCache's evictions name the same
-  chunks) and announcing the unsalted ones (``kv_events.ChunkTracker``);
+  chunks) and announcing the unsalted ones, and the LoRA-scoped ones under their adapter
+  (``kv_events.ChunkTracker``);
 - follows LMCache's event bus (``lmcache_guard.subscribe_cache_key_events``): an L1 eviction is a
   removal from the host tier, an L2 adapter's store or delete an announcement or removal in its
   tier (``kv_events.l2_tier``);
@@ -327,9 +328,10 @@ class KvEventsModule:
 
     @server_module_handler(chunk_report.METHOD)
     def chunks_stored(self, payload: bytes) -> bytes:
-        """``chunk_report.METHOD``: a connector's store was committed; announce its unsalted chunks."""
+        """``chunk_report.METHOD``: a connector's store was committed; announce its chunks, unscoped or
+        under their LoRA scope (a salted report without one is never announced)."""
         report = chunk_report.decode(payload)
-        if report.salt != "":
+        if report.salt != "" and report.lora is None:
             self.counts["reports_salted"] += 1
             return b"salted"
         chunk_size = int(self._ctx.chunk_size)
@@ -338,14 +340,14 @@ class KvEventsModule:
             self.counts["reports_empty"] += 1
             return b"empty"
         hashes = resolve_chunk_hashes(self._ctx, report.cache_model, report.world_size, report.token_ids,
-                                      last * chunk_size)  # fmt: skip
+                                      last * chunk_size, report.salt)  # fmt: skip
         chunks = [
             StoredChunk(hashes[i], report.token_ids[i * chunk_size : (i + 1) * chunk_size], i)
             for i in range(first, last)
         ]
         parent = hashes[first - 1] if first > 0 else None
-        model, block = report.cache_model, report.tokens_per_block
-        self._publisher.submit(lambda tracker: tracker.stored(model, chunks, parent, block, ""))
+        model, block, salt, lora = report.cache_model, report.tokens_per_block, report.salt, report.lora
+        self._publisher.submit(lambda tracker: tracker.stored(model, chunks, parent, block, salt, lora))
         self.counts["reports"] += 1
         return b"ok"
 

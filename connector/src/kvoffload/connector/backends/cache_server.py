@@ -88,6 +88,7 @@ class CacheServerBackend:
         """The registered pool's loads and stores (None before ``register``)."""
         self.chunk_size = self._initial_chunk_size()
         reports = StoreReporter(settings.model_name, settings.tokens_per_block, metrics) if settings.kv_events else None
+        self._reports = reports
         self.committer = Committer(role, self._instance_id, self.connection, self.segments, process.pending,
                                     metrics, reports)  # fmt: skip
         self._securing = None if self._instance_id is None else Securing(
@@ -464,6 +465,8 @@ class CacheServerBackend:
         return self._pool("retrieve").retrieve(op)
 
     def store(self, op: TransferOp) -> int:
+        if self._reports is not None and op.lora is not None:
+            self._reports.scope(op.salt, op.lora)
         return self._pool("store").store(op)
 
     def commits_pending(self, session_id: str) -> bool:

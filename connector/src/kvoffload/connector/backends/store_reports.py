@@ -4,8 +4,10 @@ Opt-in (``KVOFFLOAD_KV_EVENTS``). The committer thread calls :meth:`StoreReporte
 store's COMMIT was answered; the report goes out through LMCache's public ``server_module_call``
 RPC without waiting for its answer, so neither the engine nor the next COMMIT waits on it. Answers
 are collected on later calls: failures are counted (``errors_total{operation="kv_event"}``), never
-raised. Salted stores (tenants, LoRA, multimodal) are never reported, so a router never learns a
-tenant's prefix.
+raised. A salted store is reported only under the LoRA scope its op named (``scope``, from
+``keys.lora_scope``), so that a router matches it only for requests of that adapter; other salted
+stores (a tenant's ``cache_salt``, multimodal or prompt-tuning prompts) are never reported, so a
+router never learns a tenant's prefix.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ logger = logging.getLogger("kvoffload.connector")
 
 MAX_IN_FLIGHT = 256
 """Reports sent and not yet answered; past it a report is dropped (counted) rather than queued."""
+MAX_SCOPES = 4096
+"""LoRA scopes remembered by salt (one per adapter); past it they are forgotten and learnt again."""
 
 
 class StoreReporter:
@@ -32,13 +36,25 @@ class StoreReporter:
         self._tokens_per_block = tokens_per_block
         self._metrics = metrics
         self._in_flight: deque[Any] = deque()
+        self._scopes: dict[str, chunk_report.LoraScope] = {}
+        """Salt -> the LoRA scope its stores are announced under (the committer sees only keys)."""
+
+    def scope(self, salt: str, lora: chunk_report.LoraScope) -> None:
+        """Stores under ``salt`` are ``lora``'s (called by the store, before its COMMIT is queued)."""
+        if self._scopes.get(salt) != lora:
+            if len(self._scopes) >= MAX_SCOPES:
+                self._scopes.clear()  # a store of a forgotten adapter is then not reported until it is named again
+            self._scopes[salt] = lora
 
     def report(self, client: Any, key: IPCCacheServerKey) -> None:
         """Report ``key``'s chunks stored on ``client``'s server; never raises, never waits."""
         try:
             self._collect()
-            if key.cache_salt or key.worker_id not in (None, 0):
+            if key.worker_id not in (None, 0):
                 return  # tensor parallelism: rank 0 reports for all (the chunks' hashes are the same)
+            lora = self._scopes.get(key.cache_salt) if key.cache_salt else None
+            if key.cache_salt and lora is None:
+                return  # a scope no router can match: never announced
             if len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._metrics.error("kv_event", "timeout")
                 return
@@ -51,6 +67,7 @@ class StoreReporter:
                 end=key.end,
                 tokens_per_block=self._tokens_per_block,
                 salt=key.cache_salt,
+                lora=lora,
             )
             request = ServerModuleCallRequest(method=chunk_report.METHOD, payload=chunk_report.encode(report))
             self._in_flight.append(client.server_module_call(request))
