@@ -40,7 +40,7 @@ from kvoffload.operator.api.kube import Kube, load_configuration
 from kvoffload.operator.api.owner import Owner, operator_deployment
 from kvoffload.operator.control.leadership import RENEW_INTERVAL_S, Leadership, serve_health_while_waiting
 from kvoffload.operator.control.reconcile import Reconciler
-from kvoffload.operator.control.workload_writes import remove_every_injection
+from kvoffload.operator.control.workload_writes import LEFT_ALONE, remove_every_injection
 from kvoffload.operator.intent.settings import OperatorDefaults, base_settings
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
@@ -286,8 +286,11 @@ def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool, lease:
             break
     for ref, result in results.items():
         print(f"{PROG}: {ref}: {result}", flush=True)
-    left = [ref for ref, result in results.items() if result not in ("removed", "noop")]
-    print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
+    left = [ref for ref, result in results.items()
+            if result not in ("removed", "noop") and not result.startswith(LEFT_ALONE)]  # fmt: skip
+    alone = [ref for ref, result in results.items() if result.startswith(LEFT_ALONE)]
+    print(f"{PROG}: removed kvoffload from {len(results) - len(left) - len(alone)} workload(s); {len(left)} left"
+          + (f"; {len(alone)} left alone (holding what kvoffload did not write)" if alone else ""), flush=True)  # fmt: skip
     if not left and admission and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
         print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
     if lease is not None:
