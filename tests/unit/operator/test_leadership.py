@@ -12,7 +12,7 @@ import pytest
 
 from hack.ports import free_port
 from kvoffload.httpreply import MAX_CONNECTIONS
-from kvoffload.operator.api.owner import Owner, earlier_install
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
@@ -85,7 +85,10 @@ def test_the_uninstall_hooks_long_hold_keeps_operators_waiting_until_it_runs_out
 def test_the_lease_names_the_operators_deployment_and_a_reinstall_takes_over_an_earlier_installs() -> None:
     """The Lease is owned by the operator's Deployment (the garbage collector deletes it with it); a
     write keeps its other owners and replaces an earlier install's Deployment with this one's."""
-    old, new = Owner("kvo-kvoffload-operator", "uid-old"), Owner("kvo-kvoffload-operator", "uid-new")
+    old, new = (
+        OperatorDeployment("kvo-kvoffload-operator", "uid-old"),
+        OperatorDeployment("kvo-kvoffload-operator", "uid-new"),
+    )
     seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, held_by("old-pod", 1), 120, old)
     assert seized["metadata"]["ownerReferences"] == [old.reference()]
     assert lease_body("l", "ns", "me", NOW, seized)["metadata"]["ownerReferences"] == [old.reference()], "kept"
@@ -112,7 +115,10 @@ class Deployments:
 
 
 def test_a_lease_is_an_earlier_installs_only_when_its_deployment_is_gone() -> None:
-    old, new = Owner("kvo-kvoffload-operator", "uid-old"), Owner("kvo-kvoffload-operator", "uid-new")
+    old, new = (
+        OperatorDeployment("kvo-kvoffload-operator", "uid-old"),
+        OperatorDeployment("kvo-kvoffload-operator", "uid-new"),
+    )
     lease = {"metadata": {"ownerReferences": [old.reference()]}}
     reinstalled = Deployments(**{"kvo-kvoffload-operator": "uid-new"})
     assert earlier_install(reinstalled, "ns", lease, new)  # type: ignore[arg-type]

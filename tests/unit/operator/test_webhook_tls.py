@@ -12,7 +12,7 @@ from cryptography import x509
 from kvoffload import contract as c
 from kvoffload.operator.admission.webhook_tls import ensure_tls, issue
 from kvoffload.operator.api.kube import KubeApiError
-from kvoffload.operator.api.owner import Owner
+from kvoffload.operator.api.operator_deployment import OperatorDeployment
 
 pytestmark = pytest.mark.operator
 NS = "kvoffload-system"
@@ -99,8 +99,8 @@ def test_an_older_combined_secret_has_its_ca_key_moved_out_and_keeps_its_certifi
     assert store.data(c.WEBHOOK_CA_SECRET) == {"ca.crt": old.ca_pem, "ca.key": old.ca_key_pem}
 
 
-OLD = Owner("kvo-kvoffload-operator", "uid-old")
-NEW = Owner("kvo-kvoffload-operator", "uid-new")
+OLD = OperatorDeployment("kvo-kvoffload-operator", "uid-old")
+NEW = OperatorDeployment("kvo-kvoffload-operator", "uid-new")
 
 
 def secret_path(name: str) -> str:

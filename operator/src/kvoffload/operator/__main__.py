@@ -37,7 +37,7 @@ from kvoffload.operator.admission.webhook_tls import (
 )
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, load_configuration
-from kvoffload.operator.api.owner import Owner, operator_deployment
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, read_operator_deployment
 from kvoffload.operator.control.leadership import RENEW_INTERVAL_S, Leadership, serve_health_while_waiting
 from kvoffload.operator.control.reconcile import Reconciler
 from kvoffload.operator.control.workload_writes import LEFT_ALONE, remove_every_injection
@@ -244,17 +244,17 @@ HANDOVER_WAIT_S = 2 * RENEW_INTERVAL_S
 REMOVAL_PASSES = 3
 
 
-def _owner(args: argparse.Namespace, kube: Kube) -> Owner | None:
+def _owner(args: argparse.Namespace, kube: Kube) -> OperatorDeployment | None:
     """``--operator-deployment`` read once (None when unset)."""
     if not args.operator_deployment:
         return None
     if not args.leader_election_namespace:
         raise SystemExit(f"{PROG}: --operator-deployment needs --leader-election-namespace (or POD_NAMESPACE): "
                          "the namespace the Deployment is in")  # fmt: skip
-    return operator_deployment(kube, args.leader_election_namespace, args.operator_deployment)
+    return read_operator_deployment(kube, args.leader_election_namespace, args.operator_deployment)
 
 
-def _uninstall_lease(args: argparse.Namespace, kube: Kube, owner: Owner | None) -> Leadership | None:
+def _uninstall_lease(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment | None) -> Leadership | None:
     """``--remove-all`` with leader election: the operator's Lease, for the hook to seize (owned by the
     operator's Deployment, so it goes when Helm deletes that)."""
     if args.leader_election == "false":
@@ -352,7 +352,7 @@ def _client_ca(path: str) -> bytes | None:
 
 
 def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...],
-                   plan: Planner, owner: Owner | None) -> WebhookServer:  # fmt: skip
+                   plan: Planner, owner: OperatorDeployment | None) -> WebhookServer:  # fmt: skip
     """Start the webhook's HTTPS server, then put its CA into the chart's registration (the
     registration itself, rules and client config, is the chart's: ``webhook_configuration``)."""
     namespace = args.leader_election_namespace
@@ -376,7 +376,7 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
 
 
 def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event,
-          owner: Owner | None = None) -> Leadership | None | Literal[False]:  # fmt: skip
+          owner: OperatorDeployment | None = None) -> Leadership | None | Literal[False]:  # fmt: skip
     """Hold the operator's Lease before acting (None: leader election is off; False: stopped while waiting).
 
     While it waits the process answers /healthz, so a standby pod stays live and ready.

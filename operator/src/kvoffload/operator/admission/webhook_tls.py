@@ -22,7 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvoffload import contract as c
 from kvoffload.operator.api.kube import Kube, KubeApiError, namespaced_path
-from kvoffload.operator.api.owner import Owner
+from kvoffload.operator.api.operator_deployment import OperatorDeployment
 
 log = logging.getLogger("kvoffload.operator")
 CA_DAYS = 3650
@@ -125,13 +125,13 @@ def _secret_body(namespace: str, name: str, data: Mapping[str, bytes], owners: o
     return body
 
 
-def _owned(secret: Mapping[str, Any] | None, owner: Owner | None) -> bool:
+def _owned(secret: Mapping[str, Any] | None, owner: OperatorDeployment | None) -> bool:
     """Whether the Secret needs no write for its owner (``owner`` None: its owners are left as they are)."""
     return owner is None or owner.owns(secret)
 
 
 def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
-           current: Mapping[str, Any] | None, owner: Owner | None = None) -> Mapping[str, Any] | None:  # fmt: skip
+           current: Mapping[str, Any] | None, owner: OperatorDeployment | None = None) -> Mapping[str, Any] | None:  # fmt: skip
     """Create or replace the Secret, owned by ``owner`` (None: the owners it has stay); when another
     replica wrote it first (409), theirs (None if gone). One deleted since it was read (the garbage
     collector taking an earlier install's) is created again."""
@@ -158,7 +158,7 @@ def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
 
 
 def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] | None,
-               owner: Owner | None = None) -> tuple[bytes, bytes]:  # fmt: skip
+               owner: OperatorDeployment | None = None) -> tuple[bytes, bytes]:  # fmt: skip
     """(CA certificate, CA key) from the CA's own Secret, created from ``seed`` or a new CA when missing
     (and given ``owner`` when it names another)."""
     secret = kube.get(namespaced_path("/api/v1", "secrets", namespace, name))
@@ -178,7 +178,7 @@ def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] 
 
 
 def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str],
-               ca_name: str = c.WEBHOOK_CA_SECRET, owner: Owner | None = None) -> TlsMaterial:  # fmt: skip
+               ca_name: str = c.WEBHOOK_CA_SECRET, owner: OperatorDeployment | None = None) -> TlsMaterial:  # fmt: skip
     """The serving certificate in Secret ``name``, issued (or renewed) when missing, stale or for other
     hosts by the CA kept apart in Secret ``ca_name``, which is read only then. Both Secrets are
     owned by ``owner``, the operator's Deployment (an earlier install's are taken over). The result

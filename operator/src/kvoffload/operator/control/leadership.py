@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from kvoffload.httpreply import BoundedHTTPServer
 from kvoffload.operator.api.kube import Kube, KubeApiError
-from kvoffload.operator.api.owner import Owner, earlier_install
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 
 log = logging.getLogger("kvoffload.operator")
 LEASE_DURATION_S = 15
@@ -80,7 +80,7 @@ def lease_body(
     now: datetime.datetime,
     previous: Mapping[str, Any] | None,
     duration_s: int = LEASE_DURATION_S,
-    owner: Owner | None = None,
+    owner: OperatorDeployment | None = None,
 ) -> dict[str, Any]:
     """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a
     transition), owned by ``owner`` (None: the owners it had stay)."""
@@ -143,7 +143,7 @@ class Leadership:
     namespace: str
     name: str
     identity: str
-    owner: Owner | None = None
+    owner: OperatorDeployment | None = None
     """The operator's Deployment: the Lease names it as its owner (None: the owners it has stay)."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""

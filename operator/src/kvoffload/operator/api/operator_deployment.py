@@ -16,7 +16,7 @@ log = logging.getLogger("kvoffload.operator")
 
 
 @dataclass(frozen=True)
-class Owner:
+class OperatorDeployment:
     """The operator's Deployment, as an ownerReference names it."""
 
     name: str
@@ -34,8 +34,8 @@ class Owner:
     def with_reference(self, references: object) -> list[dict[str, Any]]:
         """``references`` with every other Deployment's reference replaced by this one's (an earlier
         install's operator owned the object; the rest of its owners stay)."""
-        kept = [dict(r) for r in references if isinstance(r, Mapping) and r.get("kind") != "Deployment"] \
-            if isinstance(references, list) else []  # fmt: skip
+        listed = references if isinstance(references, list) else []
+        kept = [dict(r) for r in listed if isinstance(r, Mapping) and r.get("kind") != "Deployment"]
         return [*kept, self.reference()]
 
 
@@ -44,7 +44,9 @@ def _references(obj: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
     return [r for r in refs if isinstance(r, Mapping)]
 
 
-def earlier_install(kube: Kube, namespace: str, obj: Mapping[str, Any] | None, owner: Owner | None) -> bool:
+def earlier_install(
+    kube: Kube, namespace: str, obj: Mapping[str, Any] | None, owner: OperatorDeployment | None
+) -> bool:
     """Whether ``obj`` belongs to an operator Deployment that is gone (an earlier install's, deleted by
     ``helm uninstall``; a Deployment of that name now has another uid): False when either side names
     none, or when its owner is ours or still there (a second install's operator keeps waiting)."""
@@ -61,10 +63,10 @@ def earlier_install(kube: Kube, namespace: str, obj: Mapping[str, Any] | None, o
     return True
 
 
-def operator_deployment(kube: Kube, namespace: str, name: str) -> Owner | None:
+def read_operator_deployment(kube: Kube, namespace: str, name: str) -> OperatorDeployment | None:
     """The operator's Deployment ``name`` in ``namespace`` (None when it is not there: nothing gets an owner)."""
     found = kube.get(namespaced_path("/apis/apps/v1", "deployments", namespace, name))
     if found is None:
         log.warning("operator Deployment %s/%s not found: its Lease and Secrets get no owner", namespace, name)
         return None
-    return Owner(name, str((found.get("metadata") or {}).get("uid") or ""))
+    return OperatorDeployment(name, str((found.get("metadata") or {}).get("uid") or ""))
