@@ -11,7 +11,7 @@ restarts) takes its own Lease back at once.
 operator stops at its next renewal, standbys keep waiting, and no operator acts until the hook's
 long term has run out, by when Helm has deleted the operator.
 
-The Lease names the operator's Deployment as its owner (``api.owner``): the garbage collector deletes
+The Lease names the operator's Deployment as its owner (``api.operator_deployment``): the garbage collector deletes
 it with the Deployment, and an operator of a later install (another Deployment uid) finds a Lease
 still there (the collector not done yet) free at once, whatever term its holder wrote.
 """
