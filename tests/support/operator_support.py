@@ -104,6 +104,12 @@ def admission_rules(prefix: str) -> dict[str, Path]:
             f"{prefix}-admission-webhook": ADMISSION_WEBHOOK_RULES_FILE}  # fmt: skip
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for an operator process the tests start: the repository, then the caller's own (a
+    second worktree's sources ahead of the editable install's)."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 _STARTED: list[OperatorProcess] = []
 """Every operator process the session started: at most one may run at a time."""
 
@@ -144,7 +150,7 @@ class OperatorProcess:
             *DEFAULTS_FLAGS, "--resync-seconds", "0", "--log-level", "info",
             "--leader-election-namespace", self.lease_namespace, *self.extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "POD_NAME": f"operator-{self.workdir.name}"}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "POD_NAME": f"operator-{self.workdir.name}"}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)

@@ -19,7 +19,15 @@ from hack.ports import free_port
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for
 from kvoffload import contract
 from kvoffload.operator.admission.webhook_tls import webhook_configuration
-from tests.support.operator_support import OperatorProcess, admission_args, events_for, is_injected, wait_injected
+from tests.support.audit import AuditWindow
+from tests.support.operator_support import (
+    OperatorProcess,
+    admission_args,
+    child_pythonpath,
+    events_for,
+    is_injected,
+    wait_injected,
+)
 from tests.support.promtool import run_token_source_tests
 
 pytestmark = [pytest.mark.chart]
@@ -369,7 +377,9 @@ def test_the_lease_and_the_webhook_secret_are_granted_in_the_release_namespace_o
     docs = render()
     role = next(d for d in docs if d["kind"] == "Role")
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "Role")
-    lease = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+    lease = [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
+             {"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": ["kvo-kvoffload-operator"],
+              "verbs": ["get"]}]  # its own Deployment: the owner of the Lease and the Secrets  # fmt: skip
     assert role["rules"] == [
         *lease,
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
@@ -380,7 +390,8 @@ def test_the_lease_and_the_webhook_secret_are_granted_in_the_release_namespace_o
     assert template_mode["rules"] == lease
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == RELEASE_NAMESPACE
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert {"--leader-election=true", f"--leader-election-namespace={RELEASE_NAMESPACE}"} <= set(operator_args(docs))
+    assert {"--leader-election=true", f"--leader-election-namespace={RELEASE_NAMESPACE}",
+            "--operator-deployment=kvo-kvoffload-operator"} <= set(operator_args(docs))  # fmt: skip
 
 
 @pytest.mark.controlplane
@@ -457,7 +468,8 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
     """Helm's real order: the pre-delete hook (run as its Job spec says, with the release's own
     ServiceAccount; pods never run here, so the test starts the hook container's command itself)
     while the admission-mode operator still runs, then the release's objects deleted. No workload
-    is re-injected; every template is the user's again, byte for byte; new pods are plain."""
+    is re-injected; every template is the user's again, byte for byte; new pods are plain; nothing
+    the operator made for itself (its Lease, the webhook's CA and serving Secrets) stays."""
     release_ns = "kvo-uninstall-system"
     names = ["llm-a", "llm-b"]
     cluster.kubectl("create", "namespace", release_ns, check=False)
@@ -470,7 +482,7 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
         kubeconfig = cluster.service_account_kubeconfig(release_ns, "kvo-un-kvoffload", tmp_path / "sa.kubeconfig")
         operator.stop()  # one operator at a time; the next test restarts the session one
         released = OperatorProcess(kubeconfig=kubeconfig, workdir=tmp_path, lease_namespace=release_ns,
-                                   extra_args=admission_args(port))  # fmt: skip
+                                   extra_args=admission_args(port) + chart_operator_args(cluster, release_ns))  # fmt: skip
         originals = {}
         for name in names:
             apply(cluster, trtllm_deployment(name, namespace, replicas=2))
@@ -489,7 +501,7 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
         assert released.popen is not None and released.popen.poll() is None, "the operator runs during the hook"
         run = subprocess.run([sys.executable, "-m", "kvoffload.operator", "--kubeconfig", str(kubeconfig),
                               *pod["containers"][0]["args"]], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                             env={**os.environ, "PYTHONPATH": child_pythonpath()})  # fmt: skip
         assert run.returncode == 0, run.stdout + run.stderr
         for name in names:
             assert f"Deployment/{namespace}/{name}: removed" in run.stdout, run.stdout
@@ -497,6 +509,8 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
         # (other 403s, e.g. an Event into another test's terminating namespace, are not RBAC's).
         assert RBAC_REFUSAL not in released.log_path.read_text(errors="replace"), released.log()
         revisions = {n: get(cluster, "deployment", n, namespace)["metadata"]["annotations"][REVISION] for n in names}
+        assert leftovers_of_the_operator(cluster, release_ns) == OPERATOR_OBJECTS, "the operator made its three"
+        audit = AuditWindow(cluster.audit_log).mark()
         helm("uninstall", "kvo-un", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
         time.sleep(8)  # more than a lease renewal and a background tick: a running operator would have acted
         for name in names:
@@ -516,11 +530,15 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
                 assert not pod_["spec"].get("initContainers")
         assert cluster.kubectl("get", "mutatingwebhookconfiguration", contract.WEBHOOK_CONFIGURATION_NAME,
                                check=False).returncode != 0, "the webhook's registration is deleted"  # fmt: skip
-        # Kept, as docs/operator.md says: the Lease (held by the hook for a while, so no operator pod
-        # acts before Helm deleted it) and the webhook's CA Secret (trusted by nothing any more).
-        lease = json.loads(cluster.kubectl("get", "lease", contract.OPERATOR_LEASE_NAME, "-n", release_ns,
-                                           "-o", "json").stdout)  # fmt: skip
-        assert lease["spec"]["holderIdentity"] == "kvoffload-uninstall"
+        # Nothing of kvoffload's stays: the Lease (held by the hook until Helm deleted the operator)
+        # and the webhook's two Secrets are owned by the operator's Deployment, and the garbage
+        # collector deletes them with it (before: all three stayed, the CA's key among them).
+        wait_for(lambda: not leftovers_of_the_operator(cluster, release_ns), 60,
+                 what="the Lease and the webhook's Secrets deleted with the operator's Deployment")  # fmt: skip
+        collected = {(w.resource, w.name) for w in audit.writes(GARBAGE_COLLECTOR, release_ns)
+                     if w.verb == "delete" and w.code == 200}  # fmt: skip
+        assert collected >= {("leases", contract.OPERATOR_LEASE_NAME), ("secrets", contract.WEBHOOK_TLS_SECRET),
+                             ("secrets", contract.WEBHOOK_CA_SECRET)}, collected  # fmt: skip
     finally:
         if released is not None:
             released.stop()
@@ -529,7 +547,97 @@ def test_helm_uninstall_in_helms_order_leaves_every_workload_as_the_user_wrote_i
         cluster.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
 
 
+REINSTALL_BOUND_S = 45
+"""How long a reinstall's operator may take to act again (before: 91-111 s, the hook's 120 s hold)."""
+
+
+@pytest.mark.controlplane
+def test_a_reinstall_right_after_helm_uninstall_acts_at_once_instead_of_waiting_out_the_hooks_hold(
+    cluster: LocalCluster, namespace: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """``helm uninstall`` (its hook holds the Lease so that the operator stops), then at once ``helm
+    install`` again: the new operator takes the Lease (owned by the deleted Deployment, if the garbage
+    collector has not deleted it yet) and injects the still opted-in workload again, within a bound far
+    below the hook's 120 s hold; its first Lease write is in the audit log."""
+    release_ns = "kvo-reinstall-system"
+    name = "llm-again"
+    cluster.kubectl("create", "namespace", release_ns, check=False)
+    sa = "kvo-re-kvoffload"
+    operator.stop()  # one operator at a time; the next test restarts the session one
+    apply(cluster, trtllm_deployment(name, namespace, replicas=2))
+    procs: list[OperatorProcess] = []
+
+    def install_and_run(round_: str) -> OperatorProcess:
+        port = free_port()
+        helm("install", "kvo-re", str(CHART), "-n", release_ns, "--wait=false",
+             "--set", f"injection.webhookUrl=https://127.0.0.1:{port}{contract.WEBHOOK_PATH}",
+             kubeconfig=cluster.admin_kubeconfig)  # fmt: skip
+        workdir = tmp_path / round_
+        workdir.mkdir()
+        kubeconfig = cluster.service_account_kubeconfig(release_ns, sa, workdir / "sa.kubeconfig")
+        proc = OperatorProcess(kubeconfig=kubeconfig, workdir=workdir, lease_namespace=release_ns,
+                               extra_args=admission_args(port) + chart_operator_args(cluster, release_ns))  # fmt: skip
+        procs.append(proc)
+        proc.start()
+        return proc
+
+    try:
+        first = install_and_run("first")
+        cluster.kubectl("annotate", "deployment", name, "-n", namespace, f"{contract.ANN_ENABLED}=true")
+        wait_for(lambda: all_running(cluster, name, namespace, injected=True), 120, what=f"{name} injected")
+        hooks = [d for d in yaml.safe_load_all(helm("get", "hooks", "kvo-re", "-n", release_ns,
+                                                    kubeconfig=cluster.admin_kubeconfig).stdout) if d]  # fmt: skip
+        job = next(d for d in hooks if d["kind"] == "Job")
+        run = subprocess.run([sys.executable, "-m", "kvoffload.operator", "--kubeconfig", str(first.kubeconfig),
+                              *job["spec"]["template"]["spec"]["containers"][0]["args"]], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "PYTHONPATH": child_pythonpath()})  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        helm("uninstall", "kvo-re", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig)
+        first.stop()  # Helm deleted its pod
+        wait_for(lambda: all_running(cluster, name, namespace, injected=False), 120, what=f"{name} plain")
+
+        audit = AuditWindow(cluster.audit_log).mark()
+        second = install_and_run("second")
+        user = f"system:serviceaccount:{release_ns}:{sa}"
+        wait_for(lambda: [w for w in audit.writes(user, release_ns) if w.resource == "leases" and w.code < 300],
+                 REINSTALL_BOUND_S, what="the reinstalled operator's Lease write")  # fmt: skip
+        lease = json.loads(cluster.kubectl("get", "lease", contract.OPERATOR_LEASE_NAME, "-n", release_ns,
+                                           "-o", "json").stdout)  # fmt: skip
+        assert lease["spec"]["holderIdentity"] == f"operator-{second.workdir.name}"
+        (dep,) = list_objects(cluster, "deployment", release_ns, "app.kubernetes.io/component=operator")
+        assert lease["metadata"]["ownerReferences"] == [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": dep["metadata"]["name"],
+             "uid": dep["metadata"]["uid"]}
+        ]  # fmt: skip
+        wait_for(lambda: all_running(cluster, name, namespace, injected=True), REINSTALL_BOUND_S,
+                 what=f"{name} injected again by the reinstalled operator")  # fmt: skip
+    finally:
+        for proc in procs:
+            proc.stop()
+        helm("uninstall", "kvo-re", "-n", release_ns, "--wait", kubeconfig=cluster.admin_kubeconfig, check=False)
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", contract.WEBHOOK_CONFIGURATION_NAME, check=False)
+        cluster.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
+
+
 REVISION = "deployment.kubernetes.io/revision"
+GARBAGE_COLLECTOR = "system:serviceaccount:kube-system:generic-garbage-collector"
+OPERATOR_OBJECTS = {("lease", contract.OPERATOR_LEASE_NAME), ("secret", contract.WEBHOOK_TLS_SECRET),
+                    ("secret", contract.WEBHOOK_CA_SECRET)}  # fmt: skip
+"""What the admission-mode operator makes for itself in the release namespace."""
+
+
+def leftovers_of_the_operator(cluster: LocalCluster, release_ns: str) -> set[tuple[str, str]]:
+    """Which of ``OPERATOR_OBJECTS`` are in the release namespace."""
+    return {(kind, name) for kind, name in OPERATOR_OBJECTS
+            if cluster.kubectl("get", kind, name, "-n", release_ns, check=False).returncode == 0}  # fmt: skip
+
+
+def chart_operator_args(cluster: LocalCluster, release_ns: str) -> list[str]:
+    """The flags the chart's operator Deployment passes that a test operator needs as they are (its own
+    Deployment's name: the Lease and the webhook's Secrets name it as their owner)."""
+    (dep,) = list_objects(cluster, "deployment", release_ns, "app.kubernetes.io/component=operator")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    return [a for a in args if a.startswith("--operator-deployment=")]
 
 
 def get_live(cluster: LocalCluster, name: str, namespace: str) -> dict[str, Any]:

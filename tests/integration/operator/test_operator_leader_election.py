@@ -43,6 +43,7 @@ def hand_over(cluster: LocalCluster, namespace: str, old: OperatorProcess, new: 
     time.sleep(OVERLAP_S)
     assert generations(cluster, namespace) == before, "the waiting operator wrote while the other acted"
     assert lease_holder(cluster) == f"operator-{old.workdir.name}"
+    assert f"is held by operator-{old.workdir.name} (renewed " in new.log(), "the waiting operator says who holds it"
     old.stop()  # SIGTERM: the Lease is released on the way out
     wait_for(lambda: all(l1_of(get(cluster, "deployment", f"llm-{i}", namespace)) == l1 for i in range(WORKLOADS)),
              timeout=60, what=f"every workload rendered with L1 {l1} by the new operator")  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 
 from hack.ports import free_port
 from kvoffload.httpreply import MAX_CONNECTIONS
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
@@ -79,6 +80,56 @@ def test_the_uninstall_hooks_long_hold_keeps_operators_waiting_until_it_runs_out
     later = NOW + datetime.timedelta(seconds=LEASE_DURATION_S + 30)
     assert lease_state(seized, "old-pod", later) == "held"
     assert lease_state(seized, "old-pod", NOW + datetime.timedelta(seconds=121)) == "free"
+
+
+def test_the_lease_names_the_operators_deployment_and_a_reinstall_takes_over_an_earlier_installs() -> None:
+    """The Lease is owned by the operator's Deployment (the garbage collector deletes it with it); a
+    write keeps its other owners and replaces an earlier install's Deployment with this one's."""
+    old, new = (
+        OperatorDeployment("kvo-kvoffload-operator", "uid-old"),
+        OperatorDeployment("kvo-kvoffload-operator", "uid-new"),
+    )
+    seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, held_by("old-pod", 1), 120, old)
+    assert seized["metadata"]["ownerReferences"] == [old.reference()]
+    assert lease_body("l", "ns", "me", NOW, seized)["metadata"]["ownerReferences"] == [old.reference()], "kept"
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "u"}
+    seized["metadata"]["ownerReferences"] = [other, old.reference()]
+    taken = lease_body("kvoffload-operator", "ns", "new-pod", NOW, seized, owner=new)
+    assert taken["metadata"]["ownerReferences"] == [other, new.reference()]
+    # the hook's long hold counts only while its Deployment is there
+    assert lease_state(seized, "new-pod", NOW + datetime.timedelta(seconds=30)) == "held"
+    assert lease_state(seized, "new-pod", NOW + datetime.timedelta(seconds=30), owner_gone=True) == "free"
+
+
+class Deployments:
+    """The slice of ``Kube`` ``earlier_install`` reads: the Deployments of one namespace by name."""
+
+    def __init__(self, **uids: str) -> None:
+        self.uids = uids
+        self.reads = 0
+
+    def get(self, path: str) -> dict[str, object] | None:
+        self.reads += 1
+        uid = self.uids.get(path.rsplit("/", 1)[-1])
+        return {"metadata": {"uid": uid}} if uid else None
+
+
+def test_a_lease_is_an_earlier_installs_only_when_its_deployment_is_gone() -> None:
+    old, new = (
+        OperatorDeployment("kvo-kvoffload-operator", "uid-old"),
+        OperatorDeployment("kvo-kvoffload-operator", "uid-new"),
+    )
+    lease = {"metadata": {"ownerReferences": [old.reference()]}}
+    reinstalled = Deployments(**{"kvo-kvoffload-operator": "uid-new"})
+    assert earlier_install(reinstalled, "ns", lease, new)  # type: ignore[arg-type]
+    assert earlier_install(Deployments(), "ns", lease, new)  # type: ignore[arg-type]
+    # the old Deployment's pod, still stopping, finds the new install's Lease: still there, it waits
+    new_lease = {"metadata": {"ownerReferences": [new.reference()]}}
+    assert not earlier_install(reinstalled, "ns", new_lease, old)  # type: ignore[arg-type]
+    ours = Deployments()
+    assert not earlier_install(ours, "ns", lease, old) and ours.reads == 0, "its own: no read"  # type: ignore[arg-type]
+    assert not earlier_install(ours, "ns", {"metadata": {}}, new)  # type: ignore[arg-type]
+    assert not earlier_install(ours, "ns", lease, None)  # type: ignore[arg-type]
 
 
 def test_a_standby_answers_its_liveness_probe_behind_idle_connections_with_bounded_threads() -> None:

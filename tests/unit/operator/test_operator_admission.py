@@ -18,6 +18,7 @@ from kvoffload.operator.admission.records import (
     InjectionRecord,
     admission_response,
     admit,
+    foreign_record,
     injected_pod,
     json_patch,
     merge_pod_spec,
@@ -27,7 +28,7 @@ from kvoffload.operator.admission.records import (
 from kvoffload.operator.admission.webhook_tls import ca_bundle_patch, webhook_configuration
 from kvoffload.operator.api.pod_owners import Owner, resolve_owner
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.operator.intent.workload import read_workload
+from kvoffload.operator.intent.workload import Workload, read_workload
 from kvoffload.operator.plan.fragment import render
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
 from kvoffload.policy_values import FsTier, PolicyError, RedisTier
@@ -380,3 +381,34 @@ def test_a_workload_created_opted_in_gets_the_operators_label_and_its_first_pods
         "annotations"][c.ANN_INJECTION_RECORD]  # fmt: skip
     assert isinstance(record_before_the_operator(workload, "another", lambda _w: plan), str)
     assert record_before_the_operator(workload, rendered.config_hash, lambda _w: "not opted in") == "not opted in"
+
+
+def test_what_kvoffloads_field_manager_holds_but_kvoffload_did_not_write_is_named() -> None:
+    """``foreign_record``: a record under kvoffload's name that does not read as one, or the selector
+    held by kvoffload's manager (a whole manifest applied under its name); a record kvoffload wrote,
+    or one another manager holds (``kubectl rollout undo``: the operator takes it back), is not."""
+    text = InjectionRecord(InjectionSettings(), None, None, "0.1.0", True).to_json()
+
+    def workload_with(record: str | None, manager: str, selector: bool = False) -> Workload:
+        obj = trtllm_deployment("llm", "ns", annotations={c.ANN_ENABLED: "true"})
+        fields: dict[str, Any] = {}
+        if record is not None:
+            obj["metadata"]["annotations"][c.ANN_INJECTION_RECORD] = record
+            fields = {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}
+        if selector:
+            fields["f:spec"] = {"f:selector": {}}
+        obj["metadata"]["managedFields"] = [
+            {"manager": "user", "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}},
+            {"manager": manager, "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": fields},
+        ]
+        return read_workload(obj)
+
+    assert foreign_record(workload_with(text, c.FIELD_MANAGER)) is None
+    assert foreign_record(workload_with("forged", "kubectl-rollout")) is None
+    assert foreign_record(workload_with(None, c.FIELD_MANAGER)) is None
+    forged = foreign_record(workload_with("forged", c.FIELD_MANAGER))
+    assert forged is not None and forged.reason == "foreign_record"
+    assert "kvoffload did not write this (the injection record is not readable" in forged.message, forged.message
+    applied = foreign_record(workload_with(text, c.FIELD_MANAGER, selector=True))
+    assert applied is not None and "holds spec.selector" in applied.message
+    assert foreign_record(workload_with(None, c.FIELD_MANAGER, selector=True)) is not None, "the record removed too"

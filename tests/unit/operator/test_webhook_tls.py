@@ -12,6 +12,7 @@ from cryptography import x509
 from kvoffload import contract as c
 from kvoffload.operator.admission.webhook_tls import ensure_tls, issue
 from kvoffload.operator.api.kube import KubeApiError
+from kvoffload.operator.api.operator_deployment import OperatorDeployment
 
 pytestmark = pytest.mark.operator
 NS = "kvoffload-system"
@@ -24,6 +25,8 @@ class SecretStore:
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.reads: list[str] = []
+        self.deleted_before_update: set[str] = set()
+        """Secrets deleted between their read and their update (the garbage collector)."""
 
     def get(self, path: str) -> dict[str, Any] | None:
         self.reads.append(path.rsplit("/", 1)[-1])
@@ -38,7 +41,12 @@ class SecretStore:
         return body
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None, **_: Any) -> dict[str, Any]:
-        assert method == "PUT" and body is not None and path in self.objects
+        assert method == "PUT" and body is not None
+        if path in self.deleted_before_update:
+            self.deleted_before_update.discard(path)
+            self.objects.pop(path, None)
+        if path not in self.objects:
+            raise KubeApiError(404, {}, method, path)
         self.objects[path] = copy.deepcopy(body)
         return body
 
@@ -89,3 +97,35 @@ def test_an_older_combined_secret_has_its_ca_key_moved_out_and_keeps_its_certifi
     assert tls.cert_pem == old.cert_pem and tls.ca_pem == old.ca_pem, "pods keep being admitted by the same CA"
     assert "ca.key" not in store.data(c.WEBHOOK_TLS_SECRET)
     assert store.data(c.WEBHOOK_CA_SECRET) == {"ca.crt": old.ca_pem, "ca.key": old.ca_key_pem}
+
+
+OLD = OperatorDeployment("kvo-kvoffload-operator", "uid-old")
+NEW = OperatorDeployment("kvo-kvoffload-operator", "uid-new")
+
+
+def secret_path(name: str) -> str:
+    return f"/api/v1/namespaces/{NS}/secrets/{name}"
+
+
+def test_both_secrets_are_owned_by_the_operators_deployment_and_a_reinstall_takes_them_over() -> None:
+    """Owned by the Deployment, the Secrets go with it at ``helm uninstall``; an operator of a later
+    install that finds them still there keeps the CA (pods admitted meanwhile stay trusted) and owns them."""
+    store = SecretStore()
+    first = ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, HOSTS, owner=OLD)  # type: ignore[arg-type]
+    for name in (c.WEBHOOK_TLS_SECRET, c.WEBHOOK_CA_SECRET):
+        assert store.objects[secret_path(name)]["metadata"]["ownerReferences"] == [OLD.reference()]
+    again = ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, HOSTS, owner=NEW)  # type: ignore[arg-type]
+    assert again.ca_pem == first.ca_pem and again.cert_pem == first.cert_pem
+    for name in (c.WEBHOOK_TLS_SECRET, c.WEBHOOK_CA_SECRET):
+        assert store.objects[secret_path(name)]["metadata"]["ownerReferences"] == [NEW.reference()]
+
+
+def test_a_secret_deleted_between_its_read_and_its_update_is_created_again() -> None:
+    store = SecretStore()
+    ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, HOSTS, owner=OLD)  # type: ignore[arg-type]
+    store.deleted_before_update = {secret_path(c.WEBHOOK_TLS_SECRET), secret_path(c.WEBHOOK_CA_SECRET)}
+    tls = ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, HOSTS, owner=NEW)  # type: ignore[arg-type]
+    assert store.data(c.WEBHOOK_TLS_SECRET)["tls.crt"] == tls.cert_pem
+    assert store.data(c.WEBHOOK_CA_SECRET)["ca.crt"] == tls.ca_pem
+    for name in (c.WEBHOOK_TLS_SECRET, c.WEBHOOK_CA_SECRET):
+        assert store.objects[secret_path(name)]["metadata"]["ownerReferences"] == [NEW.reference()]

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract as c
+from kvoffload.operator.admission.records import foreign_record
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
 from kvoffload.operator.intent.trtllm_options import MergeFromConfigMap
 from kvoffload.operator.intent.workload import WorkloadRef, read_workload
@@ -99,6 +100,29 @@ def test_each_question_of_a_pass_has_one_answer(
     deleting = bool(annotations.pop("deleting", False))
     decision = decide(workload(deleting, **annotations), replace(INPUTS, **inputs))
     assert kind_and_reason(decision) == expected, decision
+
+
+def held_by_kvoffload(obj: dict[str, Any], fields_v1: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"]["managedFields"].append(
+        {"manager": c.FIELD_MANAGER, "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": fields_v1}
+    )
+    return obj
+
+
+RECORD_FIELD = {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}}}
+
+
+@pytest.mark.parametrize("annotations", [{}, ON, {c.ANN_ENABLED: "false"}, {c.ANN_ENABLED: "yes"}],
+                         ids=["no opt-in", "opted in", "opted out", "unreadable opt-in"])  # fmt: skip
+def test_a_record_kvoffload_did_not_write_is_rejected_before_any_removal_or_injection(
+    annotations: dict[str, str],
+) -> None:
+    """Nothing is written to it (a removal or an apply would fail on it, again at every retry): one
+    Warning per annotation set (the Reject's state)."""
+    obj = held_by_kvoffload(workload(**annotations, **{c.ANN_INJECTION_RECORD: "forged"}), RECORD_FIELD)
+    decision = decide(obj, replace(INPUTS, foreign=foreign_record))
+    assert kind_and_reason(decision) == ("Reject", "foreign_record"), decision
+    assert isinstance(decision, Reject) and decision.state == ours_annotations_digest(obj["metadata"]["annotations"])
 
 
 def test_inputs_already_reconciled_are_left_unless_forced() -> None:

@@ -37,9 +37,10 @@ from kvoffload.operator.admission.webhook_tls import (
 )
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, load_configuration
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, read_operator_deployment
 from kvoffload.operator.control.leadership import RENEW_INTERVAL_S, Leadership, serve_health_while_waiting
 from kvoffload.operator.control.reconcile import Reconciler
-from kvoffload.operator.control.workload_writes import remove_every_injection
+from kvoffload.operator.control.workload_writes import LEFT_ALONE, remove_every_injection
 from kvoffload.operator.intent.settings import OperatorDefaults, base_settings
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--leader-election", "KVOFFLOAD_LEADER_ELECTION", "true",
         "true: one operator acts at a time, holding a Lease (others wait, live); false: act alone")  # fmt: skip
     add("--leader-election-namespace", "POD_NAMESPACE", "", "namespace of the operator's Lease (its own)")
+    add("--operator-deployment", "KVOFFLOAD_OPERATOR_DEPLOYMENT", "",
+        "the operator's own Deployment (in its namespace): its Lease and the webhook's Secrets name it as "
+        "their owner, so they are deleted with it (empty: they get no owner and stay)")  # fmt: skip
     add("--node-mode", "KVOFFLOAD_NODE_MODE", "false",
         "true: keep per-node cache pods for mode: node policies (needs the pod rights of the chart's "
         "nodeMode.enabled); false: such workloads get a KvoffloadInvalid Warning")  # fmt: skip
@@ -172,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     node_mode = args.node_mode == "true"
     namespaces = sorted({n.strip() for n in [*args.namespaces.split(","), *args.namespace] if n.strip()})
     admission = _injection_mode(args) == "admission"
+    owner = _owner(args, kube)
     if args.remove_all:
-        return _remove_all(kube, tuple(namespaces), admission, _uninstall_lease(args, kube))
+        return _remove_all(kube, tuple(namespaces), admission, _uninstall_lease(args, kube, owner))
     metrics = OperatorMetrics()
     metrics.serve(int(args.metrics_port))
     events = EventRecorder(kube, normal=args.events == c.EVENTS_ALL)
@@ -192,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if admission:
         handlers.register_admission_handlers()
         plan = planner(kube, defaults, reconciler.cluster)
-        _serve_webhook(args, kube, metrics, tuple(namespaces), plan)  # on every replica, the standby too
+        _serve_webhook(args, kube, metrics, tuple(namespaces), plan, owner)  # on every replica, the standby too
 
     @kopf.on.login()
     def login(**kwargs: object) -> kopf.ConnectionInfo | None:
@@ -204,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "starting version=%s native_sidecars=%s namespaces=%s leader_election=%s node_mode=%s", __version__, native,
         namespaces or "all", args.leader_election, node_mode,
     )  # fmt: skip
-    leadership = _lead(args, kube, threading.Event())
+    leadership = _lead(args, kube, threading.Event(), owner)
     if leadership is False:
         return 0  # asked to stop while waiting for the Lease
     try:
@@ -239,14 +244,25 @@ HANDOVER_WAIT_S = 2 * RENEW_INTERVAL_S
 REMOVAL_PASSES = 3
 
 
-def _uninstall_lease(args: argparse.Namespace, kube: Kube) -> Leadership | None:
-    """``--remove-all`` with leader election: the operator's Lease, for the hook to seize."""
+def _owner(args: argparse.Namespace, kube: Kube) -> OperatorDeployment | None:
+    """``--operator-deployment`` read once (None when unset)."""
+    if not args.operator_deployment:
+        return None
+    if not args.leader_election_namespace:
+        raise SystemExit(f"{PROG}: --operator-deployment needs --leader-election-namespace (or POD_NAMESPACE): "
+                         "the namespace the Deployment is in")  # fmt: skip
+    return read_operator_deployment(kube, args.leader_election_namespace, args.operator_deployment)
+
+
+def _uninstall_lease(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment | None) -> Leadership | None:
+    """``--remove-all`` with leader election: the operator's Lease, for the hook to seize (owned by the
+    operator's Deployment, so it goes when Helm deletes that)."""
     if args.leader_election == "false":
         return None
     if args.leader_election != "true" or not args.leader_election_namespace:
         raise SystemExit(f"{PROG}: --remove-all with --leader-election true needs --leader-election-namespace "
                          "(the operator's namespace, where its Lease is)")  # fmt: skip
-    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, UNINSTALL_IDENTITY)
+    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, UNINSTALL_IDENTITY, owner)
 
 
 def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool, lease: Leadership | None) -> int:
@@ -270,8 +286,11 @@ def _remove_all(kube: Kube, namespaces: tuple[str, ...], admission: bool, lease:
             break
     for ref, result in results.items():
         print(f"{PROG}: {ref}: {result}", flush=True)
-    left = [ref for ref, result in results.items() if result not in ("removed", "noop")]
-    print(f"{PROG}: removed kvoffload from {len(results) - len(left)} workload(s); {len(left)} left", flush=True)
+    left = [ref for ref, result in results.items()
+            if result not in ("removed", "noop") and not result.startswith(LEFT_ALONE)]  # fmt: skip
+    alone = [ref for ref, result in results.items() if result.startswith(LEFT_ALONE)]
+    print(f"{PROG}: removed kvoffload from {len(results) - len(left) - len(alone)} workload(s); {len(left)} left"
+          + (f"; {len(alone)} left alone (holding what kvoffload did not write)" if alone else ""), flush=True)  # fmt: skip
     if not left and admission and delete_webhook_configuration(kube, c.WEBHOOK_CONFIGURATION_NAME):
         print(f"{PROG}: deleted MutatingWebhookConfiguration {c.WEBHOOK_CONFIGURATION_NAME}", flush=True)
     if lease is not None:
@@ -333,7 +352,7 @@ def _client_ca(path: str) -> bytes | None:
 
 
 def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...],
-                   plan: Planner) -> WebhookServer:  # fmt: skip
+                   plan: Planner, owner: OperatorDeployment | None) -> WebhookServer:  # fmt: skip
     """Start the webhook's HTTPS server, then put its CA into the chart's registration (the
     registration itself, rules and client config, is the chart's: ``webhook_configuration``)."""
     namespace = args.leader_election_namespace
@@ -342,7 +361,7 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     else:
         service = args.webhook_service
         hosts = [f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
-    tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts)
+    tls = ensure_tls(kube, namespace, c.WEBHOOK_TLS_SECRET, hosts, owner=owner)
     scope = ReviewScope.of_registration(namespace, namespaces)
     server = WebhookServer(kube, metrics, tls, int(args.webhook_port), plan=plan, scope=scope,
                            client_ca_pem=_client_ca(args.webhook_client_ca))  # fmt: skip
@@ -356,7 +375,8 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     return server
 
 
-def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leadership | None | Literal[False]:
+def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event,
+          owner: OperatorDeployment | None = None) -> Leadership | None | Literal[False]:  # fmt: skip
     """Hold the operator's Lease before acting (None: leader election is off; False: stopped while waiting).
 
     While it waits the process answers /healthz, so a standby pod stays live and ready.
@@ -369,7 +389,7 @@ def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event) -> Leader
         raise SystemExit(f"{PROG}: --leader-election needs --leader-election-namespace (or POD_NAMESPACE), "
                          "or --leader-election false")  # fmt: skip
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-    leadership = Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity)
+    leadership = Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity, owner)
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with serve_health_while_waiting(int(args.health_port)):
         held = leadership.acquire(stop)

@@ -77,6 +77,38 @@ class InjectionRecord:
         return ClusterInfo(native_sidecars=self.native_sidecars, operator_version=self.operator_version)
 
 
+SELECTOR_PATH = ("f:spec", "f:selector")
+"""A field no write of kvoffload's ever sets: held by its field manager, a whole manifest was applied
+under kvoffload's name."""
+
+
+def foreign_record(workload: Workload) -> PolicyError | None:
+    """Why what kvoffload's field manager holds on ``workload`` is not what kvoffload wrote: an
+    injection record that does not read as one, or the workload's selector (a manifest applied under
+    kvoffload's name). None when nothing says so. Such a workload is left alone, with one Warning: a
+    removal would delete the forger's fields (the apiserver refuses a Deployment without its selector,
+    again at every retry) and an apply would fail the same way."""
+    text = workload.annotations.get(c.ANN_INJECTION_RECORD)
+    if text is not None and workload.owns_record:
+        parsed = InjectionRecord.from_json(text)
+        if isinstance(parsed, str):
+            return _left_alone(text, parsed)
+    if owned_by(workload.live, SELECTOR_PATH, c.FIELD_MANAGER):
+        return _left_alone(text, f"field manager {c.FIELD_MANAGER} holds spec.selector, which kvoffload never "
+                                 "writes: the workload was applied under kvoffload's name")  # fmt: skip
+    return None
+
+
+def _left_alone(text: str | None, why: str) -> PolicyError:
+    shown = text if text is None or len(text) <= 60 else text[:60] + "..."
+    return PolicyError(
+        f"metadata.annotations[{c.ANN_INJECTION_RECORD}]", shown,
+        f"kvoffload did not write this ({why}); kvoffload leaves the workload alone until the annotation is "
+        f"removed and the workload is applied under a field manager of its own, not {c.FIELD_MANAGER}",
+        reason="foreign_record",
+    )  # fmt: skip
+
+
 def record_of(plan: InjectionPlan) -> InjectionRecord:
     return InjectionRecord(
         settings=plan.settings, user_options_yaml=plan.user_options_yaml, node_cache=plan.node_cache,

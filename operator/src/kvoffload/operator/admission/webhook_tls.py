@@ -1,7 +1,7 @@
 """The webhook's TLS and registration: a serving certificate kept in one Secret in the operator's
 namespace (every replica serves with the same one), the CA that signs it in another (read only to
 issue or renew), and the MutatingWebhookConfiguration that sends opted-in pods to it, with that CA
-as its caBundle.
+as its caBundle. Both Secrets name the operator's Deployment as their owner, so they go with it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvoffload import contract as c
 from kvoffload.operator.api.kube import Kube, KubeApiError, namespaced_path
+from kvoffload.operator.api.operator_deployment import OperatorDeployment
 
 log = logging.getLogger("kvoffload.operator")
 CA_DAYS = 3650
@@ -113,24 +114,42 @@ def _serving_from_secret(secret: Mapping[str, Any] | None) -> TlsMaterial | None
     return None if values is None else TlsMaterial(values[0], b"", values[1], values[2])
 
 
-def _secret_body(namespace: str, name: str, data: Mapping[str, bytes]) -> dict[str, Any]:
-    return {
+def _secret_body(namespace: str, name: str, data: Mapping[str, bytes], owners: object = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": name, "namespace": namespace, "labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}},
         "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
     }  # fmt: skip
+    if owners:
+        body["metadata"]["ownerReferences"] = owners
+    return body
+
+
+def _owned(secret: Mapping[str, Any] | None, owner: OperatorDeployment | None) -> bool:
+    """Whether the Secret needs no write for its owner (``owner`` None: its owners are left as they are)."""
+    return owner is None or owner.owns(secret)
 
 
 def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
-           current: Mapping[str, Any] | None) -> Mapping[str, Any] | None:  # fmt: skip
-    """Create or replace the Secret; when another replica wrote it first (409), theirs (None if gone)."""
-    body = _secret_body(namespace, name, data)
+           current: Mapping[str, Any] | None, owner: OperatorDeployment | None = None) -> Mapping[str, Any] | None:  # fmt: skip
+    """Create or replace the Secret, owned by ``owner`` (None: the owners it has stay); when another
+    replica wrote it first (409), theirs (None if gone). One deleted since it was read (the garbage
+    collector taking an earlier install's) is created again."""
+    owners = (current or {}).get("metadata", {}).get("ownerReferences")
+    body = _secret_body(namespace, name, data, owner.with_reference(owners) if owner else owners)
     try:
-        if current is None:
-            kube.create(namespaced_path("/api/v1", "secrets", namespace), body)
-        else:
+        if current is not None:
             body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
-            kube.request("PUT", namespaced_path("/api/v1", "secrets", namespace, name), body=body)
+            try:
+                kube.request("PUT", namespaced_path("/api/v1", "secrets", namespace, name), body=body)
+                return body
+            except KubeApiError as exc:
+                if exc.status != 404:
+                    raise
+                del body["metadata"]["resourceVersion"]
+                if owner is None:
+                    body["metadata"].pop("ownerReferences", None)  # the owner it had may be gone too
+        kube.create(namespaced_path("/api/v1", "secrets", namespace), body)
     except KubeApiError as exc:
         if exc.status != 409:
             raise
@@ -138,40 +157,47 @@ def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
     return body
 
 
-def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] | None) -> tuple[bytes, bytes]:
-    """(CA certificate, CA key) from the CA's own Secret, created from ``seed`` or a new CA when missing."""
+def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] | None,
+               owner: OperatorDeployment | None = None) -> tuple[bytes, bytes]:  # fmt: skip
+    """(CA certificate, CA key) from the CA's own Secret, created from ``seed`` or a new CA when missing
+    (and given ``owner`` when it names another)."""
     secret = kube.get(namespaced_path("/api/v1", "secrets", namespace, name))
     found = _decoded(secret, _CA_KEYS)
-    if found is not None:
+    if found is not None and _owned(secret, owner):
         return found[0], found[1]
-    if seed is None:
+    if found is not None:
+        seed = (found[0], found[1])  # an earlier install's CA: kept, owned by this operator from now on
+    elif seed is None:
         fresh = issue(["kvoffload-webhook-ca"])
         seed = (fresh.ca_pem, fresh.ca_key_pem)
-    written = _decoded(_write(kube, namespace, name, dict(zip(_CA_KEYS, seed, strict=True)), secret), _CA_KEYS)
+    data = dict(zip(_CA_KEYS, seed, strict=True))
+    written = _decoded(_write(kube, namespace, name, data, secret, owner), _CA_KEYS)
     if written is None:
         raise RuntimeError(f"Secret {namespace}/{name}: the webhook CA could not be stored")
     return written[0], written[1]
 
 
 def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str],
-               ca_name: str = c.WEBHOOK_CA_SECRET) -> TlsMaterial:  # fmt: skip
+               ca_name: str = c.WEBHOOK_CA_SECRET, owner: OperatorDeployment | None = None) -> TlsMaterial:  # fmt: skip
     """The serving certificate in Secret ``name``, issued (or renewed) when missing, stale or for other
-    hosts by the CA kept apart in Secret ``ca_name``, which is read only then. The result carries no
-    CA key. Replicas racing to write a Secret agree on whichever lands first."""
+    hosts by the CA kept apart in Secret ``ca_name``, which is read only then. Both Secrets are
+    owned by ``owner``, the operator's Deployment (an earlier install's are taken over). The result
+    carries no CA key. Replicas racing to write a Secret agree on whichever lands first."""
     path = namespaced_path("/api/v1", "secrets", namespace, name)
     secret = kube.get(path)
     current = _serving_from_secret(secret)
     legacy_ca = _decoded(secret, _CA_KEYS)  # before 0.2 the CA key sat beside the serving certificate
-    if current is not None and still_good(current, hosts) and legacy_ca is None:
+    if current is not None and still_good(current, hosts) and legacy_ca is None and _owned(secret, owner):
         return current
-    ca_pem, ca_key_pem = _ensure_ca(kube, namespace, ca_name, (legacy_ca[0], legacy_ca[1]) if legacy_ca else None)
+    seed = (legacy_ca[0], legacy_ca[1]) if legacy_ca else None
+    ca_pem, ca_key_pem = _ensure_ca(kube, namespace, ca_name, seed, owner)
     if current is not None and still_good(current, hosts) and current.ca_pem == ca_pem:
-        material = current  # only the CA key moves out
+        material = current  # only the CA key moves out, or the owner changes
     else:
         material = issue(hosts, ca_pem, ca_key_pem)
         log.info("webhook certificate issued for %s", ", ".join(hosts))
     data = dict(zip(_SERVING_KEYS, (material.ca_pem, material.cert_pem, material.key_pem), strict=True))
-    winner = _serving_from_secret(_write(kube, namespace, name, data, secret))
+    winner = _serving_from_secret(_write(kube, namespace, name, data, secret, owner))
     if winner is None:
         raise RuntimeError(f"Secret {namespace}/{name}: the webhook certificate could not be stored")
     return winner

@@ -10,6 +10,10 @@ restarts) takes its own Lease back at once.
 ``helm uninstall``'s hook seizes the Lease (``Leadership.seize``) whoever holds it: the acting
 operator stops at its next renewal, standbys keep waiting, and no operator acts until the hook's
 long term has run out, by when Helm has deleted the operator.
+
+The Lease names the operator's Deployment as its owner (``api.operator_deployment``): the garbage collector deletes
+it with the Deployment, and an operator of a later install (another Deployment uid) finds a Lease
+still there (the collector not done yet) free at once, whatever term its holder wrote.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Literal
 
 from kvoffload.httpreply import BoundedHTTPServer
 from kvoffload.operator.api.kube import Kube, KubeApiError
+from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 
 log = logging.getLogger("kvoffload.operator")
 LEASE_DURATION_S = 15
@@ -50,13 +55,14 @@ def _parse_time(text: object) -> datetime.datetime | None:
 
 
 def lease_state(
-    lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime
+    lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime, owner_gone: bool = False
 ) -> Literal["free", "ours", "held"]:
-    """Whether ``identity`` may take the Lease: nobody holds it (or the holder let it expire), it holds
-    it already, or another holder's term is still running."""
+    """Whether ``identity`` may take the Lease: nobody holds it (or the holder let it expire, or the
+    operator Deployment owning it is gone: an earlier install's), it holds it already, or another
+    holder's term is still running."""
     spec = (lease or {}).get("spec") or {}
     holder = spec.get("holderIdentity") or ""
-    if not holder:
+    if not holder or owner_gone:
         return "free"
     if holder == identity:
         return "ours"
@@ -74,8 +80,10 @@ def lease_body(
     now: datetime.datetime,
     previous: Mapping[str, Any] | None,
     duration_s: int = LEASE_DURATION_S,
+    owner: OperatorDeployment | None = None,
 ) -> dict[str, Any]:
-    """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a transition)."""
+    """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a
+    transition), owned by ``owner`` (None: the owners it had stay)."""
     spec = dict((previous or {}).get("spec") or {})
     taking_over = spec.get("holderIdentity") != identity
     stamp = now.strftime(MICROTIME)
@@ -84,8 +92,14 @@ def lease_body(
         spec["acquireTime"] = stamp
         spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if previous else 0)
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    previous_meta = (previous or {}).get("metadata") or {}
     if previous is not None:
-        metadata["resourceVersion"] = (previous.get("metadata") or {}).get("resourceVersion")
+        metadata["resourceVersion"] = previous_meta.get("resourceVersion")
+    owners = previous_meta.get("ownerReferences")
+    if owner is not None:
+        owners = owner.with_reference(owners)
+    if owners:
+        metadata["ownerReferences"] = owners
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
@@ -114,6 +128,13 @@ def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
 
+def holder_of(lease: Mapping[str, Any] | None) -> str:
+    """Who holds the Lease and since when, as the waiting operator logs it."""
+    spec = (lease or {}).get("spec") or {}
+    return (f"{spec.get('holderIdentity') or 'nobody'} (renewed {spec.get('renewTime') or spec.get('acquireTime')}, "
+            f"term {spec.get('leaseDurationSeconds')} s)")  # fmt: skip
+
+
 @dataclass
 class Leadership:
     """This process's claim on the operator's Lease."""
@@ -122,18 +143,26 @@ class Leadership:
     namespace: str
     name: str
     identity: str
+    owner: OperatorDeployment | None = None
+    """The operator's Deployment: the Lease names it as its owner (None: the owners it has stay)."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _renewer: threading.Thread | None = None
+    _seen: Mapping[str, Any] | None = None
+    """The Lease as the last attempt read it."""
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
         path = lease_path(self.namespace, self.name)
-        current = self.kube.get(path)
-        if lease_state(current, self.identity, _now()) == "held":
+        current = self._seen = self.kube.get(path)
+        stale = earlier_install(self.kube, self.namespace, current, self.owner)
+        if lease_state(current, self.identity, _now(), stale) == "held":
             return False
-        body = lease_body(self.name, self.namespace, self.identity, _now(), current)
+        if stale and ((current or {}).get("spec") or {}).get("holderIdentity"):
+            log.info("leader election: lease %s/%s belongs to an earlier install's operator (held by %s): taking it",
+                     self.namespace, self.name, holder_of(current))  # fmt: skip
+        body = lease_body(self.name, self.namespace, self.identity, _now(), current, owner=self.owner)
         return self._write(path, current, body)  # False: someone else wrote it first, look again
 
     def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
@@ -146,6 +175,8 @@ class Leadership:
         except KubeApiError as exc:
             if exc.status in (409, 422):
                 return False
+            if exc.status == 404 and current is not None:
+                return False  # deleted since it was read (the garbage collector): look again, then create it
             raise
         return True
 
@@ -157,7 +188,7 @@ class Leadership:
         for _attempt in range(10):
             current = self.kube.get(path)
             active = lease_state(current, self.identity, _now()) == "held"
-            body = lease_body(self.name, self.namespace, self.identity, _now(), current, duration_s)
+            body = lease_body(self.name, self.namespace, self.identity, _now(), current, duration_s, self.owner)
             if self._write(path, current, body):
                 return active
             # the holder renewed meanwhile: take it from the new version
@@ -165,7 +196,7 @@ class Leadership:
 
     def acquire(self, stop: threading.Event) -> bool:
         """Wait until this process holds the Lease (True) or ``stop`` is set (False)."""
-        waiting_logged = False
+        logged_holder = None
         while not stop.is_set():
             try:
                 if self._try():
@@ -173,9 +204,11 @@ class Leadership:
                     return True
             except KubeApiError as exc:
                 log.warning("leader election: %s (retrying)", exc)
-            if not waiting_logged:
-                log.info("leader election: lease %s/%s is held by another operator; waiting", self.namespace, self.name)
-                waiting_logged = True
+            holder = ((self._seen or {}).get("spec") or {}).get("holderIdentity")
+            if holder != logged_holder:  # once per holder: a standby waits quietly
+                log.info("leader election: lease %s/%s is held by %s; waiting until it is released or its term "
+                         "runs out", self.namespace, self.name, holder_of(self._seen))  # fmt: skip
+                logged_holder = holder
             stop.wait(RETRY_INTERVAL_S)
         return False
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.admission.pod_alignment import PodAlignment
-from kvoffload.operator.admission.records import intent_in_place, render_for
+from kvoffload.operator.admission.records import foreign_record, intent_in_place, render_for
 from kvoffload.operator.admission.workload_inputs import options_reader, replan
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
@@ -157,7 +157,7 @@ class Reconciler:
         return WorkloadInputs(
             policy=self.policies.named, defaults=self.defaults, cluster=self.cluster,
             node_mode=self.node_caches is not None, largest_gpu_node_memory=self.node_memory.largest,
-            options=options_reader(self.kube, self.options_sources), done=done, force=force,
+            options=options_reader(self.kube, self.options_sources), foreign=foreign_record, done=done, force=force,
         )  # fmt: skip
 
     def _report(self, workload: Workload, outcome: Outcome, seconds: float | None = None) -> None:

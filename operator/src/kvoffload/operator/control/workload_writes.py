@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract as c
+from kvoffload.operator.admission.records import foreign_record
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from kvoffload.operator.intent.settings import enabled_state, ours_annotations_digest
 from kvoffload.operator.intent.workload import Workload, configmap_name, read_workload
@@ -175,10 +176,20 @@ def remove_every_injection(
     kube: Kube, namespaces: tuple[str, ...], generated_configmaps: bool
 ) -> list[tuple[str, str]]:
     """Take kvoffload out of every workload in ``namespaces`` (all when empty), as before opting in:
-    what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours."""
+    what ``helm uninstall`` runs first. Returns (workload, result) for each one that held any of ours;
+    one whose record kvoffload did not write (``foreign_record``) is left alone, its result says why."""
     results: list[tuple[str, str]] = []
     for obj in list(list_workloads(kube, namespaces)):
         workload = read_workload(obj)
-        if workload.manages_anything:
-            results.append((str(workload.ref), remove_injection(kube, workload, generated_configmaps)))
+        if not workload.manages_anything:
+            continue
+        foreign = foreign_record(workload)
+        if foreign is not None:
+            results.append((str(workload.ref), f"{LEFT_ALONE}: {foreign.message}"))
+            continue
+        results.append((str(workload.ref), remove_injection(kube, workload, generated_configmaps)))
     return results
+
+
+LEFT_ALONE = "left alone"
+"""``remove_every_injection``'s result for a workload holding a record kvoffload did not write."""

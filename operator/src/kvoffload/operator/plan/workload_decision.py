@@ -1,7 +1,8 @@
 """What one reconcile pass does to a workload, decided once: ``decide_workload(workload, inputs) -> Decision``.
 
 Every question the pass asks before it writes is answered here, in this order (the first that
-fails wins): is the workload being deleted, is its ``kvoffload.io/enabled`` readable, is it opted
+fails wins): is the workload being deleted, did kvoffload write what its field manager holds there
+(a forged injection record is left alone), is its ``kvoffload.io/enabled`` readable, is it opted
 in, is its namespace one the webhook is called for (admission mode), were these inputs reconciled already, are its settings valid, may its mode run in this
 operator, does the injected pod fit a GPU node, may a node-mode engine share its node's cache, and
 what is the injection's plan (``injection_plan.plan_workload``). The reconciler hands it the workload as read and the inputs,
@@ -67,6 +68,9 @@ class WorkloadInputs:
     """Reads the largest GPU node's allocatable memory (None: unknown, the fit is not checked)."""
     options: OptionsReader
     """Reads the user's options ConfigMap, where the engine's options come from one."""
+    foreign: Callable[[Workload], PolicyError | None] = lambda _workload: None
+    """Why what kvoffload's field manager holds on the workload is not what kvoffload wrote (a forged
+    injection record, a manifest applied under its name), if it is not: then nothing is written."""
     done: frozenset[Fingerprint] = frozenset()
     """The fingerprints of the inputs already reconciled for this workload."""
     force: bool = False
@@ -116,6 +120,9 @@ def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
     annotations = workload.annotations
     enabled = enabled_state(annotations)
     digest = ours_annotations_digest(annotations)
+    foreign = inputs.foreign(workload)
+    if foreign is not None:
+        return Reject(foreign, digest)  # reported once per annotation set; no removal, no apply
     if isinstance(enabled, PolicyError):
         return Reject(enabled, digest)
     if not enabled:
