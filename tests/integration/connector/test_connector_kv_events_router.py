@@ -66,6 +66,18 @@ def eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) ->
     wait_until(check, timeout_s, f"until {what}", interval=0.2)
 
 
+def llmd_topics() -> dict[str, dict[str, str]]:
+    """Pods a and b's KV-event env for llm-d's index: its topic names the pod and the model, and it
+    reads the positional format."""
+    return {
+        name: {
+            contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model",
+            contract.ENV_KV_EVENTS_FORMAT: "vllm-positional",
+        }
+        for name in ("a", "b")
+    }
+
+
 def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictions_restarts_and_tenants(
     two_servers: tuple[LMCacheServer, LMCacheServer, DynamoIndexer],
     executor_factory: Any,
@@ -162,13 +174,7 @@ def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_never_a_tenant
     llm-d 0.8.1 reads only positional arrays: the servers publish ``vllm-positional``."""
     l2 = tmp_path / "l2"
     l2.mkdir()
-    topic = {
-        name: {
-            contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model",
-            contract.ENV_KV_EVENTS_FORMAT: "vllm-positional",
-        }
-        for name in ("a", "b")
-    }
+    topic = llmd_topics()
     server_a, events_a = sidecar_server(
         tmp_path, "a", {**topic["a"], contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"}
     )
@@ -300,13 +306,7 @@ def test_llm_ds_index_matches_a_lora_adapters_chunks_only_under_the_adapters_nam
     adapter under the adapter's name instead of the topic's model: A's adapter chunks match a request
     for model ``adapter-a`` only; the unscoped request (model ``events-model``) matches B's copy only;
     ``adapter-b`` matches nothing; B's multimodal prompt is never announced."""
-    topic = {
-        name: {
-            contract.ENV_KV_EVENTS_TOPIC: f"kv@pod-{name}@events-model",
-            contract.ENV_KV_EVENTS_FORMAT: "vllm-positional",
-        }
-        for name in ("a", "b")
-    }
+    topic = llmd_topics()
     server_a, events_a = sidecar_server(tmp_path, "a", topic["a"])
     server_b, events_b = sidecar_server(tmp_path, "b", topic["b"])
     index = LlmdIndex({"pod-a": events_a, "pod-b": events_b}, BLOCK, tmp_path / "llmd-index.log")
