@@ -34,6 +34,14 @@ Each round also copies the same blocks pool -> pinned host -> pool by hand (``ra
 ``raw_h2d_gbps``) in the same process, and reports the hooks' store and load rates over those
 bytes (``--busy 0`` leaves out the "forward pass" work that the save and load otherwise wait for).
 
+With ``--cost-guard`` each round's "forward pass" (the busy work and the KV write) is a prefill of
+``--tokens`` prompt tokens as the worker sees one (``ConnectorMetadata.computed_prompt_tokens``,
+``start_load_kv`` before it, ``wait_for_save`` after it), so the worker times it with CUDA events for
+the cost guard: the guard's prefill rate must match the check's own CUDA-event time of that work
+(within 10%), and each lookup must load exactly when the guard's measured costs say loading pays
+(with ``--busy 1`` the prefill is cheaper than the load, and from the second round the hit is
+computed, ``slower_to_load``).
+
 With ``--kill-before-last-load`` the cache server (the sidecar and its LMCache child) is SIGKILLed
 between the last round's lookup and its load: the secured load must still arrive bit-exact.
 A saver that copied before the forward pass wrote the KV would store stale blocks and fail the
@@ -156,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pool", default="llama-3-8b", choices=sorted(POOLS))
     parser.add_argument("--busy", type=int, default=20, help="matmuls of the 'forward pass' before each write/clear")
+    parser.add_argument(
+        "--cost-guard", action="store_true", help="the forward is a timed prefill; loads follow the measured costs"
+    )
     args = parser.parse_args(argv)
     args.async_load = args.async_load or args.cancel_during_load
     dev = args.device
@@ -196,17 +207,45 @@ def main(argv: list[str] | None = None) -> int:
             prompt = [(rnd * 7919 + i * 31) % 30000 + 1 for i in range(args.tokens + 1)]
             fresh = torch.randn((nblocks, *pool.shape[1:]), device=dev).to(pool.dtype)
             sync()
+            if args.cost_guard:  # the forward pass below is a prefill the worker times for the guard
+                worker.bind_connector_meta(ConnectorMetadata(computed_prompt_tokens=args.tokens))
+                worker.start_load_kv(engine)
+                worker._clear_connector_meta()
+            forward = timed_on(engine) if engine is not None else None
             with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
                 for _ in range(args.busy if a is not None else 0):  # the forward pass: busy, then it writes the KV
                     a @ a
                 pool.index_copy_(0, src_idx, fresh)
+            forward_ms = forward() if forward is not None else None
             save = TransferOp(rid, f"hooks-save-{rnd}", tuple(prompt[: args.tokens]), 0, args.tokens, src, 0, "")
             returned_ms, saved_ms, done = save_and_wait(worker, save, engine)
             deadline = time.monotonic() + 60
             request = StandinLlmRequest(PromptRequest(rid + 1000, prompt))
+            guard = worker.load_costs
+            pays = guard.load_pays(args.tokens)
+            guard_rate = guard.recompute_tokens_per_s()
             t_lookup = time.perf_counter()
             matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)  # lookup + secure
             lookup_ms = (time.perf_counter() - t_lookup) * 1e3
+            if args.cost_guard:
+                guard_forward_ms = args.tokens / guard_rate * 1e3 if guard_rate else None
+                agrees = (
+                    guard_forward_ms is not None
+                    and forward_ms is not None
+                    and (abs(guard_forward_ms - forward_ms) <= 0.1 * forward_ms)
+                )
+                follows = matched == (args.tokens if pays else 0)
+                failures += 0 if agrees and follows and rid in done else 1
+                print(json.dumps({
+                    "round": rnd, "tokens": args.tokens, "busy_matmuls": args.busy,
+                    "forward_ms_check": round(forward_ms, 3) if forward_ms is not None else None,
+                    "forward_ms_guard": round(guard_forward_ms, 3) if guard_forward_ms is not None else None,
+                    "guard_agrees_within_10pct": agrees, "load_pays": pays, "matched": matched,
+                    "lookup_follows_guard": follows,
+                }), flush=True)  # fmt: skip
+                if not matched:
+                    scheduler.request_finished(request, [])
+                    continue
             sync()
             with torch.cuda.stream(engine) if engine is not None else contextlib.nullcontext():
                 for _ in range(
@@ -269,6 +308,19 @@ def main(argv: list[str] | None = None) -> int:
             }), flush=True)  # fmt: skip
     print(json.dumps({"rounds": args.rounds, "failures": failures}), flush=True)
     return 1 if failures else 0
+
+
+def timed_on(stream: Any) -> Callable[[], float]:
+    """Start timing ``stream``'s work with CUDA events; the returned call ends it and gives the ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+
+    def done() -> float:
+        end.record(stream)
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    return done
 
 
 def save_and_wait(worker: Any, save: Any, engine: Any) -> tuple[float, float, list[int]]:
