@@ -536,6 +536,9 @@ class RankState:
         )
         self.block = llm_args.kv_cache_config.tokens_per_block
         self.layers = geometry["num_layers"]
+        self.layers_without_hook: frozenset[int] = frozenset()
+        """Layers whose forward pre-hook never calls ``wait_for_layer_load`` (a model or a compiled
+        graph that skips it): a test sets it; TensorRT-LLM's decoder layers all call it."""
         self.heads = geometry["num_kv_heads"] // self.tp
         self.head_offset = (rank % self.tp) * self.heads
         self.head_dim = geometry["head_dim"]
@@ -602,7 +605,8 @@ class RankState:
             raise EngineDied(f"start_load_kv raised {type(exc).__name__}: {exc}") from exc
         try:  # _forward_step: hooks and wait_for_save inside its try; _handle_errors fails every active request
             for layer in range(self.layers):
-                self.worker.wait_for_layer_load(layer, None)
+                if layer not in self.layers_without_hook:
+                    self.worker.wait_for_layer_load(layer, None)
                 for _rid, hashes, blocks, start, end in work:
                     self._forward_layer(layer, hashes, blocks, start, end)
                 group, index = self.place[layer]

@@ -302,13 +302,16 @@ def test_several_hits_in_one_iteration_load_together_bit_exact(
     ex.evict_device_cache()
     backend = ex.rank0.worker.backend
     batches: list[int] = []
-    original = backend.load_secured
+    whole, by_layer = backend.load_secured, backend.load_secured_by_layer
 
-    def recording(ops: Any) -> Any:
-        batches.append(len(ops))
-        return original(ops)
+    def recording(copy: Any) -> Any:
+        def recorded(ops: Any) -> Any:
+            batches.append(len(ops))
+            return copy(ops)
 
-    backend.load_secured = recording
+        return recorded
+
+    backend.load_secured, backend.load_secured_by_layer = recording(whole), recording(by_layer)
     again = ex.run([PromptRequest(10 + i, p, 2) for i, p in enumerate(prompts)])
     assert batches == [3]
     for before, after, prompt in zip(first, again, prompts, strict=True):

@@ -77,6 +77,9 @@ class ConnectorSettings:
     """``llm_args.revision``: the hub revision pinned, which identifies a hub id's weights."""
     load_cost_guard: bool = True
     """Compute a hit instead of loading it where its load is measured slower (``load_cost``)."""
+    layerwise_loads: bool = True
+    """Copy synchronous loads span of layers by span, the forward pass's layers each waiting for its
+    own (``KVOFFLOAD_LAYERWISE_LOADS``; ``layer_copies``)."""
     recompute_tokens_per_s: float | None = None
     """The engine's prefill rate as the operator gives it (``KVOFFLOAD_RECOMPUTE_TOKENS_PER_S``);
     None: measured on the device."""
@@ -226,6 +229,7 @@ def parse_settings(env: Mapping[str, str], llm_args: Any) -> ConnectorSettings:
         model_source=str(_attr(llm_args, "model") or ""),
         model_revision=str(_attr(llm_args, "revision")) if _attr(llm_args, "revision") else None,
         load_cost_guard=_parse_bool(env, contract.ENV_LOAD_COST_GUARD, True),
+        layerwise_loads=_parse_bool(env, contract.ENV_LAYERWISE_LOADS, True),
         recompute_tokens_per_s=_parse_rate(env, contract.ENV_RECOMPUTE_TOKENS_PER_S),
     )
 

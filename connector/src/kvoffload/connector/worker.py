@@ -10,6 +10,8 @@ from typing import Any
 from kvoffload.connector import wire
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, kv_geometry, read_hf_config
 from kvoffload.connector.backends.blockcopy import GroupedPages
+from kvoffload.connector.backends.layer_copies import LayerwiseLoad
+from kvoffload.connector.layer_hooks import LayerHooks
 from kvoffload.connector.layout import PoolLayoutError, describe_layer_groups, describe_pool
 from kvoffload.connector.load_cost import MIN_PREFILL_SAMPLE_TOKENS
 from kvoffload.connector.pipeline import OpPipeline
@@ -58,6 +60,12 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._forward_start: tuple[int, Any] | None = None
         self._forwards: list[tuple[int, Any, Any]] = []
         """Forward passes timed on the device (prompt tokens, start, end) until their end has passed."""
+        self._layer_hooks: LayerHooks | None = None
+        """The hook calls of each forward pass (set once a pool is registered): layer-wise loads' safety."""
+        self._layerwise: LayerwiseLoad | None = None
+        """This forward pass's layer-wise load: each layer waits for its span's mark."""
+        self._layerwise_copying: list[tuple[LayerwiseLoad, list[tuple[wire.TransferOp, LoadResult]]]] = []
+        """Layer-wise loads whose copy time is not known yet (their retrieve metrics and cost samples wait)."""
         self._saves_in_forward = False
         """Saves copy inside ``wait_for_save`` whatever ``async_save`` says: with layer groups a sliding
         group's pages behind its window go back to the pool right after this forward."""
@@ -93,6 +101,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             )
         self._kv_device = kv_cache_tensor.device
         self._backend.register(kv_cache_tensor, geometry, pool_layout)
+        self._layer_hooks = LayerHooks(int(kv_cache_tensor.shape[1]))
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Step 0 on TensorRT-LLM main with KVCacheManagerV2 (``connectors/kv_cache_layout.py``
@@ -145,8 +154,13 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         this forward touches, then copy every promised load in.
 
         Never raises (TensorRT-LLM runs this outside any try: an exception stops the engine).
-        Each load's chunks were secured at lookup, so the copies are local and cannot fail.
+        Each load's chunks were secured at lookup, so the copies are local and cannot fail. Where
+        the engine was seen calling every layer's hook, the copies go layer-wise and this returns
+        while they run (``wait_for_layer_load`` orders each layer after its own); else they are
+        waited for here.
         """
+        if self._layer_hooks is not None:
+            self._layer_hooks.forward_started()
         meta = self._metadata
         if not isinstance(meta, wire.ConnectorMetadata):
             return
@@ -155,7 +169,11 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
                 self._fence_saves(meta.fresh_blocks)
             if meta.fresh_blocks or meta.reused_blocks:
                 self._fence_async_loads(meta.fresh_blocks | meta.reused_blocks)
-            if meta.loads:
+            if meta.loads and self._layerwise_allowed(meta.loads):
+                self._layerwise = self._backend.load_secured_by_layer(meta.loads)
+            if self._layerwise is not None:
+                self._issued_layerwise(meta.loads, self._layerwise)
+            elif meta.loads:
                 results = self._backend.load_secured(meta.loads)
                 for op, result in zip(meta.loads, results, strict=True):
                     self._loaded(op, result)
@@ -169,9 +187,60 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         if meta.computed_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS:  # a prefill worth timing, after the loads
             self._forward_start = (meta.computed_prompt_tokens, timing_event(stream))
 
+    def _layerwise_allowed(self, loads: tuple[wire.TransferOp, ...]) -> bool:
+        """Whether ``loads`` may be copied layer-wise: on, one rank (a load's chunks go back after
+        every rank copied, which only a whole copy waited for here shows under tensor parallelism),
+        no prefix reservation (TensorRT-LLM finishes one once ``start_load_kv`` reported it), and the
+        engine seen waiting for every layer (``layer_hooks``)."""
+        settings = self._settings
+        return (
+            settings.layerwise_loads
+            and settings.world_size == 1
+            and not settings.attention_dp
+            and self._layer_hooks is not None
+            and self._layer_hooks.layerwise_ready
+            and all(op.reservation_id is None for op in loads)
+        )
+
+    def _issued_layerwise(self, loads: tuple[wire.TransferOp, ...], layerwise: LayerwiseLoad) -> None:
+        """A layer-wise load's copies are issued: a failed op is reported now (the forward must not
+        run on it), the others' time once their copies are done (``_record_layerwise_copies``)."""
+        copying = []
+        for op, result in zip(loads, layerwise.results, strict=True):
+            if result.error is not None:
+                self._loaded(op, result)
+            else:
+                copying.append((op, result))
+        if copying:
+            self._layerwise_copying.append((layerwise, copying))
+
+    def _record_layerwise_copies(self) -> None:
+        """Retrieve metrics and the cost guard's copy samples of layer-wise loads whose copies are done."""
+        pending = []
+        for layerwise, copied in self._layerwise_copying:
+            seconds = layerwise.copy_timer.seconds()
+            if seconds is None:
+                pending.append((layerwise, copied))
+                continue
+            for op, result in copied:
+                self._loaded(op, LoadResult(result.nbytes, seconds))
+            self.load_costs.copied(sum(op.num_tokens for op, _ in copied), seconds)
+        self._layerwise_copying = pending
+
     def _forward_ended(self, stream: Any) -> None:
         """The forward pass started in ``start_load_kv`` is queued up to here: its end is marked on the
-        device, and its time read once that has passed (``_record_forwards``)."""
+        device, and its time read once that has passed (``_record_forwards``). A layer it ran without
+        waiting for its layer-wise load fails the batch (``KvoffloadLoadError``)."""
+        layerwise, self._layerwise = self._layerwise, None
+        missing = self._layer_hooks.forward_ended(layerwise is not None) if self._layer_hooks is not None else []
+        if layerwise is not None and missing:
+            with on_stream(stream):  # whatever the engine queues next runs after the whole copy
+                layerwise.last_mark.order_current_stream_after()
+            logger.error("event=layerwise_load_unwaited layers=%s loads=off", missing[:8])
+            raise KvoffloadLoadError(
+                f"kvoffload: layers {missing[:8]} ran without wait_for_layer_load while their KV was being "
+                "loaded; this batch must be failed (loads are copied whole from now on)"
+            )
         started, self._forward_start = self._forward_start, None
         if started is not None and started[1] is not None:
             self._forwards.append((started[0], started[1], timing_event(stream)))
@@ -260,7 +329,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         logger.debug("event=save_dropped request=%d reason=blocks_reused", op.request_id)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Per layer, before it runs: nothing to wait for (loads finished in ``start_load_kv``).
+        """Per layer, before it runs: with a layer-wise load, the layer's work on ``stream`` waits
+        (on the device) for the copies of its span of layers; otherwise the loads already finished
+        in ``start_load_kv``.
 
         Loads are secured at lookup, so a load cannot fail for the server's sake; if one still did
         (a bug, or its segment unmapped), the forward must not run on the missing KV: raising here
@@ -270,6 +341,12 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         if self._unloaded:
             failed, self._unloaded = self._unloaded, []
             raise KvoffloadLoadError(f"kvoffload: KV load failed for requests {failed}; they must be failed, not run")
+        if self._layer_hooks is not None:
+            self._layer_hooks.waited(layer_idx)
+        mark = self._layerwise.mark_for_layer(layer_idx) if self._layerwise is not None else None
+        if mark is not None:
+            with on_stream(stream):
+                mark.order_current_stream_after()
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Per layer, after it ran: nothing (a block spans all layers; saves run in ``wait_for_save``)."""
@@ -320,6 +397,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._backend.release_loaded()
         self._record_forwards()
+        self._record_layerwise_copies()
         abandoned = self._backend.abandoned_load_blocks()
         if abandoned:
             self._land_abandoned_loads(abandoned)

@@ -8,10 +8,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload.connector.layout import GroupedLayout, PoolLayout
 from kvoffload.connector.wire import SecuredLoad, TransferOp
+
+if TYPE_CHECKING:  # torch-level copies: not imported where only the protocol is needed
+    from kvoffload.connector.backends.layer_copies import LayerwiseLoad
 
 logger = logging.getLogger("kvoffload.connector")
 
@@ -130,6 +133,10 @@ class KVBackend(Protocol):
 
     def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
         """Worker: copy each op's secured chunks into its blocks (local copies); one result per op."""
+
+    def load_secured_by_layer(self, ops: Sequence[TransferOp]) -> LayerwiseLoad | None:
+        """Worker: issue the copies of ``load_secured`` span of layers by span without waiting
+        (``layer_copies``); None where this pool or backend cannot (then ``load_secured``)."""
 
     def release_loaded(self) -> None:
         """Worker, after an iteration: release the chunks of the loads copied in it (rank 0)."""

@@ -34,6 +34,7 @@ from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
 from kvoffload.connector.backends.engine_process import EngineProcess
+from kvoffload.connector.backends.layer_copies import LayerwiseLoad
 from kvoffload.connector.backends.pool_transfers import KV_POOL_NAME, PoolTransfers, Timeouts
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import RETIRED_GRACE_S, Segment, Segments
@@ -308,6 +309,7 @@ class CacheServerBackend:
         transfer = self.segments.detach()
         if self.transfers is not None:
             self.transfers.store_copies.synchronize()  # a store's copies may still write into the segment
+            self.transfers.load_copies.synchronize()  # and a layer-wise load's still read from it
         if transfer is not None:
             if self.committer.unaborted:
                 logger.warning("event=unregister_skipped backend=sidecar reason=unaborted_stores count=%d",
@@ -430,6 +432,10 @@ class CacheServerBackend:
 
     def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
         return self._pool("retrieve").load_secured(ops)
+
+    def load_secured_by_layer(self, ops: Sequence[TransferOp]) -> LayerwiseLoad | None:
+        transfers = self._pool("retrieve")
+        return transfers.load_secured_by_layer(ops) if transfers.layerwise_loads_possible() else None
 
     def expect_async_load(self) -> None:
         self._pool("retrieve").expect_async_load()

@@ -32,6 +32,14 @@ from kvoffload.connector.backends.blockcopy import (
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
+from kvoffload.connector.backends.layer_copies import (
+    CopyTimer,
+    LayerwiseLoad,
+    PoolRows,
+    layer_spans,
+    rows_copy_available,
+    runs_of_load,
+)
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import Segment, Segments
 from kvoffload.connector.backends.server_keys import ServerKeys
@@ -110,7 +118,8 @@ class PoolTransfers:
         self._catch_up = catch_up
         """Registers the pool with the server now if it must (a restart replaced its segment): a load
         rank 0 secured in the new segment may reach this rank before its own heartbeat did that."""
-        self._loaded: list[TransferOp] = []
+        self._loaded: list[tuple[TransferOp, CopyMark | None]] = []
+        """Rank 0's loads copied (or, layer-wise, copying: until the mark) whose chunks go back next."""
         self._async_loads: list[AsyncLoad] = []
         """Asynchronous loads whose copies were issued and not yet reported finished."""
         self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
@@ -128,17 +137,62 @@ class PoolTransfers:
         self.load_copies.synchronize()
         seconds = time.perf_counter() - started
         if self._rank == 0:
-            self._loaded.extend(ops)
+            self._loaded.extend((op, None) for op in ops)
         return [LoadResult(0 if e else self.loaded_bytes(op), seconds, e) for op, e in zip(ops, errors, strict=True)]
+
+    def layerwise_loads_possible(self) -> bool:
+        """Whether ``load_secured_by_layer`` can copy into this pool: one pool of whole blocks, each
+        its layers one after the other (not several layer groups' pages)."""
+        return self.pages is None and self.pool.dim() >= 3 and rows_copy_available(self.pool.device)
+
+    def load_secured_by_layer(self, ops: Sequence[TransferOp]) -> LayerwiseLoad:
+        """Issue each op's secured chunk copies span of layers by span (``layer_copies``), without
+        waiting: the forward pass orders each layer after its span's mark. Rank 0 gives the chunks
+        back once the last span landed (``release_loaded``)."""
+        rows = PoolRows.of(self.pool)
+        bpc, tpb = self._blocks_per_chunk, self._tokens_per_block
+        errors: list[BackendError | None] = []
+        views: list[list[Any]] = []
+        for op in ops:
+            try:
+                views.append(self._secured_views(op))
+                errors.append(None)
+            except (BackendError, ValueError, RuntimeError) as exc:
+                errors.append(self._retrieve_error(exc))
+                views.append([])
+        runs = sum(
+            runs_of_load(op.block_ids, len(v), bpc, op.skip_tokens // tpb) for op, v in zip(ops, views, strict=True)
+        )
+        spans = layer_spans(rows.num_layers, runs)
+        marks = []
+        with self.load_copies.after_caller():
+            timer = CopyTimer(self.pool.device)
+            for span in spans:
+                for i, op in enumerate(ops):
+                    if errors[i] is not None:
+                        continue
+                    try:
+                        rows.scatter_span(op.block_ids, views[i], op.skip_tokens // tpb, bpc, span)
+                    except (ValueError, RuntimeError) as exc:
+                        errors[i] = self._retrieve_error(exc)
+                marks.append(self.load_copies.mark())
+            timer.stop()
+        if self._rank == 0:
+            self._loaded.extend((op, marks[-1]) for op in ops)
+        results = [LoadResult(0 if e else self.loaded_bytes(op), 0.0, e) for op, e in zip(ops, errors, strict=True)]
+        return LayerwiseLoad(results, spans, marks, timer)
+
+    def _retrieve_error(self, exc: Exception) -> BackendError:
+        error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
+        self._metrics.error("retrieve", error.reason)
+        return error
 
     def _scatter_secured(self, op: TransferOp) -> BackendError | None:
         """Issue the copies of ``op``'s secured chunks (this rank's) into its blocks; the error, if any."""
         try:
             self._scatter(op, self._secured_views(op))
         except (BackendError, ValueError, RuntimeError) as exc:
-            error = exc if isinstance(exc, BackendError) else BackendError("retrieve", "error", repr(exc))
-            self._metrics.error("retrieve", error.reason)
-            return error
+            return self._retrieve_error(exc)
         return None
 
     def _scatter(self, op: TransferOp, chunks: Any) -> None:
@@ -212,13 +266,18 @@ class PoolTransfers:
             copied.wait()
 
     def release_loaded(self) -> None:
-        """After an iteration: rank 0 releases the chunks of the loads copied in it, and every rank
+        """After an iteration: rank 0 releases the chunks of the loads copied in it (a layer-wise
+        load's once its last span landed: at a later call if it still copies), and every rank
         unmaps replaced segments (a synchronous load is secured and copied in the same iteration, so
         none is still needed, unless an asynchronous load still copies: the restarted server's L1 and
-        the old one share the pod's /dev/shm)."""
-        loaded, self._loaded = self._loaded, []
-        for op in loaded:
-            self._give_back(op)
+        the old one share the pod's /dev/shm; a secured load's segment stays mapped until it went back)."""
+        copying: list[tuple[TransferOp, CopyMark | None]] = []
+        for op, mark in self._loaded:
+            if mark is None or mark.done():
+                self._give_back(op)
+            else:
+                copying.append((op, mark))
+        self._loaded = copying
         if self._segments.any_retired:
             self._segments.close_retired(0.0)
 

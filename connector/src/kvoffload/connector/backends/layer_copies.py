@@ -1,0 +1,188 @@
+"""Layer-wise loads: a chunk's blocks copied into the pool one span of layers at a time, so the
+forward pass can run layer ``i`` once that layer's span has landed instead of after the whole copy.
+
+A TensorRT-LLM block holds its layers one after the other (``[num_layers, ...]`` per block), so
+layers ``[first, end)`` of a run of consecutive blocks are rows of ``(end - first) * layer_bytes``
+bytes, one per block, ``block_bytes`` apart in the pool and in the chunk slot alike: one 2-D copy
+(``cudaMemcpy2DAsync``) per span and run. Spans are as many as keep the copy calls per load within
+``MAX_COPY_CALLS`` (the host issues every call; a span of all layers is the whole-block copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvoffload.connector.backends.base import LoadResult
+from kvoffload.connector.backends.blockcopy import CopyMark, block_runs
+
+MAX_COPY_CALLS = 4096
+"""Copy calls one layer-wise load may issue (spans x runs of blocks): about 10 ms of host time."""
+
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+
+
+def layer_spans(num_layers: int, runs: int, max_calls: int = MAX_COPY_CALLS) -> list[tuple[int, int]]:
+    """``[first, end)`` of consecutive layer spans, as many as ``max_calls`` copy calls of ``runs``
+    runs each allow (at most one per layer, at least one), the layers spread evenly."""
+    spans = max(1, min(num_layers, max_calls // max(runs, 1)))
+    bounds = [num_layers * i // spans for i in range(spans + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(spans)]
+
+
+def runs_of_load(block_ids: Sequence[int], num_chunks: int, blocks_per_chunk: int, skip_blocks: int) -> int:
+    """Runs of consecutive blocks a load of ``num_chunks`` chunks into ``block_ids`` copies (one chunk's
+    blocks never share a run with the next chunk's: each chunk is its own slot)."""
+    total = 0
+    for i in range(num_chunks):
+        lo = i * blocks_per_chunk
+        first_kept = max(skip_blocks - lo, 0)
+        if first_kept < blocks_per_chunk:
+            total += sum(1 for _ in block_runs(block_ids[lo + first_kept : lo + blocks_per_chunk]))
+    return total
+
+
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch runs on (its soname is already loaded), or None without one."""
+    for name in ("libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        fn = lib.cudaMemcpy2DAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
+        fn.restype = ctypes.c_int
+        return lib
+    return None
+
+
+def rows_copy_available(device: torch.device) -> bool:
+    """Whether layer-wise copies can be issued into a pool on ``device`` (always on CPU; on a GPU,
+    with the CUDA runtime's 2-D copy)."""
+    return device.type == "cpu" or (device.type == "cuda" and _cudart() is not None)
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst``: byte tensors of the same ``[rows, width]`` shape, each row contiguous,
+    rows ``stride(0)`` bytes apart; on a GPU one asynchronous 2-D copy on the current stream."""
+    if not (dst.is_cuda or src.is_cuda):
+        dst.copy_(src)
+        return
+    lib = _cudart()
+    if lib is None:
+        raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
+    rows, width = dst.shape
+    status = lib.cudaMemcpy2DAsync(
+        ctypes.c_void_p(dst.data_ptr()), dst.stride(0), ctypes.c_void_p(src.data_ptr()), src.stride(0),
+        width, rows, _CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """The pool as ``[num_blocks, num_layers, layer_bytes]`` bytes (a view)."""
+
+    blocks: torch.Tensor
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> PoolRows:
+        """``pool`` is ``[num_blocks, num_layers, ...]`` with contiguous blocks."""
+        num_layers = int(pool.shape[1])
+        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+        return cls(flat.view(pool.shape[0], num_layers, flat.shape[1] // num_layers))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.blocks.shape[1])
+
+    def scatter_span(
+        self,
+        block_ids: Sequence[int],
+        chunks: Sequence[torch.Tensor],
+        skip_blocks: int,
+        blocks_per_chunk: int,
+        span: tuple[int, int],
+    ) -> None:
+        """Layers ``span`` of ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the
+        first ``skip_blocks`` untouched: what ``blockcopy.scatter_chunks`` writes, for these layers."""
+        first_layer, end_layer = span
+        rows_per_block = self.blocks.shape[1] * self.blocks.shape[2]
+        for i, chunk in enumerate(chunks):
+            lo = i * blocks_per_chunk
+            first_kept = max(skip_blocks - lo, 0)
+            if first_kept >= blocks_per_chunk:
+                continue
+            slot = chunk.view(-1).view(torch.uint8)
+            if slot.numel() != blocks_per_chunk * rows_per_block:
+                raise ValueError(
+                    f"chunk slot holds {slot.numel()} bytes, {blocks_per_chunk} blocks need "
+                    f"{blocks_per_chunk * rows_per_block}"
+                )
+            slot_rows = slot.view(blocks_per_chunk, self.blocks.shape[1], self.blocks.shape[2])
+            ids = block_ids[lo + first_kept : lo + blocks_per_chunk]
+            for pos, first, n in block_runs(ids):
+                at = first_kept + pos
+                dst = self.blocks[first : first + n, first_layer:end_layer].flatten(1)
+                copy_rows(dst, slot_rows[at : at + n, first_layer:end_layer].flatten(1))
+
+
+@dataclass
+class LayerwiseLoad:
+    """Secured loads issued span by span of layers: one result per op (bytes, or the error that
+    stopped it), and after each span a mark the forward pass's layers in that span wait for."""
+
+    results: list[LoadResult]
+    spans: list[tuple[int, int]]
+    marks: list[CopyMark]
+    copy_timer: CopyTimer
+
+    def mark_for_layer(self, layer: int) -> CopyMark | None:
+        """The mark after the span holding ``layer`` (None: no such layer in the pool)."""
+        for (first, end), mark in zip(self.spans, self.marks, strict=True):
+            if first <= layer < end:
+                return mark
+        return None
+
+    @property
+    def last_mark(self) -> CopyMark:
+        return self.marks[-1]
+
+
+class CopyTimer:
+    """The time copies took on their stream: CUDA events around them on a GPU, the host's clock on
+    CPU (copies there run inline); read once they are done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events: tuple[Any, Any] | None = None
+        self._started = time.perf_counter()
+        self._host_seconds: float | None = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        """The copies to time are issued (on the current stream)."""
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._host_seconds = time.perf_counter() - self._started
+
+    def seconds(self) -> float | None:
+        """How long the copies took, once they are done (None before)."""
+        if self._events is None:
+            return self._host_seconds
+        start, end = self._events
+        return float(start.elapsed_time(end)) / 1e3 if end.query() else None
