@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import socket
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -16,10 +18,12 @@ from kvoffload.operator.api.operator_deployment import OperatorDeployment, earli
 from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
+    Leadership,
     keep_renewing,
     lease_body,
     lease_state,
     serve_health_while_waiting,
+    still_held,
 )
 
 pytestmark = pytest.mark.operator
@@ -145,3 +149,51 @@ def test_a_standby_answers_its_liveness_probe_behind_idle_connections_with_bound
         finally:
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.parametrize(
+    ("renewed_ago", "stopped", "held"),
+    [
+        (None, False, False),  # never took it (a standby)
+        (1.0, False, True),
+        (LEASE_DURATION_S - 0.5, False, True),  # renewals failing, the term still running
+        (LEASE_DURATION_S + 0.5, False, False),  # its term is over: another may hold it now
+        (1.0, True, False),  # released (stopping) or lost
+    ],
+)
+def test_a_holder_acts_as_one_only_within_its_term_and_until_it_stops(
+    renewed_ago: float | None, stopped: bool, held: bool
+) -> None:
+    now = 1000.0
+    assert still_held(None if renewed_ago is None else now - renewed_ago, now, stopped) is held
+
+
+class LeaseStore:
+    """The slice of ``Kube`` ``Leadership`` uses: one Lease, created, read and replaced."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+
+    def get(self, _path: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.lease)
+
+    def create(self, _path: str, body: dict[str, Any]) -> None:
+        self.lease = copy.deepcopy(body)
+
+    def request(self, _method: str, _path: str, body: dict[str, Any]) -> None:
+        self.lease = copy.deepcopy(body)
+
+
+def test_a_process_holds_the_lease_from_taking_it_until_it_releases_it() -> None:
+    store = LeaseStore()
+    leadership = Leadership(store, "ns", "kvoffload-operator", "me")  # type: ignore[arg-type]
+    assert not leadership.holds_lease()
+    assert leadership.acquire(threading.Event())
+    assert leadership.holds_lease()
+    leadership.release()
+    assert not leadership.holds_lease() and not (store.lease or {})["spec"]["holderIdentity"]
+    other = Leadership(store, "ns", "kvoffload-operator", "other")  # type: ignore[arg-type]
+    store.lease = lease_body("kvoffload-operator", "ns", "me", datetime.datetime.now(datetime.timezone.utc), None)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()  # after its first attempt found the Lease held
+    assert not other.acquire(stop) and not other.holds_lease(), "a standby waiting for a held Lease plans nothing"

@@ -14,6 +14,10 @@ long term has run out, by when Helm has deleted the operator.
 The Lease names the operator's Deployment as its owner (``api.operator_deployment``): the garbage collector deletes
 it with the Deployment, and an operator of a later install (another Deployment uid) finds a Lease
 still there (the collector not done yet) free at once, whatever term its holder wrote.
+
+Every replica serves the admission webhook, but only the holder plans there (``holds_lease``): a
+replica of another version (the old one of a ``helm upgrade``, the new one waiting) would answer
+a user's write with its own defaults, and the two would take each workload back and forth.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import datetime
 import http.server
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -124,6 +129,13 @@ def keep_renewing(status: int, refused_since: datetime.datetime | None, now: dat
     return refused_since is not None and (now - refused_since).total_seconds() < LEASE_DURATION_S
 
 
+def still_held(renewed_at: float | None, now: float, stopped: bool) -> bool:
+    """Whether a holder may still act as one at monotonic ``now``: it took or renewed the Lease at
+    ``renewed_at`` (read before that write went out, so never later than the term's start the
+    others count from), less than a term ago, and has neither stopped renewing nor lost it."""
+    return not stopped and renewed_at is not None and now - renewed_at < LEASE_DURATION_S
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -151,9 +163,22 @@ class Leadership:
     _renewer: threading.Thread | None = None
     _seen: Mapping[str, Any] | None = None
     """The Lease as the last attempt read it."""
+    _renewed_at: float | None = None
+    """``time.monotonic()`` before the last write that took or renewed the Lease."""
+
+    def holds_lease(self) -> bool:
+        """Whether this process holds the Lease now (``still_held``): the webhook plans only then."""
+        return still_held(self._renewed_at, time.monotonic(), self.lost or self._stop.is_set())
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
+        started = time.monotonic()
+        if self._attempt():
+            self._renewed_at = started
+            return True
+        return False
+
+    def _attempt(self) -> bool:
         path = lease_path(self.namespace, self.name)
         current = self._seen = self.kube.get(path)
         stale = earlier_install(self.kube, self.namespace, current, self.owner)
@@ -232,7 +257,7 @@ class Leadership:
                         interval = RETRY_INTERVAL_S
                         continue
                     log.error("leader election: renewal refused for a whole lease term: %s", exc)
-                self.lost = True
+                self.lost = True  # the webhook stops planning before the handlers stop
                 on_lost()
                 return
 
@@ -240,7 +265,8 @@ class Leadership:
         self._renewer.start()
 
     def release(self) -> None:
-        """Stop renewing and free the Lease at once, so a waiting operator takes over without delay."""
+        """Stop renewing (and planning in the webhook) and free the Lease at once, so a waiting
+        operator takes over without delay."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=RENEW_INTERVAL_S + 1)
