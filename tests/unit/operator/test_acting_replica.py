@@ -1,9 +1,10 @@
-"""Only the operator that holds the Lease plans at admission (``admission.acting_replica``): a
-replica of another version, answering the same user's write, keeps what is stored."""
+"""A replica plans at admission only as the Lease's holder would (``admission.acting_replica``): one
+of another version or other defaults, answering the same user's write, keeps what is stored."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,10 +13,12 @@ import pytest
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.admission.acting_replica import NOT_ACTING, plan_while_acting
+from kvoffload.operator.admission.new_workloads import planning_digest
 from kvoffload.operator.admission.review import WorkloadReview
 from kvoffload.operator.admission.webhook import review_workload
 from kvoffload.operator.admission.workload_updates import label_value, record_value, review_update
-from kvoffload.operator.plan.injection_plan import InjectionPlan
+from kvoffload.operator.intent.settings import OperatorDefaults
+from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
 from tests.unit.operator.test_workload_updates import injected, patched, plan_with
 
 pytestmark = pytest.mark.operator
@@ -67,3 +70,12 @@ def test_the_lease_is_asked_at_each_review_not_once() -> None:
     assert plan(workload) == NOT_ACTING
     holds[0] = True
     assert isinstance(plan(workload), InjectionPlan)
+
+
+def test_operators_of_the_same_release_share_a_planning_digest_and_other_defaults_or_versions_do_not() -> None:
+    cluster = ClusterInfo(native_sidecars=True, injection="admission", webhook_excluded_namespaces=frozenset({"a"}))
+    same = planning_digest(OperatorDefaults(l1_bytes=4 * 2**30), cluster)
+    assert same == planning_digest(OperatorDefaults(l1_bytes=4 * 2**30), copy.deepcopy(cluster))
+    assert same != planning_digest(OperatorDefaults(l1_bytes=5 * 2**30), cluster), "a helm upgrade changing a default"
+    other_version = dataclasses.replace(cluster, operator_version="0.0.1")
+    assert same != planning_digest(OperatorDefaults(l1_bytes=4 * 2**30), other_version), "an image upgrade"

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hack.ports import free_port
+from kvoffload import contract as c
 from kvoffload.httpreply import MAX_CONNECTIONS
 from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 from kvoffload.operator.control.leadership import (
@@ -22,6 +23,7 @@ from kvoffload.operator.control.leadership import (
     keep_renewing,
     lease_body,
     lease_state,
+    plans_alike,
     serve_health_while_waiting,
     still_held,
 )
@@ -197,3 +199,49 @@ def test_a_process_holds_the_lease_from_taking_it_until_it_releases_it() -> None
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()  # after its first attempt found the Lease held
     assert not other.acquire(stop) and not other.holds_lease(), "a standby waiting for a held Lease plans nothing"
+
+
+def test_the_holder_publishes_its_planning_digest_and_the_uninstall_hook_takes_it_away() -> None:
+    held = lease_body("kvoffload-operator", "ns", "old-pod", NOW, None, planning="digest-a")
+    assert held["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-a"}
+    taken = lease_body("kvoffload-operator", "ns", "new-pod", NOW, held, planning="digest-b")
+    assert taken["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-b"}
+    seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, taken, 120)
+    assert c.ANN_LEASE_PLANNING not in (seized["metadata"].get("annotations") or {})
+
+
+def published(holder: str, seconds_ago: float, planning: str) -> dict[str, Any]:
+    lease = held_by(holder, seconds_ago)
+    lease["metadata"]["annotations"] = {c.ANN_LEASE_PLANNING: planning}  # type: ignore[index]
+    return lease
+
+
+@pytest.mark.parametrize(
+    ("lease", "alike"),
+    [
+        (published("leader", 3, "mine"), True),  # a hot standby of the same release
+        (published("leader", 3, "other"), False),  # the old operator of a helm upgrade, or the new one
+        (held_by("leader", 3), False),  # a holder that publishes none (an earlier version, the uninstall hook)
+        (published("leader", LEASE_DURATION_S + 1, "mine"), False),  # nobody holds it now
+        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: "mine"}}}, False),
+        (None, False),
+    ],
+)
+def test_a_replica_without_the_lease_plans_only_as_a_running_holder_with_its_own_digest(
+    lease: dict[str, Any] | None, alike: bool
+) -> None:
+    assert plans_alike(lease, "me", NOW, "mine") is alike
+
+
+def test_a_standby_plans_while_the_holder_publishes_its_digest_and_stops_when_another_takes_over() -> None:
+    store = LeaseStore()
+    leader = Leadership(store, "ns", "kvoffload-operator", "leader", planning="v1")  # type: ignore[arg-type]
+    standby = Leadership(store, "ns", "kvoffload-operator", "standby", planning="v1")  # type: ignore[arg-type]
+    upgraded = Leadership(store, "ns", "kvoffload-operator", "upgraded", planning="v2")  # type: ignore[arg-type]
+    assert not standby.may_plan(), "nobody holds the Lease"
+    assert leader.acquire(threading.Event()) and leader.may_plan()
+    assert standby.may_plan() and not upgraded.may_plan()
+    leader.release()
+    assert not leader.may_plan() and not standby.may_plan(), "released: nobody plans until it is taken"
+    assert upgraded.acquire(threading.Event()) and upgraded.may_plan()
+    assert not standby.may_plan() and not leader.may_plan()

@@ -25,7 +25,7 @@ import yaml
 from kvoffload import contract as c
 from kvoffload.operator import __version__
 from kvoffload.operator.admission.acting_replica import plan_while_acting
-from kvoffload.operator.admission.new_workloads import Planner, planner
+from kvoffload.operator.admission.new_workloads import Planner, planner, planning_digest
 from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.webhook import WebhookServer
 from kvoffload.operator.admission.webhook_tls import (
@@ -194,12 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if node_mode:
         handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
-    leadership = _leadership(args, kube, owner)
+    leadership = _leadership(args, kube, owner, planning_digest(defaults, reconciler.cluster))
     if admission:
         handlers.register_admission_handlers()
         plan = planner(kube, defaults, reconciler.cluster)
-        if leadership is not None:  # a replica of another version answers no plan of its own
-            plan = plan_while_acting(plan, leadership.holds_lease)
+        if leadership is not None:  # a replica of another version or defaults answers no plan of its own
+            plan = plan_while_acting(plan, leadership.may_plan)
         _serve_webhook(args, kube, metrics, tuple(namespaces), plan, owner)  # on every replica, the standby too
 
     @kopf.on.login()
@@ -377,8 +377,10 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     return server
 
 
-def _leadership(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment | None) -> Leadership | None:
-    """The operator's claim on its Lease, not yet taken (None: leader election is off)."""
+def _leadership(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment | None,
+                planning: str) -> Leadership | None:  # fmt: skip
+    """The operator's claim on its Lease, not yet taken, to publish ``planning`` in (None: leader
+    election is off)."""
     if args.leader_election not in ("true", "false"):
         raise SystemExit(f"{PROG}: --leader-election {args.leader_election!r}: allowed true, false")
     if args.leader_election == "false":
@@ -387,7 +389,7 @@ def _leadership(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment 
         raise SystemExit(f"{PROG}: --leader-election needs --leader-election-namespace (or POD_NAMESPACE), "
                          "or --leader-election false")  # fmt: skip
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity, owner)
+    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity, owner, planning)
 
 
 def _lead(leadership: Leadership, args: argparse.Namespace, stop: threading.Event) -> bool:

@@ -1,10 +1,11 @@
-"""``helm upgrade`` while users deploy (issue 46 item 1): the old and the new operator overlap, both
-serving the webhook behind one Service, while users change their opted-in Deployments with
-``kubectl set env``. Each workload goes to the new settings once and never back; the user's writes
-roll it, and the upgrade at most once more.
+"""Operator replicas overlapping behind the webhook's Service, each answering reviews.
 
-Before, both replicas planned at admission with their own defaults: a user's write answered by
-the new one took a workload to its settings, the old one's reconcile took it back."""
+``helm upgrade`` while users deploy (issue 46 item 1): the old and the new operator overlap, both
+serving the webhook, while users change their opted-in Deployments with ``kubectl set env``. Each
+workload goes to the new settings once and never back; the user's writes roll it, and the
+upgrade at most once more. Before, both replicas planned at admission with their own defaults: a
+user's write answered by the new one took a workload to its settings, the old one's reconcile
+took it back. A hot standby of the same release still plans as the holder would."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from hack.workloads import get, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.admission.records import InjectionRecord
 from kvoffload.quantity import format_bytes
+from tests.integration.operator.test_operator_admission import revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
 from tests.support.operator_support import (
     OperatorProcess,
@@ -138,3 +140,33 @@ def test_user_writes_during_an_operator_upgrade_never_take_a_workload_back_to_th
     assert records == once, "a workload's record went back to the old settings"
     assert {n: l1_sequence(v) for n, v in pod_l1s.items()} == once, "pods went back to the old settings"
     assert all(0 <= e <= 1 for e in extra.values()), extra
+
+
+def test_a_new_opted_in_app_answered_by_a_hot_standby_of_the_same_release_rolls_once(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """A second replica with the same flags (``replicaCount: 2``) plans as the holder would: with
+    only its webhook behind the Service (the holder's unready), new opted-in apps are labelled at
+    creation and their first pods injected, so each rolls once, as with one replica."""
+    (tmp_path / "standby").mkdir()
+    standby = OperatorProcess(kubeconfig=admission_operator.kubeconfig, workdir=tmp_path / "standby",
+                              overlap_allowed=True, extra_args=admission_args(free_port()))  # fmt: skip
+    names = [f"born-{i}" for i in range(2)]
+    try:
+        standby.start()
+        register_webhook_as_the_chart_does(cluster, webhook_port(standby))  # the Service's one ready endpoint
+        for name in names:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", True)))
+        for name in names:
+            pods = settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+            assert {pod_l1(p) for p in pods} == {OLD_L1}
+            wait_for(lambda n=name: record_l1(get(cluster, "deployment", n, namespace)) == OLD_L1, 60,
+                     what=f"{name}'s record written by the acting operator")  # fmt: skip
+        time.sleep(SETTLE_S)
+        revisions = {n: revision(cluster, n, namespace) for n in names}
+        answered = standby.log().count(": injected")
+    finally:
+        standby.stop()
+        register_webhook_as_the_chart_does(cluster, webhook_port(admission_operator))
+    assert answered >= 2 * len(names), "the standby's webhook labelled the apps and injected their pods"
+    assert revisions == dict.fromkeys(names, 1), revisions
