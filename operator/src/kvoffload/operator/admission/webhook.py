@@ -1,6 +1,6 @@
 """The pod-injection webhook: HTTPS on every operator replica (the acting one and any standby),
-each AdmissionReview answered from the pod and its workload's injection record. Only the replica
-holding the Lease plans here (``acting_replica``); any other keeps what is stored."""
+each AdmissionReview answered from the pod and its workload's injection record. A replica plans
+here only as the Lease's holder would (``acting_replica``); otherwise it keeps what is stored."""
 
 from __future__ import annotations
 
