@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import socket
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 
 from hack.ports import free_port
+from kvoffload import contract as c
 from kvoffload.httpreply import MAX_CONNECTIONS
 from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
 from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
+    Leadership,
     keep_renewing,
     lease_body,
     lease_state,
+    plans_alike,
     serve_health_while_waiting,
+    still_held,
 )
 
 pytestmark = pytest.mark.operator
@@ -145,3 +151,97 @@ def test_a_standby_answers_its_liveness_probe_behind_idle_connections_with_bound
         finally:
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.parametrize(
+    ("renewed_ago", "stopped", "held"),
+    [
+        (None, False, False),  # never took it (a standby)
+        (1.0, False, True),
+        (LEASE_DURATION_S - 0.5, False, True),  # renewals failing, the term still running
+        (LEASE_DURATION_S + 0.5, False, False),  # its term is over: another may hold it now
+        (1.0, True, False),  # released (stopping) or lost
+    ],
+)
+def test_a_holder_acts_as_one_only_within_its_term_and_until_it_stops(
+    renewed_ago: float | None, stopped: bool, held: bool
+) -> None:
+    now = 1000.0
+    assert still_held(None if renewed_ago is None else now - renewed_ago, now, stopped) is held
+
+
+class LeaseStore:
+    """The slice of ``Kube`` ``Leadership`` uses: one Lease, created, read and replaced."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+
+    def get(self, _path: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.lease)
+
+    def create(self, _path: str, body: dict[str, Any]) -> None:
+        self.lease = copy.deepcopy(body)
+
+    def request(self, _method: str, _path: str, body: dict[str, Any]) -> None:
+        self.lease = copy.deepcopy(body)
+
+
+def test_a_process_holds_the_lease_from_taking_it_until_it_releases_it() -> None:
+    store = LeaseStore()
+    leadership = Leadership(store, "ns", "kvoffload-operator", "me")  # type: ignore[arg-type]
+    assert not leadership.holds_lease()
+    assert leadership.acquire(threading.Event())
+    assert leadership.holds_lease()
+    leadership.release()
+    assert not leadership.holds_lease() and not (store.lease or {})["spec"]["holderIdentity"]
+    other = Leadership(store, "ns", "kvoffload-operator", "other")  # type: ignore[arg-type]
+    store.lease = lease_body("kvoffload-operator", "ns", "me", datetime.datetime.now(datetime.timezone.utc), None)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()  # after its first attempt found the Lease held
+    assert not other.acquire(stop) and not other.holds_lease(), "a standby waiting for a held Lease plans nothing"
+
+
+def test_the_holder_publishes_its_planning_digest_and_the_uninstall_hook_takes_it_away() -> None:
+    held = lease_body("kvoffload-operator", "ns", "old-pod", NOW, None, planning="digest-a")
+    assert held["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-a"}
+    taken = lease_body("kvoffload-operator", "ns", "new-pod", NOW, held, planning="digest-b")
+    assert taken["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-b"}
+    seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, taken, 120)
+    assert c.ANN_LEASE_PLANNING not in (seized["metadata"].get("annotations") or {})
+
+
+def published(holder: str, seconds_ago: float, planning: str) -> dict[str, Any]:
+    lease = held_by(holder, seconds_ago)
+    lease["metadata"]["annotations"] = {c.ANN_LEASE_PLANNING: planning}  # type: ignore[index]
+    return lease
+
+
+@pytest.mark.parametrize(
+    ("lease", "alike"),
+    [
+        (published("leader", 3, "mine"), True),  # a hot standby of the same release
+        (published("leader", 3, "other"), False),  # the old operator of a helm upgrade, or the new one
+        (held_by("leader", 3), False),  # a holder that publishes none (an earlier version, the uninstall hook)
+        (published("leader", LEASE_DURATION_S + 1, "mine"), False),  # nobody holds it now
+        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: "mine"}}}, False),
+        (None, False),
+    ],
+)
+def test_a_replica_without_the_lease_plans_only_as_a_running_holder_with_its_own_digest(
+    lease: dict[str, Any] | None, alike: bool
+) -> None:
+    assert plans_alike(lease, "me", NOW, "mine") is alike
+
+
+def test_a_standby_plans_while_the_holder_publishes_its_digest_and_stops_when_another_takes_over() -> None:
+    store = LeaseStore()
+    leader = Leadership(store, "ns", "kvoffload-operator", "leader", planning="v1")  # type: ignore[arg-type]
+    standby = Leadership(store, "ns", "kvoffload-operator", "standby", planning="v1")  # type: ignore[arg-type]
+    upgraded = Leadership(store, "ns", "kvoffload-operator", "upgraded", planning="v2")  # type: ignore[arg-type]
+    assert not standby.may_plan(), "nobody holds the Lease"
+    assert leader.acquire(threading.Event()) and leader.may_plan()
+    assert standby.may_plan() and not upgraded.may_plan()
+    leader.release()
+    assert not leader.may_plan() and not standby.may_plan(), "released: nobody plans until it is taken"
+    assert upgraded.acquire(threading.Event()) and upgraded.may_plan()
+    assert not standby.may_plan() and not leader.may_plan()

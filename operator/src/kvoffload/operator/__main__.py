@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 from urllib.parse import urlparse
 
 import kopf
@@ -25,7 +24,8 @@ import yaml
 
 from kvoffload import contract as c
 from kvoffload.operator import __version__
-from kvoffload.operator.admission.new_workloads import Planner, planner
+from kvoffload.operator.admission.acting_replica import plan_while_acting
+from kvoffload.operator.admission.new_workloads import Planner, planner, planning_digest
 from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.webhook import WebhookServer
 from kvoffload.operator.admission.webhook_tls import (
@@ -194,9 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if node_mode:
         handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
+    leadership = _leadership(args, kube, owner, planning_digest(defaults, reconciler.cluster))
     if admission:
         handlers.register_admission_handlers()
         plan = planner(kube, defaults, reconciler.cluster)
+        if leadership is not None:  # a replica of another version or defaults answers no plan of its own
+            plan = plan_while_acting(plan, leadership.may_plan)
         _serve_webhook(args, kube, metrics, tuple(namespaces), plan, owner)  # on every replica, the standby too
 
     @kopf.on.login()
@@ -209,8 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "starting version=%s native_sidecars=%s namespaces=%s leader_election=%s node_mode=%s", __version__, native,
         namespaces or "all", args.leader_election, node_mode,
     )  # fmt: skip
-    leadership = _lead(args, kube, threading.Event(), owner)
-    if leadership is False:
+    if leadership is not None and not _lead(leadership, args, threading.Event()):
         return 0  # asked to stop while waiting for the Lease
     try:
         kopf.run(
@@ -375,12 +377,10 @@ def _serve_webhook(args: argparse.Namespace, kube: Kube, metrics: OperatorMetric
     return server
 
 
-def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event,
-          owner: OperatorDeployment | None = None) -> Leadership | None | Literal[False]:  # fmt: skip
-    """Hold the operator's Lease before acting (None: leader election is off; False: stopped while waiting).
-
-    While it waits the process answers /healthz, so a standby pod stays live and ready.
-    """
+def _leadership(args: argparse.Namespace, kube: Kube, owner: OperatorDeployment | None,
+                planning: str) -> Leadership | None:  # fmt: skip
+    """The operator's claim on its Lease, not yet taken, to publish ``planning`` in (None: leader
+    election is off)."""
     if args.leader_election not in ("true", "false"):
         raise SystemExit(f"{PROG}: --leader-election {args.leader_election!r}: allowed true, false")
     if args.leader_election == "false":
@@ -389,7 +389,14 @@ def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event,
         raise SystemExit(f"{PROG}: --leader-election needs --leader-election-namespace (or POD_NAMESPACE), "
                          "or --leader-election false")  # fmt: skip
     identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-    leadership = Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity, owner)
+    return Leadership(kube, args.leader_election_namespace, c.OPERATOR_LEASE_NAME, identity, owner, planning)
+
+
+def _lead(leadership: Leadership, args: argparse.Namespace, stop: threading.Event) -> bool:
+    """Hold the operator's Lease before acting (False: stopped while waiting).
+
+    While it waits the process answers /healthz, so a standby pod stays live and ready.
+    """
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with serve_health_while_waiting(int(args.health_port)):
         held = leadership.acquire(stop)
@@ -399,7 +406,7 @@ def _lead(args: argparse.Namespace, kube: Kube, stop: threading.Event,
     # Lost the Lease: stop as on SIGTERM (kopf's own graceful shutdown). A stop_flag would do the
     # same, but kopf waits on one with an executor thread that blocks its loop's shutdown.
     leadership.hold(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
-    return leadership
+    return True
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The pod-injection webhook: HTTPS on every operator replica (the acting one and any standby),
-each AdmissionReview answered from the pod and its workload's injection record."""
+each AdmissionReview answered from the pod and its workload's injection record. A replica plans
+here only as the Lease's holder would (``acting_replica``); otherwise it keeps what is stored."""
 
 from __future__ import annotations
 

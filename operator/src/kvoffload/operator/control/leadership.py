@@ -14,6 +14,13 @@ long term has run out, by when Helm has deleted the operator.
 The Lease names the operator's Deployment as its owner (``api.operator_deployment``): the garbage collector deletes
 it with the Deployment, and an operator of a later install (another Deployment uid) finds a Lease
 still there (the collector not done yet) free at once, whatever term its holder wrote.
+
+Every replica serves the admission webhook, and plans there only like the holder (``may_plan``):
+the holder writes the digest of what its plans depend on into the Lease (``c.ANN_LEASE_PLANNING``),
+and a replica that does not hold the Lease plans only while a running holder's digest is its own.
+A replica of another version or other defaults (the old one of a ``helm upgrade``, the new one
+waiting) would answer a user's write with its own settings, and the two would take each workload
+back and forth; a hot standby of the same release plans as the holder would.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import datetime
 import http.server
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvoffload import contract as c
 from kvoffload.httpreply import BoundedHTTPServer
 from kvoffload.operator.api.kube import Kube, KubeApiError
 from kvoffload.operator.api.operator_deployment import OperatorDeployment, earlier_install
@@ -81,9 +90,11 @@ def lease_body(
     previous: Mapping[str, Any] | None,
     duration_s: int = LEASE_DURATION_S,
     owner: OperatorDeployment | None = None,
+    planning: str = "",
 ) -> dict[str, Any]:
     """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a
-    transition), owned by ``owner`` (None: the owners it had stay)."""
+    transition), owned by ``owner`` (None: the owners it had stay), naming ``planning`` as the
+    holder's planning digest (empty: none, as the uninstall hook holds it)."""
     spec = dict((previous or {}).get("spec") or {})
     taking_over = spec.get("holderIdentity") != identity
     stamp = now.strftime(MICROTIME)
@@ -100,6 +111,11 @@ def lease_body(
         owners = owner.with_reference(owners)
     if owners:
         metadata["ownerReferences"] = owners
+    annotations = {k: v for k, v in (previous_meta.get("annotations") or {}).items() if k != c.ANN_LEASE_PLANNING}
+    if planning:
+        annotations[c.ANN_LEASE_PLANNING] = planning
+    if annotations:
+        metadata["annotations"] = annotations
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
 
 
@@ -124,6 +140,20 @@ def keep_renewing(status: int, refused_since: datetime.datetime | None, now: dat
     return refused_since is not None and (now - refused_since).total_seconds() < LEASE_DURATION_S
 
 
+def still_held(renewed_at: float | None, now: float, stopped: bool) -> bool:
+    """Whether a holder may still act as one at monotonic ``now``: it took or renewed the Lease at
+    ``renewed_at`` (read before that write went out, so never later than the term's start the
+    others count from), less than a term ago, and has neither stopped renewing nor lost it."""
+    return not stopped and renewed_at is not None and now - renewed_at < LEASE_DURATION_S
+
+
+def plans_alike(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime, planning: str) -> bool:
+    """Whether ``identity``, not holding the Lease, plans at admission as its holder would: another
+    holder's term is running and it published ``planning`` as its digest."""
+    published = (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(c.ANN_LEASE_PLANNING)
+    return bool(planning) and published == planning and lease_state(lease, identity, now) == "held"
+
+
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
 
@@ -145,15 +175,43 @@ class Leadership:
     identity: str
     owner: OperatorDeployment | None = None
     """The operator's Deployment: the Lease names it as its owner (None: the owners it has stay)."""
+    planning: str = ""
+    """The digest of what this operator's admission plans depend on, published while it holds the Lease."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _renewer: threading.Thread | None = None
     _seen: Mapping[str, Any] | None = None
     """The Lease as the last attempt read it."""
+    _renewed_at: float | None = None
+    """``time.monotonic()`` before the last write that took or renewed the Lease."""
+
+    def holds_lease(self) -> bool:
+        """Whether this process holds the Lease now (``still_held``)."""
+        return still_held(self._renewed_at, time.monotonic(), self.lost or self._stop.is_set())
+
+    def may_plan(self) -> bool:
+        """Whether the webhook may plan now: this process holds the Lease, or its holder plans alike
+        (``plans_alike``, the Lease read now; a failed read: no)."""
+        if self.holds_lease():
+            return True
+        if not self.planning:
+            return False
+        try:
+            lease = self.kube.get(lease_path(self.namespace, self.name))
+        except KubeApiError:
+            return False
+        return plans_alike(lease, self.identity, _now(), self.planning)
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
+        started = time.monotonic()
+        if self._attempt():
+            self._renewed_at = started
+            return True
+        return False
+
+    def _attempt(self) -> bool:
         path = lease_path(self.namespace, self.name)
         current = self._seen = self.kube.get(path)
         stale = earlier_install(self.kube, self.namespace, current, self.owner)
@@ -162,7 +220,8 @@ class Leadership:
         if stale and ((current or {}).get("spec") or {}).get("holderIdentity"):
             log.info("leader election: lease %s/%s belongs to an earlier install's operator (held by %s): taking it",
                      self.namespace, self.name, holder_of(current))  # fmt: skip
-        body = lease_body(self.name, self.namespace, self.identity, _now(), current, owner=self.owner)
+        body = lease_body(self.name, self.namespace, self.identity, _now(), current, owner=self.owner,
+                          planning=self.planning)  # fmt: skip
         return self._write(path, current, body)  # False: someone else wrote it first, look again
 
     def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
@@ -232,7 +291,7 @@ class Leadership:
                         interval = RETRY_INTERVAL_S
                         continue
                     log.error("leader election: renewal refused for a whole lease term: %s", exc)
-                self.lost = True
+                self.lost = True  # the webhook stops planning before the handlers stop
                 on_lost()
                 return
 
@@ -240,7 +299,8 @@ class Leadership:
         self._renewer.start()
 
     def release(self) -> None:
-        """Stop renewing and free the Lease at once, so a waiting operator takes over without delay."""
+        """Stop renewing (and planning in the webhook) and free the Lease at once, so a waiting
+        operator takes over without delay."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join(timeout=RENEW_INTERVAL_S + 1)
