@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,8 @@ class LMCacheServer:
     """L1 in a named SHM segment; without it clients fall back to the pickle transport."""
     argv: Sequence[str] | None = None
     """The whole command line instead of this class's (a test that starts the server as the sidecar does)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Set in the server's environment over this process's (the sidecar's ``ServerCommand.env``)."""
     _proc: subprocess.Popen[bytes] | None = None
     _starts: int = 0
 
@@ -95,7 +97,7 @@ class LMCacheServer:
             return
         self._starts += 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         env.setdefault("LMCACHE_TRACK_USAGE", "false")
         env.setdefault("DO_NOT_TRACK", "1")
         env.setdefault("PYTHONHASHSEED", "0")
@@ -189,8 +191,9 @@ class LMCacheServer:
 def sidecar_events_server(
     log_dir: Path, chunk_size: int, l1_size: str, events_port: int, instance_id: str, extra_env: dict[str, str]
 ) -> LMCacheServer:
-    """An LMCache server on the sidecar's own command line (``build_server_command``) with KV events
-    published on ``events_port``; ``extra_env`` goes over the sidecar env it is built from."""
+    """An LMCache server on the sidecar's own command line and environment (``build_server_command``)
+    with KV events published on ``events_port``; ``extra_env`` goes over the sidecar env it is built
+    from (the server reads some of it itself: ``KVOFFLOAD_CACHE_KEYS_DIR`` puts it behind CURVE)."""
     import shutil
 
     from kvoffload import contract
@@ -206,7 +209,7 @@ def sidecar_events_server(
         **extra_env,
     }
     settings = load_settings(env, {"cache": {"l1Size": l1_size, "chunkSize": chunk_size, "maxWorkers": 1}})
-    command = build_server_command(settings, {}, shutil.disk_usage("/dev/shm").free)
+    command = build_server_command(settings, env, shutil.disk_usage("/dev/shm").free)
     assert command.uses_shm and "--server-module" in command.argv, command.argv
     return LMCacheServer(
         chunk_size=chunk_size,
@@ -215,4 +218,5 @@ def sidecar_events_server(
         http_port=settings.lmcache_http_port,
         shm_name=settings.shm_name,
         argv=command.argv,
+        env=command.env,
     )

@@ -254,3 +254,22 @@ def test_the_replica_workload_grows_each_conversation_by_its_own_prefix_in_a_new
     for c, prompts in by_conversation.items():
         assert all(later[: len(earlier)] == earlier for earlier, later in itertools.pairwise(prompts))
         assert prompts[0][:SYSTEM_TOKENS] == by_conversation[c % 2][0][:SYSTEM_TOKENS]  # the shared system prompt
+
+
+def test_the_replica_workload_by_default_does_not_fit_in_one_cache_servers_l1() -> None:
+    """The documented run evicts: its working set (distinct whole chunks) is larger than each L1."""
+    from benchmarks.replica_reuse import build_parser, distinct_chunks, shape_of, workload
+    from kvoffload.quantity import parse_bytes
+    from tests.support.trtllm_executor import CHUNK
+
+    args = build_parser().parse_args([])
+    shape = shape_of(args)
+    chunks = distinct_chunks((p for _, p in workload(args.conversations, args.system_prompts, args.turns)), CHUNK)
+    assert chunks * shape.chunk_bytes(CHUNK) > 2 * parse_bytes(shape.l1, "l1")
+
+
+def test_distinct_chunks_counts_each_prefix_once() -> None:
+    from benchmarks.replica_reuse import distinct_chunks
+
+    a, b = list(range(10)), [*range(8), 99, 100, 101, 102]
+    assert distinct_chunks([a, a, b], 4) == 3  # [:4] and [:8] shared; a has no [:12] (10 tokens), b's is new
