@@ -214,6 +214,14 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         if copying:
             self._layerwise_copying.append((layerwise, copying))
 
+    def _land_layerwise_loads(self) -> None:
+        """The layer-wise loads of the forward pass just queued land before this returns (host-side):
+        the engine's next ``prepare_resources`` may copy one of their blocks into another request
+        (partial reuse, on by default) on a stream of its own, before any hook of ours runs. The
+        forward pass itself already overlapped them on the device."""
+        for layerwise, _ in self._layerwise_copying:
+            layerwise.last_mark.wait()
+
     def _record_layerwise_copies(self) -> None:
         """Retrieve metrics and the cost guard's copy samples of layer-wise loads whose copies are done."""
         pending = []
@@ -395,6 +403,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
     ) -> tuple[list[int], list[int]]:
         """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
         KV is in the pool (each id only after TensorRT-LLM passed it in)."""
+        self._land_layerwise_loads()
         self._backend.release_loaded()
         self._record_forwards()
         self._record_layerwise_copies()
