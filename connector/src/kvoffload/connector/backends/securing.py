@@ -154,11 +154,14 @@ class Securing:
             per_rank = []
             # Every rank is asked even after a miss: each PREPARE takes over that rank's lookup locks
             # (released by the server on a miss, by our COMMIT otherwise), so none is left behind.
+            # All ranks' PREPAREs go out before the first answer is awaited: one round trip, not one
+            # per rank (each names its own rank's chunks).
+            pending = []
             for key in self._keys.of_every_rank(session_id, token_ids, start, end, salt):
                 asked.append(key)
-                response = client.prepare_retrieve(key, self._instance_id).result(
-                    timeout=max(0.0, deadline - time.monotonic()) + 0.05
-                )
+                pending.append(client.prepare_retrieve(key, self._instance_id))
+            for future in pending:
+                response = future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
                 slots = response.context.get("slots") if response.success else None
                 if slots and len(slots) == chunks:
                     per_rank.append(tuple(
