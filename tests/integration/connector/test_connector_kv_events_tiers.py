@@ -138,3 +138,40 @@ def test_a_chunk_the_filesystem_and_the_redis_l2_both_hold_is_announced_once_as_
             )
     finally:
         server.stop()
+
+
+def test_a_disk_tier_score_loads_nothing_while_l1_lacks_room_for_the_whole_l2_part_of_the_prefix(
+    tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docs/routing.md ("Tier truth") tells routers to weigh: four prompts of four 8 MiB chunks
+    through a 64 MiB L1 leave it under LMCache's 80 % eviction watermark, so no eviction makes room.
+    The first prompt, mostly only in the filesystem L2 now, scores its whole prefix in Dynamo's disk
+    column; asked again, LMCache cannot reserve L1 for its chunks in L2 at once and loads none of
+    them: the hit is what L1 held (the cpu score), and the server logs the failed reservations."""
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    server, events = sidecar_server(tmp_path, "a", {contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"})
+    dynamo = DynamoIndexer({1: events}, BLOCK, tmp_path / "indexer.log")
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    started: list[Any] = []
+    try:
+        for part in (server, dynamo):
+            part.start()
+            started.append(part)
+        engine = executor_factory("events-model", server.url, num_blocks=40, **GEOMETRY)
+        first, _ = run_prompt(engine, 1)
+        for seed in (3, 5, 7):
+            run_prompt(engine, seed)
+
+        def in_l1() -> int:
+            return dynamo.tier_matches(first, "cpu").get(1, 0)
+
+        eventually(lambda: in_l1() < CACHED and dynamo.tier_matches(first, "disk") == {1: CACHED},
+                   "the first prompt scores whole in the disk tier, not in cpu")  # fmt: skip
+        held_in_l1 = in_l1()
+        _, again = run_prompt(engine, 1)
+        assert again.connector_matched_tokens == held_in_l1 < CACHED, "the hit ends where L1's chunks end"
+        assert "L1 reservations failed with out-of-memory" in server.log_path.read_text(errors="replace")
+    finally:
+        for part in reversed(started):
+            part.stop()
