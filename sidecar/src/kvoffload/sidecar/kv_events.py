@@ -23,7 +23,7 @@ prefetch) is announced in L1 again. A clear withdraws every block in each tier a
 the bare clear, because llm-d's index (<= 0.8.1) only logs ``AllBlocksCleared``.
 
 Memory is bounded: at most ``capacity`` chunks are tracked (their tokens kept as 32-bit arrays, for
-the snapshot a new subscriber gets); the least recently stored one past that is announced removed
+the snapshot a new subscriber gets); the least recently stored (or loaded) one past that is announced removed
 from every tier, so a router may under-count what the cache holds, never over-count it.
 """
 
@@ -122,7 +122,7 @@ class _Tracked:
 
 
 class ChunkTracker:
-    """The chunks announced to routers, least recently stored first; every method returns the events
+    """The chunks announced to routers, least recently stored or loaded first; every method returns the events
     that bring a subscriber up to date with the change it made."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY_CHUNKS, wire: WireFormat = FORMAT_VLLM) -> None:
