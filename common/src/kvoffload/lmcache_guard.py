@@ -169,7 +169,8 @@ class CacheKeysChanged:
     tier: str
     """``l1`` (host memory) or ``l2`` (an L2 adapter)."""
     stored: bool
-    """True: the tier took the keys; False: it dropped them (evicted or deleted)."""
+    """True: the tier took the keys (for L1: loaded back from an L2); False: it dropped them (evicted
+    or deleted)."""
     keys: tuple[KeyTriple, ...]
     backend: str = ""
     """The L2 adapter's type as LMCache names it (``fs_native``, ``resp``); empty for L1."""
@@ -182,13 +183,19 @@ def _key_triples(metadata: dict[str, Any]) -> tuple[KeyTriple, ...]:
 
 
 def subscribe_cache_key_events(event_bus: Any, on_change: Callable[[CacheKeysChanged], None]) -> None:
-    """Call ``on_change`` (on the bus's thread) when L1 evicts keys and when an L2 adapter stores or
-    deletes keys (LMCache 0.5.6's ``L1_KEYS_EVICTED``, ``L2_KEYS_STORED``, ``L2_KEYS_DELETED``, whose
-    metadata carry ``keys`` and, for L2, ``backend`` and ``shared``; an L2 eviction is a delete)."""
+    """Call ``on_change`` (on the bus's thread) when L1 evicts keys or takes them back from an L2 (a
+    prefetch), and when an L2 adapter stores or deletes keys (LMCache 0.5.6's ``L1_KEYS_EVICTED``,
+    ``L1_WRITE_FINISHED_AND_READ_RESERVED``, which only its prefetch controller causes,
+    ``L2_KEYS_STORED``, ``L2_KEYS_DELETED``, whose metadata carry ``keys`` and, for L2, ``backend``
+    and ``shared``; an L2 eviction is a delete). The engine's own stores into L1 are not passed on:
+    the connector reports them, with their tokens."""
     from lmcache.v1.mp_observability.event import EventType
 
     def l1_evicted(event: Any) -> None:
         on_change(CacheKeysChanged("l1", False, _key_triples(event.metadata)))
+
+    def l1_loaded(event: Any) -> None:
+        on_change(CacheKeysChanged("l1", True, _key_triples(event.metadata)))
 
     def l2(stored: bool) -> Callable[[Any], None]:
         def handle(event: Any) -> None:
@@ -199,6 +206,7 @@ def subscribe_cache_key_events(event_bus: Any, on_change: Callable[[CacheKeysCha
         return handle
 
     event_bus.subscribe(EventType.L1_KEYS_EVICTED, l1_evicted)
+    event_bus.subscribe(EventType.L1_WRITE_FINISHED_AND_READ_RESERVED, l1_loaded)
     event_bus.subscribe(EventType.L2_KEYS_STORED, l2(True))
     event_bus.subscribe(EventType.L2_KEYS_DELETED, l2(False))
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kvoffload import chunk_report
 from kvoffload.lmcache_guard import CacheKeysChanged
 from kvoffload.sidecar.kv_event_wire import Event, Tier, wire_event
-from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk, batches, block_ids, l2_tier
+from kvoffload.sidecar.kv_events import NEAREST_FIRST, ChunkTracker, StoredChunk, batches, block_ids, l2_tier
 
 pytestmark = pytest.mark.sidecar
 
@@ -227,11 +227,13 @@ def test_the_server_module_announces_the_reported_chunks_chained_to_the_one_befo
 
 
 def stored_and_removed() -> list[Event]:
-    tracker = ChunkTracker()
-    events = tracker.stored(MODEL, chunks(b"a"), None, TPB, "")
-    events += tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_LOCAL)
-    events += tracker.l2_stored([(MODEL, b"a", "")], Tier.L2_SHARED)
-    return [*events, *tracker.evicted([(MODEL, b"a", "")], Tier.L2_SHARED), *tracker.clear()]
+    """Chunk ``a`` stored in each tier, withdrawn from the shared one, then from the others by a clear."""
+    from kvoffload.sidecar.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+    ids = block_ids(MODEL, b"a", 4)
+    stored: list[Event] = [BlockStored(ids, None, list(range(64)), TPB, tier) for tier in NEAREST_FIRST]
+    removed: list[Event] = [BlockRemoved(ids, tier) for tier in (Tier.L2_SHARED, Tier.HOST, Tier.L2_LOCAL)]
+    return [*stored, *removed, AllBlocksCleared()]
 
 
 def test_the_default_format_is_what_vllm_0_34s_own_classes_decode_with_vllms_media_names() -> None:

@@ -21,6 +21,9 @@ Why each fixed flag is there:
   eagerly; with lazy allocation it silently ignores the name. It also falls back to
   pickle when ``/dev/shm`` has less free space than L1. So the sidecar asks for SHM
   only when ``/dev/shm`` can hold all of L1 (the caller measures the free space).
+- ``--l2-prefetch-policy retain`` (only with an L2): a chunk LMCache loads from L2 stays in L1,
+  evicted later like a stored one, so the next request for that prefix is an L1 hit and the KV
+  events can announce it there (LMCache 0.5.6's ``default`` policy copies it through L1 and drops it).
 - ``--server-module`` (only with ``KVOFFLOAD_KV_EVENTS_PORT``): kvoffload's KV-event publisher
   (``kv_events_module``), loaded into the server process, bound on all addresses: routers on other
   pods subscribe to it; it answers nothing but subscriptions.
@@ -56,6 +59,8 @@ _NOT_INHERITED = (
     contract.ENV_L2_REDIS_PASSWORD,
 )
 
+L2_PREFETCH_POLICY = "retain"
+"""LMCache's prefetch policy with an L2: what it loads from L2 stays in L1 (``RetainPrefetchPolicy``)."""
 KV_EVENTS_MODULE = "kvoffload.sidecar.kv_events_module"
 """The server module publishing KV events (``--server-module``), loaded into the server process."""
 
@@ -127,10 +132,15 @@ def l2_adapter_specs(settings: SidecarSettings, fs_capacity_bytes: int | None = 
     return specs
 
 
-def kv_events_module_spec(port: int, topic: str = "", wire: str = "vllm", journal: str = "") -> dict[str, object]:
+def kv_events_module_spec(
+    port: int, topic: str = "", wire: str = "vllm", journal: str = "", l1_keeps_loads: bool = False
+) -> dict[str, object]:
     """The ``--server-module`` object loading kvoffload's KV-event publisher, bound on all addresses
-    (routers reach it on the pod IP; it only sends), in wire format ``wire``, journaling to ``journal``."""
+    (routers reach it on the pod IP; it only sends), in wire format ``wire``, journaling to ``journal``;
+    ``l1_keeps_loads``: the server keeps what it loads from L2 in L1 (``L2_PREFETCH_POLICY``)."""
     config: dict[str, object] = {"host": "0.0.0.0", "port": port, "topic": topic, "format": wire}
+    if l1_keeps_loads:
+        config["l1_keeps_loads"] = True
     if journal:
         config["journal"] = journal
     return {"module_path": KV_EVENTS_MODULE, "factory_name": "build_server_modules", "config": config}
@@ -186,8 +196,11 @@ def build_server_command(
     ]
     if uses_shm:
         argv += ["--shm-name", settings.shm_name, "--no-l1-use-lazy"]
-    for spec in l2_adapter_specs(settings, fs_capacity_bytes):
+    l2_specs = l2_adapter_specs(settings, fs_capacity_bytes)
+    for spec in l2_specs:
         argv += ["--l2-adapter", json.dumps(spec, sort_keys=True)]
+    if l2_specs:
+        argv += ["--l2-prefetch-policy", L2_PREFETCH_POLICY]
     if settings.kv_events_port is not None:
         argv += [
             "--server-module",
@@ -197,6 +210,7 @@ def build_server_command(
                     settings.kv_events_topic,
                     settings.kv_events_format,
                     kv_events_journal_path(settings),
+                    l1_keeps_loads=bool(l2_specs),
                 ),
                 sort_keys=True,
             ),

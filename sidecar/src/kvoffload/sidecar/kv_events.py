@@ -13,14 +13,17 @@ match only for requests of that adapter). Every other salted chunk (a tenant's `
 multimodal or prompt-tuning prompt's, ``connector.keys.key_salt``) is never announced: no router
 can be asked under its scope, and unscoped it would rank a pod for prompts that cannot use it.
 
-Each chunk is announced once per tier that holds it (``kv_event_wire.Tier``: L1, a filesystem L2,
-a shared Redis L2), each wire format naming the tier its own way (``kv_event_wire.medium``); a
-removal names its tier and leaves the others. A chunk L1 evicts while L2 keeps it stays announced in
-L2. A clear withdraws every block in each tier holding it before the bare clear, because llm-d's
-index (<= 0.8.1) only logs ``AllBlocksCleared``.
+A chunk is announced at most once per medium (``announced_tiers``): each wire format names the
+tiers its own way (``kv_event_wire.medium``), and where two tiers holding a chunk share a medium
+(vLLM's maps name a filesystem and a Redis L2 both ``STORAGE``, apart only by ``locality``, which
+llm-d's index ignores) it is announced in the nearest of them only, so that one tier dropping it
+never withdraws what the other still holds. A removal names its tier and leaves the others; a chunk
+L1 evicts while L2 keeps it stays announced in L2, and one LMCache loads back from L2 into L1 (a
+prefetch) is announced in L1 again. A clear withdraws every block in each tier announcing it before
+the bare clear, because llm-d's index (<= 0.8.1) only logs ``AllBlocksCleared``.
 
 Memory is bounded: at most ``capacity`` chunks are tracked (their tokens kept as 32-bit arrays, for
-the snapshot a new subscriber gets); the least recently stored one past that is announced removed
+the snapshot a new subscriber gets); the least recently stored (or loaded) one past that is announced removed
 from every tier, so a router may under-count what the cache holds, never over-count it.
 """
 
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from kvoffload.chunk_report import LoraScope
 from kvoffload.lmcache_guard import KeyTriple
 
-from .kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
+from .kv_event_wire import FORMAT_VLLM, AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier, WireFormat, medium
 
 SHARED_L2_BACKENDS = ("resp",)
 """LMCache's L2 adapter types that reach a store other servers can share (``resp``: Redis)."""
@@ -56,6 +59,22 @@ def block_id(cache_model: str, chunk_hash: bytes, index: int, salt: str = "") ->
 
 def block_ids(cache_model: str, chunk_hash: bytes, blocks: int, salt: str = "") -> tuple[int, ...]:
     return tuple(block_id(cache_model, chunk_hash, i, salt) for i in range(blocks))
+
+
+NEAREST_FIRST = (Tier.HOST, Tier.L2_LOCAL, Tier.L2_SHARED)
+"""The tiers from the one a load comes from fastest."""
+
+
+def announced_tiers(held: Iterable[Tier], wire: WireFormat) -> tuple[Tier, ...]:
+    """The tiers a chunk ``held`` in these tiers is announced in, nearest first: per medium as ``wire``
+    names it (locality aside), the nearest tier holding it."""
+    holding, seen, announced = set(held), set(), []
+    for tier in NEAREST_FIRST:
+        name = medium(tier, wire)[0]
+        if tier in holding and name not in seen:
+            seen.add(name)
+            announced.append(tier)
+    return tuple(announced)
 
 
 def l2_tier(backend: str, shared: bool) -> Tier:
@@ -80,22 +99,38 @@ class _Tracked:
     tokens: array
     block_size: int
     depth: int
-    media: set[Tier]
-    """The tiers holding the chunk now (announced); never empty while tracked."""
+    held: set[Tier]
+    """The tiers holding the chunk now; never empty while tracked."""
+    announced: tuple[Tier, ...]
+    """The tiers it is announced in (``announced_tiers`` of ``held``), nearest first."""
     lora: LoraScope | None
 
     def stored_in(self, tier: Tier) -> Event:
         return BlockStored(self.ids, self.parent, self.tokens.tolist(), self.block_size, tier, self.lora)
 
+    def withdrawn(self) -> list[Event]:
+        return [BlockRemoved(self.ids, tier) for tier in self.announced]
+
+    def settle(self, wire: WireFormat) -> list[Event]:
+        """The events that bring the announcement in line with ``held``: removals first, so that a
+        medium passing from one tier to another is withdrawn before it is announced again."""
+        announced = announced_tiers(self.held, wire)
+        events: list[Event] = [BlockRemoved(self.ids, tier) for tier in self.announced if tier not in announced]
+        events += [self.stored_in(tier) for tier in announced if tier not in self.announced]
+        self.announced = announced
+        return events
+
 
 class ChunkTracker:
-    """The chunks announced to routers, least recently stored first; every method returns the events
+    """The chunks announced to routers, least recently stored or loaded first; every method returns the events
     that bring a subscriber up to date with the change it made."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY_CHUNKS) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY_CHUNKS, wire: WireFormat = FORMAT_VLLM) -> None:
         if capacity < 1:
             raise ValueError(f"capacity: {capacity} is not allowed; use at least 1 chunk")
         self._capacity = capacity
+        self._wire: WireFormat = wire
+        """The format the events go out in: which tiers share a medium (``announced_tiers``)."""
         self._chunks: OrderedDict[KeyTriple, _Tracked] = OrderedDict()
         self._early: OrderedDict[KeyTriple, set[Tier]] = OrderedDict()
         """L2 tiers that took a chunk before its store was reported (LMCache writes L2 behind L1, and
@@ -132,19 +167,35 @@ class ChunkTracker:
             ids = block_ids(cache_model, chunk.chunk_hash, len(chunk.tokens) // tokens_per_block, salt)
             tracked = self._chunks.get(key)
             if tracked is None:
-                media = {Tier.HOST} | self._early.pop(key, set())
-                tracked = _Tracked(ids, parent, array("I", chunk.tokens), tokens_per_block, chunk.depth, set(), lora)
+                held = {Tier.HOST} | self._early.pop(key, set())
+                tokens = array("I", chunk.tokens)
+                tracked = _Tracked(ids, parent, tokens, tokens_per_block, chunk.depth, held, (), lora)
                 self._chunks[key] = tracked
             else:
                 self._chunks.move_to_end(key)
-                media = {Tier.HOST}
-            for tier in sorted(media - tracked.media):
-                tracked.media.add(tier)
-                events.append(tracked.stored_in(tier))
+                tracked.held.add(Tier.HOST)
+            events += tracked.settle(self._wire)
             parent = ids[-1]
+        return events + self._past_capacity()
+
+    def _past_capacity(self) -> list[Event]:
+        events: list[Event] = []
         while len(self._chunks) > self._capacity:
             _, dropped = self._chunks.popitem(last=False)
-            events += [BlockRemoved(dropped.ids, tier) for tier in sorted(dropped.media)]
+            events += dropped.withdrawn()
+        return events
+
+    def loaded(self, keys: Iterable[KeyTriple]) -> list[Event]:
+        """L1 took these objects back from an L2 (LMCache's prefetch): announced in L1 again. One never
+        announced is ignored: its tokens are unknown here (another server's store in a shared L2, or
+        a chunk past capacity)."""
+        events: list[Event] = []
+        for key in keys:
+            tracked = self._chunks.get(key)
+            if tracked is not None:
+                self._chunks.move_to_end(key)
+                tracked.held.add(Tier.HOST)
+                events += tracked.settle(self._wire)
         return events
 
     def evicted(self, keys: Iterable[KeyTriple], tier: Tier = Tier.HOST) -> list[Event]:
@@ -157,10 +208,9 @@ class ChunkTracker:
                 if key in self._early:
                     self._early[key].discard(tier)
                 continue
-            if tier in tracked.media:
-                tracked.media.discard(tier)
-                events.append(BlockRemoved(tracked.ids, tier))
-            if not tracked.media:
+            tracked.held.discard(tier)
+            events += tracked.settle(self._wire)
+            if not tracked.held:
                 del self._chunks[key]
         return events
 
@@ -178,15 +228,15 @@ class ChunkTracker:
                 self._early.move_to_end(key)
                 while len(self._early) > self._capacity:
                     self._early.popitem(last=False)
-            elif tier not in tracked.media:
-                tracked.media.add(tier)
-                events.append(tracked.stored_in(tier))
+            else:
+                tracked.held.add(tier)
+                events += tracked.settle(self._wire)
         return events
 
     def clear(self) -> list[Event]:
         """Forget every chunk (an eviction may have been lost): each block is withdrawn in each tier
-        holding it (routers that ignore a clear, llm-d's index <= 0.8.1, apply these), then cleared."""
-        removed: list[Event] = [BlockRemoved(t.ids, tier) for t in self._chunks.values() for tier in sorted(t.media)]
+        announcing it (routers that ignore a clear, llm-d's index <= 0.8.1, apply these), then cleared."""
+        removed: list[Event] = [e for t in self._chunks.values() for e in t.withdrawn()]
         self._chunks.clear()
         self._early.clear()
         self._scoped_salts.clear()
@@ -194,9 +244,9 @@ class ChunkTracker:
 
     def snapshot(self) -> list[Event]:
         """Everything a subscriber needs from nothing: a clear, then every tracked chunk in each tier
-        holding it, parents first."""
+        announcing it, parents first."""
         ordered = sorted(self._chunks.values(), key=lambda t: t.depth)
-        return [AllBlocksCleared(), *(t.stored_in(tier) for t in ordered for tier in sorted(t.media))]
+        return [AllBlocksCleared(), *(t.stored_in(tier) for t in ordered for tier in t.announced)]
 
 
 def batches(events: Sequence[Event], per_batch: int = EVENTS_PER_BATCH) -> list[list[Event]]:

@@ -12,8 +12,9 @@ the server internals it needs (key resolution, the event bus's names) sit behind
   chunks) and announcing the unsalted ones, and the LoRA-scoped ones under their adapter
   (``kv_events.ChunkTracker``);
 - follows LMCache's event bus (``lmcache_guard.subscribe_cache_key_events``): an L1 eviction is a
-  removal from the host tier, an L2 adapter's store or delete an announcement or removal in its
-  tier (``kv_events.l2_tier``);
+  removal from the host tier, a load from L2 back into L1 an announcement there again (where the
+  server keeps loads in L1: ``command.L2_PREFETCH_POLICY``),
+  an L2 adapter's store or delete an announcement or removal in its tier (``kv_events.l2_tier``);
 - sends a subscriber, when it subscribes and to it alone (``XPUB_MANUAL_LAST_VALUE``), one batch:
   the blocks its predecessor left announced withdrawn per tier, ``AllBlocksCleared``, and the chunks
   it tracks; then an empty batch to all under the same sequence number, so that the others see no
@@ -311,9 +312,12 @@ class EventPublisher:
 class KvEventsModule:
     """The LMCache server module: the report handler, the eviction subscriber and the publisher."""
 
-    def __init__(self, server_context: Any, publisher: EventPublisher) -> None:
+    def __init__(self, server_context: Any, publisher: EventPublisher, l1_keeps_loads: bool = False) -> None:
         self._ctx = server_context
         self._publisher = publisher
+        self._l1_keeps_loads = l1_keeps_loads
+        """The server keeps what it loads from L2 in L1; otherwise a load is a copy through L1 that
+        LMCache drops at once (announcing it would withdraw it a moment later)."""
         self.counts: Counter[str] = Counter()
 
     @property
@@ -354,10 +358,13 @@ class KvEventsModule:
     def on_keys_changed(self, change: CacheKeysChanged) -> None:
         """Event bus: a tier of the cache took or dropped these objects."""
         keys, tier = change.keys, Tier.HOST if change.tier == "l1" else l2_tier(change.backend, change.shared)
-        if change.stored and change.tier == "l2":
-            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, tier))
-        elif not change.stored:
+        if not change.stored:
             self._publisher.submit(lambda tracker: tracker.evicted(keys, tier))
+        elif tier is Tier.HOST:
+            if self._l1_keeps_loads:
+                self._publisher.submit(lambda tracker: tracker.loaded(keys))
+        else:
+            self._publisher.submit(lambda tracker: tracker.l2_stored(keys, tier))
 
     def on_events_lost(self) -> None:
         """Event bus overflow: an eviction may be lost, so routers forget everything from here."""
@@ -371,7 +378,9 @@ def build_server_modules(build: Any) -> Any:
     ``build.config``: ``port`` (required), ``host`` (default all addresses), ``topic`` (default
     ``""``), ``capacity_chunks`` (default ``kv_events.DEFAULT_CAPACITY_CHUNKS``), ``format`` (one of
     ``kv_event_wire.FORMATS``, default ``vllm``), ``journal`` (a file path; default none: a restarted
-    server then numbers from 0 and cannot withdraw its predecessor's blocks).
+    server then numbers from 0 and cannot withdraw its predecessor's blocks), ``l1_keeps_loads``
+    (default false: the server runs LMCache's ``default`` prefetch policy, whose loads from L2 do not
+    stay in L1, so they are not announced there).
     """
     check_lmcache_version(installed_lmcache_version())
     ctx = build.server_context
@@ -383,14 +392,15 @@ def build_server_modules(build: Any) -> Any:
     config = dict(build.config)
     host, port = str(config.get("host", "0.0.0.0")), int(config["port"])
     journal = config.get("journal")
+    wire = wire_format(config.get("format", FORMAT_VLLM))
     publisher = EventPublisher(
         f"tcp://{host}:{port}",
         str(config.get("topic", "")),
-        ChunkTracker(int(config.get("capacity_chunks", DEFAULT_CAPACITY_CHUNKS))),
-        wire_format(config.get("format", FORMAT_VLLM)),
+        ChunkTracker(int(config.get("capacity_chunks", DEFAULT_CAPACITY_CHUNKS)), wire),
+        wire,
         EventJournal(str(journal)) if journal else None,
     )
-    module = KvEventsModule(ctx, publisher)
+    module = KvEventsModule(ctx, publisher, bool(config.get("l1_keeps_loads", False)))
     publisher.start()
     subscribe_cache_key_events(ctx.event_bus, module.on_keys_changed)
     ctx.event_bus.subscribe_drops(module.on_events_lost)
