@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract
+from kvoffload.connector.backends.base import BackendError, LoadResult
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import CHUNK, PromptRequest, make_prompt
 
@@ -75,4 +76,34 @@ def test_a_layer_run_without_its_hook_during_a_layer_wise_load_fails_the_batch_t
     (whole,) = ex.run([PromptRequest(4, q, 2)])
     assert not whole.failed and whole.connector_matched_tokens == _hit(len(q))
     assert copies == {"whole": 1, "layerwise": 1}
+    assert ex.kv_mismatches == 0
+
+
+def test_a_layer_wise_load_that_failed_leaves_nothing_for_the_next_iteration(
+    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer-wise load whose copy failed fails its batch in the first layer's hook, before
+    ``wait_for_save``; the engine's next iterations (no load, then a hit) run as usual."""
+    monkeypatch.setenv(contract.ENV_LOAD_COST_GUARD, "false")
+    ex = executor_factory("layerwise-failed-model", lmcache_server.url)
+    backend = ex.rank0.worker.backend
+    original = backend.load_secured_by_layer
+
+    def failing(ops: Any) -> Any:
+        layerwise = original(ops)
+        layerwise.results[:] = [LoadResult(0, 0.0, BackendError("retrieve", "error", "injected")) for _ in ops]
+        return layerwise
+
+    p, q = make_prompt(90, 300), make_prompt(91, 300)
+    ex.run([PromptRequest(1, p, 2)])
+    ex.evict_device_cache()
+    backend.load_secured_by_layer = failing
+    (failed,) = ex.run([PromptRequest(2, p, 2)])
+    assert failed.failed and "KV load failed" in failed.error
+    backend.load_secured_by_layer = original
+    (computed,) = ex.run([PromptRequest(3, q, 2)])  # no load in this iteration
+    assert not computed.failed and computed.connector_matched_tokens == 0
+    ex.evict_device_cache()
+    (hit,) = ex.run([PromptRequest(4, p, 2)])
+    assert not hit.failed and hit.connector_matched_tokens == _hit(len(p))
     assert ex.kv_mismatches == 0

@@ -161,6 +161,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         """
         if self._layer_hooks is not None:
             self._layer_hooks.forward_started()
+        self._layerwise = None  # a forward that failed before wait_for_save left its load here
         meta = self._metadata
         if not isinstance(meta, wire.ConnectorMetadata):
             return

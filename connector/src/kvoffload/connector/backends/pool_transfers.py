@@ -143,7 +143,12 @@ class PoolTransfers:
     def layerwise_loads_possible(self) -> bool:
         """Whether ``load_secured_by_layer`` can copy into this pool: one pool of whole blocks, each
         its layers one after the other (not several layer groups' pages)."""
-        return self.pages is None and self.pool.dim() >= 3 and rows_copy_available(self.pool.device)
+        return (
+            self.pages is None
+            and self.pool.dim() >= 3
+            and self.pool.is_contiguous()
+            and rows_copy_available(self.pool.device)
+        )
 
     def load_secured_by_layer(self, ops: Sequence[TransferOp]) -> LayerwiseLoad:
         """Issue each op's secured chunk copies span of layers by span (``layer_copies``), without
