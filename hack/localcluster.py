@@ -294,6 +294,17 @@ class LocalCluster:
         path.write_text(kubeconfig_yaml(self.server, self.pki / "ca.crt", {"token": token}, name=f"{namespace}-{name}"))
         return path
 
+    @contextlib.contextmanager
+    def paused(self, component: str) -> Iterator[None]:
+        """``component`` (``kube-controller-manager``, ``kube-scheduler``, ``kwok``) frozen (SIGSTOP)
+        for the block, as a control plane too busy to keep up; it goes on where it was (SIGCONT)."""
+        (proc,) = [p for p in self.procs if p.name == component and p.popen.poll() is None]
+        proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            proc.popen.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Stop every component, newest first."""
         for proc in reversed(self.procs):

@@ -273,3 +273,25 @@ def test_distinct_chunks_counts_each_prefix_once() -> None:
 
     a, b = list(range(10)), [*range(8), 99, 100, 101, 102]
     assert distinct_chunks([a, a, b], 4) == 3  # [:4] and [:8] shared; a has no [:12] (10 tokens), b's is new
+
+
+def test_the_scale_benchmark_counts_the_operators_writes_per_workload_from_the_audit_log() -> None:
+    from benchmarks.operator_scale import NAMESPACE, summarize_writes
+    from tests.support.audit import Write
+
+    op, admin = "system:serviceaccount:kvoffload-system:kvoffload-operator", "kubernetes-admin"
+    writes = [
+        Write(admin, "create", "deployments", NAMESPACE, "w-0000", 201),
+        Write(op, "patch", "deployments", NAMESPACE, "w-0000", 409),
+        Write(op, "patch", "deployments", NAMESPACE, "w-0000", 200),
+        Write(op, "patch", "deployments", NAMESPACE, "w-0001", 200),
+        Write(op, "update", "leases", "kvoffload-system", "kvoffload-operator", 200),
+        Write(
+            "system:serviceaccount:kube-system:disruption-controller", "create", "pods/eviction", NAMESPACE, "p", 201
+        ),
+    ]
+    summary = summarize_writes(writes, op, 2)
+    assert summary["operator_writes_per_workload"] == 1.5 and summary["conflicts_409"] == 1
+    assert summary["workloads_by_operator_writes_on_them"] == {"1": 1, "2": 1}
+    assert summary["evictions"] == 1  # anyone's, in the fleet's namespace
+    assert summary["operator_writes_outside_the_namespace"] == {"update leases 200": 1}

@@ -72,6 +72,7 @@ def live(manifest: dict[str, Any], manager: str = "kubectl-client-side-apply") -
     obj["metadata"].setdefault("uid", "uid-" + obj["metadata"]["name"])
     obj["metadata"].setdefault("generation", 1)
     obj["metadata"].setdefault("resourceVersion", "1")
+    obj.setdefault("status", {"observedGeneration": obj["metadata"]["generation"]})  # its controller saw it
     tracked = {k: v for k, v in obj.items() if k in ("spec",)}
     obj["metadata"]["managedFields"] = [
         {"manager": manager, "operation": "Update", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",

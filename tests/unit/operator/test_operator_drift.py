@@ -47,7 +47,7 @@ def injected() -> tuple[dict[str, Any], dict[str, Any]]:
     live = applied(obj, rendered.workload_apply)
     for container in live["spec"]["template"]["spec"]["containers"]:  # apiserver defaults are extra fields
         container["terminationMessagePath"] = "/dev/termination-log"
-    live["status"] = {"replicas": 1}
+    live["status"] = {"replicas": 1, "observedGeneration": live["metadata"]["generation"]}
     return rendered.workload_apply, live
 
 

@@ -36,6 +36,9 @@ class FakeKube:
     objects: dict[str, dict[str, Any]] = field(default_factory=dict)
     versions: list[object] = field(default_factory=list)
     """``metadata.resourceVersion`` of each workload apply body (None: no optimistic lock)."""
+    served: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What the apiserver holds for a workload when ``objects`` does not say: the object the last
+    pass over it was handed (``ServedReconciler``); clear it to delete the workload."""
 
     def apply(self, path: str, body: Mapping[str, Any], field_manager: str, force: bool = False) -> dict[str, Any]:
         self.calls.append(("apply", path, force))
@@ -54,7 +57,7 @@ class FakeKube:
         return dict(body)
 
     def get(self, path: str) -> dict[str, Any] | None:
-        return self.objects.get(path)
+        return self.objects.get(path, self.served.get(path))
 
     def delete(self, path: str) -> bool:
         self.calls.append(("delete", path, False))
@@ -67,9 +70,19 @@ class FakeKube:
         return {}
 
 
+class ServedReconciler(Reconciler):
+    """A Reconciler over a ``FakeKube`` that holds each workload as the pass over it was handed (the
+    apply reads the workload first to lock to its newest version); a test pins another in ``objects``."""
+
+    def reconcile(self, obj: Mapping[str, Any], force: bool = False) -> str:
+        meta = obj["metadata"]
+        self.kube.served[workload_path(obj["kind"], meta["namespace"], meta["name"])] = dict(obj)  # type: ignore[attr-defined]
+        return super().reconcile(obj, force)
+
+
 def reconciler(kube: FakeKube, normal_events: bool = True) -> tuple[Reconciler, OperatorMetrics]:
     metrics = OperatorMetrics()
-    r = Reconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True), metrics=metrics,  # type: ignore[arg-type]
+    r = ServedReconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True), metrics=metrics,  # type: ignore[arg-type]
                    events=EventRecorder(kube, normal=normal_events))  # type: ignore[arg-type]  # fmt: skip
     return r, metrics
 
@@ -99,7 +112,9 @@ def test_by_default_an_injection_posts_no_event_but_a_rejection_posts_its_warnin
     assert [(e["type"], e["reason"]) for e in kube.events] == [("Warning", "KvoffloadInvalid")]
 
 
-def test_both_applies_are_locked_and_a_status_only_409_refreshes_the_lock() -> None:
+def test_every_apply_is_locked_to_the_version_read_just_before_it() -> None:
+    """A pass works from an event that may be a version behind (the Deployment controller writes its
+    status after a CREATE): locking to it would only buy a 409 (issue 46, item 5)."""
     stale = KubeApiError(409, {"reason": "Conflict", "message": "the object has been modified"}, "PATCH", "/x")
     kube = FakeKube(apply_errors=[stale, conflict(ARGS_FIELD)])
     r, _ = reconciler(kube)
@@ -109,7 +124,7 @@ def test_both_applies_are_locked_and_a_status_only_409_refreshes_the_lock() -> N
     status_moved["metadata"]["resourceVersion"] = "42"  # same spec and annotations, newer status
     kube.objects[workload_path("Deployment", "ns", "llama")] = status_moved
     assert r.reconcile(obj) == "applied"
-    assert kube.versions == ["41", "42", "41"]  # refreshed; the forced apply starts from its own lock again
+    assert kube.versions == ["42", "42", "42"]  # never the event's 41: read, and read again after a 409
 
 
 def test_a_422_on_a_fragment_of_an_older_spec_is_skipped_not_reported() -> None:
@@ -140,11 +155,14 @@ def test_any_other_conflict_is_reported_and_nothing_forced() -> None:
 
 
 def test_a_stale_object_is_skipped_not_forced() -> None:
-    stale = KubeApiError(409, {"reason": "Conflict", "message": "the object has been modified"}, "PATCH", "/x")
-    kube = FakeKube(apply_errors=[stale])
+    kube = FakeKube()
     r, metrics = reconciler(kube)
-    assert r.reconcile(enabled()) == "skipped"
-    assert workload_applies(kube) == [False]
+    obj = enabled()
+    newer = enabled()
+    newer["metadata"]["generation"] = obj["metadata"].get("generation", 1) + 1
+    kube.objects[workload_path("Deployment", "ns", "llama")] = newer  # the user changed the spec meanwhile
+    assert r.reconcile(obj) == "skipped"
+    assert workload_applies(kube) == []  # the read before the apply saw it: nothing sent, nothing forced
     assert metrics.errors.labels(kind="Deployment", reason="api_error")._value.get() == 0
 
 
@@ -190,6 +208,7 @@ def test_a_retry_of_a_deleted_workload_is_dropped(monkeypatch: pytest.MonkeyPatc
     clock = [0.0]
     monkeypatch.setattr("kvoffload.operator.control.reconcile.time.monotonic", lambda: clock[0])
     assert r.reconcile(enabled()) == "error"
+    kube.served.clear()
     clock[0] += 5
     assert r.run_due_retries() == 1
     assert len(r.retries) == 0 and workload_applies(kube) == [False]
@@ -231,7 +250,7 @@ def test_an_upgrade_from_the_record_in_a_configmap_puts_the_record_on_the_worklo
     ConfigMap an earlier version kept the record in stays, unread, until its owner (the workload) goes."""
     kube = FakeKube()
     metrics = OperatorMetrics()
-    r = Reconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True, injection="admission"),  # type: ignore[arg-type]
+    r = ServedReconciler(kube=kube, defaults=OperatorDefaults(), cluster=ClusterInfo(True, injection="admission"),  # type: ignore[arg-type]
                    metrics=metrics, events=EventRecorder(kube))  # type: ignore[arg-type]  # fmt: skip
     configmap = "/api/v1/namespaces/ns/configmaps/llama-kvoffload"
     kube.objects[configmap] = {"metadata": {"labels": {c.LABEL_MANAGED_BY: c.LABEL_MANAGED_BY_VALUE}}}
@@ -301,7 +320,13 @@ def test_a_workload_being_deleted_is_left_alone() -> None:
 
 def test_an_apply_refused_because_the_workload_or_its_namespace_went_away_is_not_retried() -> None:
     terminating = KubeApiError(403, {"reason": "Forbidden", "message": "namespace is being terminated"}, "PATCH", "/x")
-    kube = FakeKube(apply_errors=[terminating])
+
+    class TerminatingKube(FakeKube):
+        def apply(self, path: str, body: Mapping[str, Any], field_manager: str, force: bool = False) -> dict[str, Any]:
+            self.served.clear()  # the namespace goes while the apply is refused
+            return super().apply(path, body, field_manager, force)
+
+    kube = TerminatingKube(apply_errors=[terminating])
     r, metrics = reconciler(kube)
     assert r.reconcile(enabled()) == "skipped"  # GET answers None: it is gone
     assert len(r.retries) == 0 and kube.events == []

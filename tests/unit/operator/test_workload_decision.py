@@ -132,6 +132,18 @@ def test_inputs_already_reconciled_are_left_unless_forced() -> None:
     assert isinstance(decide(obj, replace(done, force=True)), Inject)
 
 
+def test_in_admission_mode_a_workload_just_created_waits_for_its_controllers_first_status() -> None:
+    """An apply before that status write is refused (409) and sent again (issue 46, item 5)."""
+    obj = workload(**ON)
+    del obj["status"]
+    admission = replace(INPUTS, cluster=ClusterInfo(True, injection="admission"))
+    assert decide(obj, admission) == Leave()
+    assert isinstance(decide(obj, replace(admission, force=True)), Inject)  # a resync does not wait
+    assert isinstance(decide(obj, INPUTS), Inject)  # template mode: an early apply may spare a rollout
+    obj["status"] = {"observedGeneration": 1}
+    assert isinstance(decide(obj, admission), Inject)
+
+
 def test_a_new_generation_or_policy_version_is_not_already_reconciled() -> None:
     obj = workload(**{**ON, c.ANN_POLICY: "p"})
     done = replace(INPUTS, policy=lambda namespace, name: POLICY, done=frozenset({fingerprint_of(obj, "6")}))

@@ -24,26 +24,29 @@ LOCKED_APPLY_TRIES = 3
 
 
 def locked_apply(kube: Kube, body: Mapping[str, Any], workload: Workload, force: bool) -> dict[str, Any] | None:
-    """Apply locked to a version whose spec and kvoffload annotations are those the fragment was
-    computed from (``workload`` as read); status writes in between only refresh the lock (a few
-    tries). None: the inputs changed (the next event carries them). Field conflicts are raised."""
+    """Apply locked to the newest version whose spec and kvoffload annotations are those the fragment
+    was computed from (``workload`` as read). None: the inputs changed or the workload is gone (the
+    next event carries it). Field conflicts are raised.
+
+    The lock is taken from a read just before each try, not from ``workload``: under load the event
+    a pass works from is often a version behind (the Deployment controller writes its status two or
+    three times after a CREATE), and a lock taken from it only buys a 409, a write the apiserver
+    admits (webhooks included) and refuses, then this same read."""
     path = workload_path(workload.ref.kind, workload.ref.namespace, workload.ref.name)
     locked = {**body, "metadata": dict(body["metadata"])}  # only the resourceVersion changes
-    version = workload.ref.resource_version
     ours = ours_annotations_digest(workload.annotations)
     for _attempt in range(LOCKED_APPLY_TRIES):
-        locked["metadata"]["resourceVersion"] = version
-        try:
-            return kube.apply(path, locked, c.FIELD_MANAGER, force=force)
-        except KubeApiError as exc:
-            if exc.status != 409 or exc.field_conflicts:
-                raise
         current = kube.get(path)
         current_meta = (current or {}).get("metadata") or {}
         if (current is None or current_meta.get("generation") != workload.generation
                 or ours_annotations_digest(current_meta.get("annotations") or {}) != ours):  # fmt: skip
             return None
-        version = current_meta.get("resourceVersion")
+        locked["metadata"]["resourceVersion"] = current_meta.get("resourceVersion")
+        try:
+            return kube.apply(path, locked, c.FIELD_MANAGER, force=force)
+        except KubeApiError as exc:
+            if exc.status != 409 or exc.field_conflicts:
+                raise
     return None
 
 

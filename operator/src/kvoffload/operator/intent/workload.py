@@ -142,6 +142,9 @@ class Workload:
     """kvoffload's field manager has any field of the object."""
     live: Mapping[str, Any]
     """The object as read: drift checks compare the apply bodies with it."""
+    status_observed: bool = True
+    """Its controller has written a status (``status.observedGeneration``) for some generation; False
+    for a workload just created, whose controller's first status write is still to come."""
 
     @property
     def user_containers(self) -> tuple[Container, ...]:
@@ -178,6 +181,7 @@ def read_workload(obj: Mapping[str, Any]) -> Workload:
                                                                      f"f:{c.LABEL_INJECTED}")),
         owns_record=held.ours(RECORD_PATH), owns_admission_label=held.ours(ADMISSION_LABEL_PATH),
         manages_anything=held.any_ours(), live=obj,
+        status_observed="observedGeneration" in (obj.get("status") or {}),
         containers=tuple(_container(view, owned, line) for (view, owned), line in zip(views, lines, strict=True)),
     )  # fmt: skip
 

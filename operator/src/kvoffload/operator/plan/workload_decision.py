@@ -3,7 +3,8 @@
 Every question the pass asks before it writes is answered here, in this order (the first that
 fails wins): is the workload being deleted, did kvoffload write what its field manager holds there
 (a forged injection record is left alone), is its ``kvoffload.io/enabled`` readable, is it opted
-in, is its namespace one the webhook is called for (admission mode), were these inputs reconciled already, are its settings valid, may its mode run in this
+in, is its namespace one the webhook is called for (admission mode), were these inputs reconciled already, has its
+controller written a first status (admission mode: a write before that one is refused), are its settings valid, may its mode run in this
 operator, does the injected pod fit a GPU node, may a node-mode engine share its node's cache, and
 what is the injection's plan (``injection_plan.plan_workload``). The reconciler hands it the workload as read and the inputs,
 calls it once and performs the one effect the decision names. Pure but for the three readers it is
@@ -79,7 +80,8 @@ class WorkloadInputs:
 
 @dataclass(frozen=True)
 class Leave:
-    """Nothing to do: the workload is being deleted, or these inputs were reconciled already."""
+    """Nothing to do now: the workload is being deleted, these inputs were reconciled already, or it
+    was just created and its controller's first status write (the next event) is still to come."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,13 @@ def decide_workload(workload: Workload, inputs: WorkloadInputs) -> Decision:
     policy_version = None if policy is None else (policy.get("metadata") or {}).get("resourceVersion")
     fingerprint = (workload.generation, digest, policy_version, inputs.cluster)
     if not inputs.force and fingerprint in inputs.done:
+        return Leave()
+    if inputs.cluster.injection == "admission" and not inputs.force and not workload.status_observed:
+        # Just created: its controller writes the first status within moments, an event that brings
+        # the workload back. An apply sent before that write, locked to the version it read, is
+        # refused (409) and sent again: nearly one extra write per workload created opted in. Only
+        # admission mode waits: the webhook labelled the template at the CREATE, so its first pods
+        # are injected without the record; in template mode an early apply may spare a rollout.
         return Leave()
     state = f"{workload.generation}/{digest}/{policy_version}"
     settings = resolve_settings(annotations, policy, inputs.defaults, workload.ref.namespace)
