@@ -36,7 +36,12 @@ class EngineStream:
         self._sequence = 0
 
     def stored(self, ids: list[int], parent: int | None, tokens: list[int]) -> None:
-        event = vllm.BlockStored(ids, parent, tokens, BLOCK, None, "GPU", None)
+        self._send(vllm.BlockStored(ids, parent, tokens, BLOCK, None, "GPU", None))
+
+    def cleared(self) -> None:
+        self._send(vllm.AllBlocksCleared())
+
+    def _send(self, event: object) -> None:
         batch = vllm.KVEventBatch(time.time(), [event], 0)
         self._sock.send_multipart([b"", self._sequence.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
         self._sequence += 1
@@ -47,7 +52,8 @@ def test_a_kvoffload_restart_clears_the_engines_gpu_view_of_the_worker_in_dynamo
     the engine's as ``1:1``; but a batch's own rank wins over that, and both streams say rank 0. So
     an eviction (a removal of kvoffload's blocks) leaves the GPU blocks scored, while a restarted
     cache server's ``AllBlocksCleared`` clears the worker's rank 0, the engine's GPU blocks with it,
-    and the engine's next block under a cleared parent is not indexed until it stores a prefix anew."""
+    and the engine's next block under a cleared parent is not indexed until it stores a prefix anew;
+    the engine's own clear takes kvoffload's blocks likewise."""
     from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk
     from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
 
@@ -89,6 +95,12 @@ def test_a_kvoffload_restart_clears_the_engines_gpu_view_of_the_worker_in_dynamo
         engine.stored([911], None, list(range(300, 316)))
         wait_for(lambda: indexer.tier_matches(list(range(300, 316)), "gpu") == {1: 16}, 30, "a new GPU prefix")
         assert indexer.tier_matches([*GPU_PREFIX, *range(264, 280)], "gpu") == {}, "a child of a cleared block"
+
+        # and the other way: the engine's clear takes our host blocks of the worker
+        store_host_prefix(cache)
+        wait_for(lambda: indexer.host_tier_matches(HOST_PREFIX) == {1: 64}, 30, "our host blocks after the restart")
+        engine.cleared()
+        wait_for(lambda: indexer.host_tier_matches(HOST_PREFIX) == {}, 30, "the engine's clear took our blocks")
     finally:
         cache.close()
         indexer.stop()
