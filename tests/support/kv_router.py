@@ -42,9 +42,10 @@ def router_python() -> Path:
 
 @dataclass
 class DynamoIndexer:
-    """One indexer process subscribed to ``workers`` (worker id -> ZMQ endpoint)."""
+    """One indexer process subscribed to ``workers`` (worker id, or ``"id:dp_rank"`` for a second
+    stream of one worker, -> ZMQ endpoint)."""
 
-    workers: Mapping[int, str]
+    workers: Mapping[int | str, str]
     block_size: int
     log_path: Path
     port: int = 0

@@ -3,8 +3,10 @@ standby after a crash, publishes on the events port, and greets every subscriber
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,18 +107,17 @@ def test_a_new_subscribers_first_batch_goes_to_it_alone_and_the_others_see_no_ga
         first = Subscriber(context, endpoint)
         sequence, events = first.next()
         assert [type(e) for e in events] == [vllm.AllBlocksCleared]
-        assert first.next() == (sequence, [])  # the others' gap filler, under the same number
         stored(publisher, b"a")
         assert first.next()[0] == sequence + 1
         second = Subscriber(context, endpoint)
         joined, events = second.next()
-        assert [type(e) for e in events] == [vllm.AllBlocksCleared, vllm.BlockStored] and joined == sequence + 2
+        # under the last number sent: the others are sent nothing, and the joiner's next follows on
+        assert [type(e) for e in events] == [vllm.AllBlocksCleared, vllm.BlockStored] and joined == sequence + 1
         stored(publisher, b"b")
-        assert [s for s, _ in [second.next(), second.next()]] == [joined, joined + 1]
-        # the first subscriber saw no snapshot of the second's and no gap: an empty batch, then the store
-        seen = [first.next(), first.next()]
-        assert seen[0] == (joined, []) and seen[1][0] == joined + 1
-        assert [type(e) for e in seen[1][1]] == [vllm.BlockStored]
+        assert second.next()[0] == joined + 1
+        # the first subscriber saw no snapshot of the second's and no gap: the next store, numbered on
+        seen = first.next()
+        assert seen[0] == joined + 1 and [type(e) for e in seen[1]] == [vllm.BlockStored]
         assert first.pending() == []
     finally:
         publisher.close()
@@ -135,7 +136,7 @@ def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_nu
         before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
         before.start()
         sub = Subscriber(context, endpoint)
-        sub.next(), sub.next()
+        sub.next()
         stored(before, b"a")
         sub.next()  # one change, one batch: changes queued together go out as one
         stored(before, b"b")
@@ -158,4 +159,99 @@ def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_nu
         finally:
             after.close()
     finally:
+        context.destroy(0)
+
+
+def until_events(sub: Subscriber) -> list[int]:
+    """The numbers of the batches ``sub`` receives up to and including the next one with events."""
+    numbers = []
+    while True:
+        number, events = sub.next()
+        numbers.append(number)
+        if events:
+            return numbers
+
+
+def no_gap(numbers: list[int]) -> bool:
+    """What Dynamo's indexer logs no gap for: each number the one before or the next."""
+    return all(b - a in (0, 1) for a, b in itertools.pairwise(numbers))
+
+
+def test_a_subscriber_that_stays_across_a_restart_sees_no_gap_when_another_is_greeted_first(tmp_path: Path) -> None:
+    """A subscriber of the old server reconnects to the restarted one only after a newcomer was
+    greeted (the order Dynamo's indexer met in the field): its next number is still the old server's
+    last + 1, and both see consecutive numbers from there on."""
+    from kvoffload.sidecar.kv_events import ChunkTracker
+    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
+    from tests.support import vllm_events as vllm
+
+    endpoint, journal = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "events.journal")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+        before.start()
+        staying = Subscriber(context, endpoint)
+        seen = until_events(staying)  # the greeting (a clear)
+        stored(before, b"a")
+        seen += until_events(staying)
+        assert no_gap(seen), f"the subscriber saw {seen} from the first server"
+        staying.sock.disconnect(endpoint)  # its reconnection comes after the newcomer's greeting
+        before.close()
+
+        after = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+        after.start()
+        try:
+            newcomer = Subscriber(context, endpoint)
+            greeted, events = newcomer.next()
+            assert isinstance(events[-1], vllm.AllBlocksCleared)
+            staying.sock.connect(endpoint)
+            sequence, events = staying.next()
+            assert sequence == seen[-1] + 1, f"the subscriber that stayed saw {seen}, then {sequence}"
+            assert isinstance(events[-1], vllm.AllBlocksCleared)
+            stored(after, b"b")
+            assert no_gap([sequence, *until_events(staying)])
+            numbers = [greeted, *until_events(newcomer)]
+            assert no_gap(numbers), f"the newcomer saw {numbers}"
+        finally:
+            after.close()
+    finally:
+        context.destroy(0)
+
+
+def test_dynamos_indexer_logs_no_gap_when_a_restarted_server_greets_another_subscriber_first(tmp_path: Path) -> None:
+    """Dynamo's indexer 1.6.1 stays subscribed across a restart; the server is down long enough for
+    a newcomer to be greeted by the new server before the indexer reconnects (the colleague's
+    report): the indexer logs no gap, forgets the old server's blocks and follows the new one."""
+    from kvoffload.sidecar.kv_events import ChunkTracker, StoredChunk
+    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
+    from tests.support.kv_router import DynamoIndexer
+
+    endpoint, journal = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "events.journal")
+    log = tmp_path / "indexer.log"
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    indexer = DynamoIndexer({1: endpoint}, 16, log)
+    before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+    before.start()
+    try:
+        indexer.start()
+        stored(before, b"a")
+        wait_for(lambda: indexer.host_tier_matches(list(range(64))) == {1: 64}, 30, "the indexer holds a")
+        before.close()
+        time.sleep(3)  # not a timing under test: the indexer's reconnection backs off meanwhile
+        after = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+        newcomer = Subscriber(context, endpoint)
+        after.start()
+        try:
+            newcomer.next(30.0)
+            wait_for(lambda: indexer.host_tier_matches(list(range(64))) == {}, 60, "the indexer forgot a")
+            after.submit(
+                lambda tracker: tracker.stored("m", [StoredChunk(b"b", list(range(100, 164)), 0)], None, 16, "")
+            )
+            wait_for(lambda: indexer.host_tier_matches(list(range(100, 164))) == {1: 64}, 30, "the indexer holds b")
+            assert "Gap detected" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
+        finally:
+            after.close()
+    finally:
+        before.close()
+        indexer.stop()
         context.destroy(0)

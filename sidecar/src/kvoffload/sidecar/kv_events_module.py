@@ -17,8 +17,12 @@ the server internals it needs (key resolution, the event bus's names) sit behind
   an L2 adapter's store or delete an announcement or removal in its tier (``kv_events.l2_tier``);
 - sends a subscriber, when it subscribes and to it alone (``XPUB_MANUAL_LAST_VALUE``), one batch:
   the blocks its predecessor left announced withdrawn per tier, ``AllBlocksCleared``, and the chunks
-  it tracks; then an empty batch to all under the same sequence number, so that the others see no
-  gap (Dynamo's indexer drops a batch whose number it has seen, so the joiner drops that one);
+  it tracks, under the number of the last batch sent (a greeting takes no number of its own, so
+  nobody else can miss one); before the first batch that number is the server's opening number,
+  its predecessor's last + 1, kept for greetings alone, so that a subscriber of the predecessor that
+  reconnects, before or after others were greeted, sees its next number (Dynamo's indexer logs
+  every jump as lost batches, and drops a number it has seen: a subscriber that missed nothing drops
+  its greeting, which tells it nothing new);
 - keeps a journal (``journal`` in its config) of every block it announced and withdrew and of the
   last sequence number: a restarted server withdraws what its predecessor left announced, block by
   block (llm-d's index <= 0.8.1 ignores ``AllBlocksCleared``), and numbers on from where it stopped
@@ -167,8 +171,9 @@ class EventPublisher:
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
-        self._sequence = 0
-        """The number of the next batch: on from the predecessor's last (its journal), else 0."""
+        self._sequence = 1
+        """The number of the next batch; the one before it is a greeting's (at first the opening
+        number: the predecessor's last + 1 from its journal, else 0)."""
         self._inherited: list[Event] = []
         """The predecessor's blocks still announced, withdrawn in every subscriber's first batch."""
         self._snapshot: bytes | None = None
@@ -187,7 +192,9 @@ class EventPublisher:
                 state = self._journal.open()
             except OSError as exc:
                 raise KvEventsUnavailable(f"kvoffload KV events: cannot keep the journal: {exc!r}") from exc
-            self._sequence = state.last_sequence + 1
+            opening = state.last_sequence + 1
+            self._journal.append(opening, [])  # the number only: a successor must not greet with it again
+            self._sequence = opening + 1
             self._inherited = withdrawals(state)[:-1]
         self._thread.start()
         if not self._bound.wait(timeout_s) or self._error is not None:
@@ -262,19 +269,16 @@ class EventPublisher:
             self._greet(sock)
 
     def _greet(self, sock: zmq.Socket[bytes]) -> None:
-        """The first batch, to the subscriber just applied alone; then an empty one to all under the
-        same number, so that no other subscriber sees a gap."""
+        """The first batch, to the subscriber just applied alone, under the last number sent (or the
+        opening number): the others are sent nothing, so none of them sees a gap, and the joiner's
+        next number follows on."""
         if self._snapshot is None:
             self._snapshot = encode_batch(time.time(), [*self._inherited, *self._tracker.snapshot()], self._wire)
-        if self._journal is not None:  # the number only: a successor must not send it again
-            self._journal.append(self._sequence, [])
-        sequence = self._sequence.to_bytes(8, "big")
-        for payload in (self._snapshot, encode_batch(time.time(), [], self._wire)):
-            try:
-                sock.send_multipart([self._topic, sequence, payload], zmq.NOBLOCK)
-            except zmq.Again:
-                self.counts["batches_dropped"] += 1
-        self._sequence += 1
+        sequence = (self._sequence - 1).to_bytes(8, "big")
+        try:
+            sock.send_multipart([self._topic, sequence, self._snapshot], zmq.NOBLOCK)
+        except zmq.Again:
+            self.counts["batches_dropped"] += 1
 
     def _apply_changes(self, sock: zmq.Socket[bytes]) -> None:
         events: list[Event] = []
@@ -378,7 +382,7 @@ def build_server_modules(build: Any) -> Any:
     ``build.config``: ``port`` (required), ``host`` (default all addresses), ``topic`` (default
     ``""``), ``capacity_chunks`` (default ``kv_events.DEFAULT_CAPACITY_CHUNKS``), ``format`` (one of
     ``kv_event_wire.FORMATS``, default ``vllm``), ``journal`` (a file path; default none: a restarted
-    server then numbers from 0 and cannot withdraw its predecessor's blocks), ``l1_keeps_loads``
+    server then greets under 0 again and cannot withdraw its predecessor's blocks), ``l1_keeps_loads``
     (default false: the server runs LMCache's ``default`` prefetch policy, whose loads from L2 do not
     stay in L1, so they are not announced there).
     """
