@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -126,15 +127,13 @@ def test_a_new_subscribers_first_batch_goes_to_it_alone_and_the_others_see_no_ga
 
 def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_numbers_on(tmp_path: Path) -> None:
     from kvoffload.sidecar.kv_event_wire import Tier
-    from kvoffload.sidecar.kv_events import ChunkTracker, block_ids
-    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
+    from kvoffload.sidecar.kv_events import block_ids
     from tests.support import vllm_events as vllm
 
     endpoint, journal = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "events.journal")
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
-        before.start()
+        before = journaled_publisher(endpoint, journal)
         sub = Subscriber(context, endpoint)
         sub.next()
         stored(before, b"a")
@@ -147,8 +146,7 @@ def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_nu
         last = sub.next()[0]
         before.close()  # as a killed server: nothing is sent on the way out
 
-        after = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
-        after.start()
+        after = journaled_publisher(endpoint, journal)
         try:
             sequence, events = sub.next(30.0)  # the SUB reconnects and subscribes again
             assert sequence == last + 1, "numbered on from the predecessor's last batch"
@@ -160,6 +158,17 @@ def test_a_restarted_publisher_withdraws_its_predecessors_blocks_per_tier_and_nu
             after.close()
     finally:
         context.destroy(0)
+
+
+def journaled_publisher(endpoint: str, journal: str) -> Any:
+    """A started KV-event publisher on ``endpoint`` keeping its journal in ``journal``, as the
+    sidecar's module runs one (a second one on the same journal is its restart)."""
+    from kvoffload.sidecar.kv_events import ChunkTracker
+    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
+
+    publisher = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
+    publisher.start()
+    return publisher
 
 
 def until_events(sub: Subscriber) -> list[int]:
@@ -181,15 +190,12 @@ def test_a_subscriber_that_stays_across_a_restart_sees_no_gap_when_another_is_gr
     """A subscriber of the old server reconnects to the restarted one only after a newcomer was
     greeted (the order Dynamo's indexer met in the field): its next number is still the old server's
     last + 1, and both see consecutive numbers from there on."""
-    from kvoffload.sidecar.kv_events import ChunkTracker
-    from kvoffload.sidecar.kv_events_module import EventJournal, EventPublisher
     from tests.support import vllm_events as vllm
 
     endpoint, journal = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "events.journal")
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
-        before.start()
+        before = journaled_publisher(endpoint, journal)
         staying = Subscriber(context, endpoint)
         seen = until_events(staying)  # the greeting (a clear)
         stored(before, b"a")
@@ -198,8 +204,7 @@ def test_a_subscriber_that_stays_across_a_restart_sees_no_gap_when_another_is_gr
         staying.sock.disconnect(endpoint)  # its reconnection comes after the newcomer's greeting
         before.close()
 
-        after = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
-        after.start()
+        after = journaled_publisher(endpoint, journal)
         try:
             newcomer = Subscriber(context, endpoint)
             greeted, events = newcomer.next()
@@ -230,8 +235,7 @@ def test_dynamos_indexer_logs_no_gap_when_a_restarted_server_greets_another_subs
     log = tmp_path / "indexer.log"
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     indexer = DynamoIndexer({1: endpoint}, 16, log)
-    before = EventPublisher(endpoint, "", ChunkTracker(), journal=EventJournal(journal))
-    before.start()
+    before = journaled_publisher(endpoint, journal)
     try:
         indexer.start()
         stored(before, b"a")
