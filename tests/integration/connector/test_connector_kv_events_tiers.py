@@ -140,14 +140,15 @@ def test_a_chunk_the_filesystem_and_the_redis_l2_both_hold_is_announced_once_as_
         server.stop()
 
 
-def test_a_disk_tier_score_loads_nothing_while_l1_lacks_room_for_the_whole_l2_part_of_the_prefix(
+def test_a_disk_tier_score_loads_the_whole_l2_part_of_the_prefix_or_none_of_it(
     tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What docs/routing.md ("Tier truth") tells routers to weigh: four prompts of four 8 MiB chunks
-    through a 64 MiB L1 leave it under LMCache's 80 % eviction watermark, so no eviction makes room.
-    The first prompt, mostly only in the filesystem L2 now, scores its whole prefix in Dynamo's disk
-    column; asked again, LMCache cannot reserve L1 for its chunks in L2 at once and loads none of
-    them: the hit is what L1 held (the cpu score), and the server logs the failed reservations."""
+    through a 64 MiB L1. The first prompt, mostly only in the filesystem L2 now, scores its whole
+    prefix in Dynamo's disk column; asked again, LMCache reserves L1 for its chunks in L2 in one
+    allocation: the hit is the whole prefix if L1 had room for all of them at that moment (its
+    eviction thread may have made room meanwhile), else only what L1 held (the cpu score), the
+    server logging the failed reservation; never a part of the L2 chunks."""
     l2 = tmp_path / "l2"
     l2.mkdir()
     server, events = sidecar_server(tmp_path, "a", {contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"})
@@ -170,8 +171,10 @@ def test_a_disk_tier_score_loads_nothing_while_l1_lacks_room_for_the_whole_l2_pa
                    "the first prompt scores whole in the disk tier, not in cpu")  # fmt: skip
         held_in_l1 = in_l1()
         _, again = run_prompt(engine, 1)
-        assert again.connector_matched_tokens == held_in_l1 < CACHED, "the hit ends where L1's chunks end"
-        assert "L1 reservations failed with out-of-memory" in server.log_path.read_text(errors="replace")
+        assert held_in_l1 < CACHED
+        assert again.connector_matched_tokens in (held_in_l1, CACHED), "all of the L2 part of the prefix or none"
+        if again.connector_matched_tokens == held_in_l1:  # L1 had no room for the L2 part at once
+            assert "L1 reservations failed with out-of-memory" in server.log_path.read_text(errors="replace")
     finally:
         for part in reversed(started):
             part.stop()
