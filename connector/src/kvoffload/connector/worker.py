@@ -185,7 +185,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._finished_prefix_loads.extend(meta.settled_prefix_loads)
         if meta.async_loads:
             self._queue_async_loads(meta.async_loads, stream_event(stream))
-        if meta.computed_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS:  # a prefill worth timing, after the loads
+        # A prefill worth timing, after the loads; not one whose layers wait for a layer-wise load's
+        # copies (its device time would count the copy as prefill).
+        if meta.computed_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS and self._layerwise is None:
             self._forward_start = (meta.computed_prompt_tokens, timing_event(stream))
 
     def _layerwise_allowed(self, loads: tuple[wire.TransferOp, ...]) -> bool:
