@@ -38,12 +38,23 @@ def block_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             start = i
 
 
-def _pool_blocks(pool: torch.Tensor) -> torch.Tensor:
+def kept_chunk_blocks(num_chunks: int, blocks_per_chunk: int, skip_blocks: int) -> Iterator[tuple[int, int, int, int]]:
+    """The chunks a load of ``num_chunks`` consecutive chunks writes when it leaves its first
+    ``skip_blocks`` blocks untouched (the device's own prefix): ``(chunk index, its first kept block
+    within the chunk, [start, end) of the kept blocks among the load's)``; whole skipped chunks left out."""
+    for i in range(num_chunks):
+        lo = i * blocks_per_chunk
+        first_kept = max(skip_blocks - lo, 0)
+        if first_kept < blocks_per_chunk:
+            yield i, first_kept, lo + first_kept, lo + blocks_per_chunk
+
+
+def pool_blocks(pool: torch.Tensor) -> torch.Tensor:
     """The pool as ``[num_blocks, block_bytes]`` bytes (a view: raises if blocks are not contiguous)."""
     return pool.view(pool.shape[0], -1).view(torch.uint8)
 
 
-def _slot_blocks(slot: torch.Tensor, blocks_per_chunk: int, block_bytes: int) -> torch.Tensor:
+def slot_blocks(slot: torch.Tensor, blocks_per_chunk: int, block_bytes: int) -> torch.Tensor:
     """A chunk slot as ``[blocks_per_chunk, block_bytes]`` bytes (a view)."""
     flat = slot.view(-1).view(torch.uint8)
     if flat.numel() != blocks_per_chunk * block_bytes:
@@ -61,9 +72,9 @@ def gather_chunks(
     blocks_per_chunk: int,
 ) -> None:
     """Copy chunk ``chunk_indices[i]`` of ``block_ids`` (its blocks, in order) into the slot ``outs[i]``."""
-    blocks = _pool_blocks(pool)
+    blocks = pool_blocks(pool)
     for out, c in zip(outs, chunk_indices, strict=True):
-        slot = _slot_blocks(out, blocks_per_chunk, blocks.shape[1])
+        slot = slot_blocks(out, blocks_per_chunk, blocks.shape[1])
         ids = block_ids[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
         for pos, first, n in block_runs(ids):
             slot[pos : pos + n].copy_(blocks[first : first + n], non_blocking=True)
@@ -77,15 +88,10 @@ def scatter_chunks(
     blocks_per_chunk: int,
 ) -> None:
     """Write ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the first ``skip_blocks`` untouched."""
-    blocks = _pool_blocks(pool)
-    for i, chunk in enumerate(chunks):
-        lo = i * blocks_per_chunk
-        first_kept = max(skip_blocks - lo, 0)
-        if first_kept >= blocks_per_chunk:
-            continue
-        slot = _slot_blocks(chunk, blocks_per_chunk, blocks.shape[1])
-        ids = block_ids[lo + first_kept : lo + blocks_per_chunk]
-        for pos, first, n in block_runs(ids):
+    blocks = pool_blocks(pool)
+    for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
+        slot = slot_blocks(chunks[i], blocks_per_chunk, blocks.shape[1])
+        for pos, first, n in block_runs(block_ids[start:end]):
             at = first_kept + pos
             blocks[first : first + n].copy_(slot[at : at + n], non_blocking=True)
 
@@ -139,7 +145,7 @@ class GroupedPages:
         """Chunk ``chunk_indices[i]`` of the op's blocks, every group's pages, into the slot ``outs[i]``;
         raises if one of them has no page (a stored chunk holds every group)."""
         for out, c in zip(outs, chunk_indices, strict=True):
-            slot = _slot_blocks(out, blocks_per_chunk, self.block_bytes)
+            slot = slot_blocks(out, blocks_per_chunk, self.block_bytes)
             lo = c * blocks_per_chunk
             for g, (pages, offset) in enumerate(zip(self.groups, self.offsets, strict=True)):
                 ids = self._ids(g, block_ids, group_block_ids)[lo : lo + blocks_per_chunk]
@@ -159,14 +165,10 @@ class GroupedPages:
     ) -> None:
         """Write ``chunks`` (consecutive, from the first) into every group's pages, leaving the first
         ``skip_blocks`` ordinals and the ordinals a group has no page for untouched."""
-        for i, chunk in enumerate(chunks):
-            lo = i * blocks_per_chunk
-            first_kept = max(skip_blocks - lo, 0)
-            if first_kept >= blocks_per_chunk:
-                continue
-            slot = _slot_blocks(chunk, blocks_per_chunk, self.block_bytes)
+        for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
+            slot = slot_blocks(chunks[i], blocks_per_chunk, self.block_bytes)
             for g, (pages, offset) in enumerate(zip(self.groups, self.offsets, strict=True)):
-                ids = self._ids(g, block_ids, group_block_ids)[lo + first_kept : lo + blocks_per_chunk]
+                ids = self._ids(g, block_ids, group_block_ids)[start:end]
                 src = slot[:, offset : offset + pages.shape[1]]
                 for pos, first, n in page_runs(ids):
                     at = first_kept + pos

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvoffload.connector.backends.base import LoadResult
-from kvoffload.connector.backends.blockcopy import CopyMark, block_runs
+from kvoffload.connector.backends.blockcopy import CopyMark, block_runs, kept_chunk_blocks, pool_blocks, slot_blocks
 
 MAX_COPY_CALLS = 4096
 """Copy calls one layer-wise load may issue (spans x runs of blocks): about 10 ms of host time."""
@@ -40,13 +40,10 @@ def layer_spans(num_layers: int, runs: int, max_calls: int = MAX_COPY_CALLS) -> 
 def runs_of_load(block_ids: Sequence[int], num_chunks: int, blocks_per_chunk: int, skip_blocks: int) -> int:
     """Runs of consecutive blocks a load of ``num_chunks`` chunks into ``block_ids`` copies (one chunk's
     blocks never share a run with the next chunk's: each chunk is its own slot)."""
-    total = 0
-    for i in range(num_chunks):
-        lo = i * blocks_per_chunk
-        first_kept = max(skip_blocks - lo, 0)
-        if first_kept < blocks_per_chunk:
-            total += sum(1 for _ in block_runs(block_ids[lo + first_kept : lo + blocks_per_chunk]))
-    return total
+    return sum(
+        sum(1 for _ in block_runs(block_ids[start:end]))
+        for _, _, start, end in kept_chunk_blocks(num_chunks, blocks_per_chunk, skip_blocks)
+    )
 
 
 @functools.cache
@@ -101,7 +98,7 @@ class PoolRows:
     def of(cls, pool: torch.Tensor) -> PoolRows:
         """``pool`` is ``[num_blocks, num_layers, ...]`` with contiguous blocks."""
         num_layers = int(pool.shape[1])
-        flat = pool.view(pool.shape[0], -1).view(torch.uint8)
+        flat = pool_blocks(pool)
         return cls(flat.view(pool.shape[0], num_layers, flat.shape[1] // num_layers))
 
     @property
@@ -119,21 +116,11 @@ class PoolRows:
         """Layers ``span`` of ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the
         first ``skip_blocks`` untouched: what ``blockcopy.scatter_chunks`` writes, for these layers."""
         first_layer, end_layer = span
-        rows_per_block = self.blocks.shape[1] * self.blocks.shape[2]
-        for i, chunk in enumerate(chunks):
-            lo = i * blocks_per_chunk
-            first_kept = max(skip_blocks - lo, 0)
-            if first_kept >= blocks_per_chunk:
-                continue
-            slot = chunk.view(-1).view(torch.uint8)
-            if slot.numel() != blocks_per_chunk * rows_per_block:
-                raise ValueError(
-                    f"chunk slot holds {slot.numel()} bytes, {blocks_per_chunk} blocks need "
-                    f"{blocks_per_chunk * rows_per_block}"
-                )
-            slot_rows = slot.view(blocks_per_chunk, self.blocks.shape[1], self.blocks.shape[2])
-            ids = block_ids[lo + first_kept : lo + blocks_per_chunk]
-            for pos, first, n in block_runs(ids):
+        num_layers, layer_bytes = self.blocks.shape[1], self.blocks.shape[2]
+        for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
+            slot = slot_blocks(chunks[i], blocks_per_chunk, num_layers * layer_bytes)
+            slot_rows = slot.view(blocks_per_chunk, num_layers, layer_bytes)
+            for pos, first, n in block_runs(block_ids[start:end]):
                 at = first_kept + pos
                 dst = self.blocks[first : first + n, first_layer:end_layer].flatten(1)
                 copy_rows(dst, slot_rows[at : at + n, first_layer:end_layer].flatten(1))
