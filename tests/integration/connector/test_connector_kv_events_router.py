@@ -45,20 +45,28 @@ def sidecar_server(tmp_path: Path, name: str, extra_env: dict[str, str] | None =
     return server, f"tcp://127.0.0.1:{events_port}"
 
 
+@contextlib.contextmanager
+def running(*parts: Any) -> Iterator[None]:
+    """Start ``parts`` in order (servers before the routers that subscribe to them); on the way out,
+    stop the ones that started, in reverse order."""
+    started: list[Any] = []
+    try:
+        for part in parts:
+            part.start()
+            started.append(part)
+        yield
+    finally:
+        for part in reversed(started):
+            part.stop()
+
+
 @pytest.fixture
 def two_servers(tmp_path: Path) -> Iterator[tuple[LMCacheServer, LMCacheServer, DynamoIndexer]]:
     server_a, events_a = sidecar_server(tmp_path, "a")
     server_b, events_b = sidecar_server(tmp_path, "b")
     indexer = DynamoIndexer({1: events_a, 2: events_b}, BLOCK, tmp_path / "indexer.log")
-    started: list[Any] = []
-    try:
-        for part in (server_a, server_b, indexer):
-            part.start()
-            started.append(part)
+    with running(server_a, server_b, indexer):
         yield server_a, server_b, indexer
-    finally:
-        for part in reversed(started):
-            part.stop()
 
 
 def eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
@@ -181,11 +189,7 @@ def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_never_a_tenant
     server_b, events_b = sidecar_server(tmp_path, "b", topic["b"])
     index = LlmdIndex({"pod-a": events_a, "pod-b": events_b}, BLOCK, tmp_path / "llmd-index.log")
     monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
-    started: list[Any] = []
-    try:
-        for part in (server_a, server_b, index):
-            part.start()
-            started.append(part)
+    with running(server_a, server_b, index):
         engine_a = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
         engine_b = executor_factory("events-model", server_b.url, num_blocks=40, **GEOMETRY)
 
@@ -219,9 +223,6 @@ def test_llm_ds_index_ranks_the_pod_that_stored_a_prefix_per_tier_never_a_tenant
         server_a.start()
         eventually(lambda: held(third, "cpu") == {} and held(first, "disk") == {}, "llm-d forgot restarted A", 60.0)
         assert held(marker, "cpu") == {"pod-b": CACHED}
-    finally:
-        for part in reversed(started):
-            part.stop()
 
 
 # Tenants (issue 45 item 4): a LoRA adapter's chunks are announced under the adapter and matched only
@@ -311,11 +312,7 @@ def test_llm_ds_index_matches_a_lora_adapters_chunks_only_under_the_adapters_nam
     server_b, events_b = sidecar_server(tmp_path, "b", topic["b"])
     index = LlmdIndex({"pod-a": events_a, "pod-b": events_b}, BLOCK, tmp_path / "llmd-index.log")
     monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
-    started: list[Any] = []
-    try:
-        for part in (server_a, server_b, index):
-            part.start()
-            started.append(part)
+    with running(server_a, server_b, index):
         engine_a = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
         engine_b = executor_factory("events-model", server_b.url, num_blocks=40, **GEOMETRY)
         adapter = adapter_checkpoint(tmp_path, "adapter-a")
@@ -341,6 +338,3 @@ def test_llm_ds_index_matches_a_lora_adapters_chunks_only_under_the_adapters_nam
         marker = tenants_run(engine_b, PromptRequest(34, make_prompt(34, CHUNK + 10), 2))
         eventually(lambda: held(marker) == {"pod-b": CHUNK}, "B announced the marker after the image")
         assert held(image) == {} and held(image, "adapter-a") == {}
-    finally:
-        for part in reversed(started):
-            part.stop()

@@ -20,6 +20,7 @@ from tests.integration.connector.test_connector_kv_events_router import (
     PROMPT,
     eventually,
     llmd_topics,
+    running,
     sidecar_server,
 )
 from tests.support.kv_event_tap import KvEventTap, block_ids_of, held_by_medium
@@ -54,11 +55,7 @@ def test_a_prefix_lmcache_loads_back_from_the_filesystem_l2_into_l1_is_ranked_in
     dynamo = DynamoIndexer({1: events}, BLOCK, tmp_path / "indexer.log")
     llmd = LlmdIndex({"pod-a": events}, BLOCK, tmp_path / "llmd-index.log")
     monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
-    started: list[Any] = []
-    try:
-        for part in (server, dynamo, llmd):
-            part.start()
-            started.append(part)
+    with running(server, dynamo, llmd):
         engine = executor_factory("events-model", server.url, num_blocks=40, **GEOMETRY)
 
         def host_tiers(tokens: list[int]) -> tuple[int, int]:
@@ -76,9 +73,6 @@ def test_a_prefix_lmcache_loads_back_from_the_filesystem_l2_into_l1_is_ranked_in
         _, again = run_prompt(engine, 1)
         assert again.connector_matched_tokens == CACHED, "the prefix was loaded from L2 into L1"
         eventually(lambda: host_tiers(first) == (CACHED, CACHED), "both routers rank A's host tier again")
-    finally:
-        for part in reversed(started):
-            part.stop()
 
 
 @pytest.fixture
@@ -154,11 +148,7 @@ def test_a_disk_tier_score_loads_the_whole_l2_part_of_the_prefix_or_none_of_it(
     server, events = sidecar_server(tmp_path, "a", {contract.ENV_L2_FS_PATH: str(l2), contract.ENV_L2_FS_SIZE: "1Gi"})
     dynamo = DynamoIndexer({1: events}, BLOCK, tmp_path / "indexer.log")
     monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
-    started: list[Any] = []
-    try:
-        for part in (server, dynamo):
-            part.start()
-            started.append(part)
+    with running(server, dynamo):
         engine = executor_factory("events-model", server.url, num_blocks=40, **GEOMETRY)
         first, _ = run_prompt(engine, 1)
         for seed in (3, 5, 7):
@@ -175,6 +165,3 @@ def test_a_disk_tier_score_loads_the_whole_l2_part_of_the_prefix_or_none_of_it(
         assert again.connector_matched_tokens in (held_in_l1, CACHED), "all of the L2 part of the prefix or none"
         if again.connector_matched_tokens == held_in_l1:  # L1 had no room for the L2 part at once
             assert "L1 reservations failed with out-of-memory" in server.log_path.read_text(errors="replace")
-    finally:
-        for part in reversed(started):
-            part.stop()
