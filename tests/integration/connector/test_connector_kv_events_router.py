@@ -136,6 +136,35 @@ def test_router_ranks_the_replica_whose_cache_holds_a_prefix_and_follows_evictio
     assert indexer.host_tier_matches(other) == {2: CACHED}
 
 
+def test_a_prefix_that_leaves_a_chunk_midway_is_over_scored_by_its_blocks_in_that_chunk_only(
+    two_servers: tuple[LMCacheServer, LMCacheServer, DynamoIndexer],
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routers score by engine block; the cache serves whole chunks. A prompt that shares two chunks
+    and three blocks of the third with a cached one is scored two chunks and three blocks, and loads
+    two chunks: the router's excess is the blocks inside the chunk it leaves, never more than a chunk
+    less a block (docs/routing.md, "Granularity")."""
+    server_a, _, indexer = two_servers
+    monkeypatch.setenv(contract.ENV_KV_EVENTS, "true")
+    engine = executor_factory("events-model", server_a.url, num_blocks=40, **GEOMETRY)
+    cached = make_prompt(1, PROMPT)
+    (stored,) = engine.run([PromptRequest(1, cached, 2)])
+    assert not stored.failed, stored.error
+    assert settle_commits()
+    engine.evict_device_cache()
+    eventually(lambda: indexer.host_tier_matches(cached) == {1: CACHED}, "A holds the cached prompt")
+
+    inside = 3 * BLOCK
+    query = cached[: 2 * CHUNK + inside] + make_prompt(2, CHUNK + 10)
+    scored = indexer.host_tier_matches(query)[1]
+    (hit,) = engine.run([PromptRequest(2, query, 2)])
+    assert not hit.failed, hit.error
+    assert hit.connector_matched_tokens == 2 * CHUNK
+    assert scored - hit.connector_matched_tokens == inside <= CHUNK - BLOCK
+    assert engine.kv_mismatches == 0
+
+
 def test_router_sees_a_prefix_in_the_disk_tier_after_l1_evicts_it_while_the_filesystem_l2_keeps_it(
     tmp_path: Path, executor_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
