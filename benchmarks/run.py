@@ -36,7 +36,7 @@ from benchmarks.report import (
 GROUPS = ("connector", "transfer", "operator")
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_FILE = REPO / "docs" / "benchmarks.md"
-GPU_LOG = REPO / "docs" / "results" / "gpu-transfer" / "earlier" / "run01-first.log"
+GPU_LOG = REPO / "docs" / "results" / "gpu-transfer" / "earlier" / "store-load-first-table-h200.log"
 
 
 @dataclass(frozen=True)
