@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     runs = {}
-    for name, label in (("gpu-transfer/earlier/run04-deferred-commit.json", "permuting copies (4th run)"),
-                        ("gpu-transfer/run06-block-native-stream.json", "block-native, own stream (6th run)")):  # fmt: skip
+    for name, label in (("gpu-transfer/earlier/store-load-deferred-commit.json", "permuting copies"),
+                        ("gpu-transfer/store-load-by-chunk-size-and-block-order-h200.json", "block-native, own stream")):  # fmt: skip
         path = args.results / name
         if path.exists():
             runs[label] = json.loads(path.read_text())
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         fig.savefig(args.out / "gpu-transfer.png", dpi=110)
         plt.close(fig)
         print(args.out / "gpu-transfer.png")
-    recompute = args.results / "recompute-vs-load" / "earlier" / "run06.json"
+    recompute = args.results / "recompute-vs-load" / "earlier" / "recompute-vs-load-before-async-loads.json"
     if recompute.exists():
         data = json.loads(recompute.read_text())
         rows = data["rows"]

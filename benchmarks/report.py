@@ -11,7 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+GENERATED_START = "<!-- make-bench:start -->"
+"""docs/benchmarks.md: where the part ``make bench`` writes begins (it ends at ``GPU_PLACEHOLDER``)."""
 GPU_PLACEHOLDER = "<!-- gpu-update -->"
+"""docs/benchmarks.md: where the part ``make bench`` writes ends; the page around it is written by hand."""
 LMCACHE_SHIPPED_GPU = (
     "LMCache 0.5.6 as shipped on the same kind of H200 (measured-baselines.md, not this run): "
     "vLLM-style per-layer layout through `lmcache bench server` (server-driven, CUDA IPC) "
@@ -111,7 +114,7 @@ def _header(results: dict[str, Any]) -> list[str]:
 
 def _connector_section(c: dict[str, Any], plots: dict[str, str]) -> list[str]:
     out = [
-        "## 1. Connector overhead (CPU)",
+        "### 1. Connector overhead (CPU)",
         "",
         f"One LMCache chunk per operation ({c['payload_tokens']} tokens, {c['payload_bytes'] // 1024} KiB; pool "
         f"{c['shape']}) against a real `{c['server']}`. All variants interleaved in the same run, "
@@ -192,7 +195,7 @@ def _exact(value: Any) -> str:
 
 def _transfer_section(t: dict[str, Any], plots: dict[str, str]) -> list[str]:
     out = [
-        "## 2. CPU transfer: sidecar shared-memory path vs memcpy",
+        "### 2. CPU transfer: sidecar shared-memory path vs memcpy",
         "",
         f"TensorRT-LLM-layout CPU pool ({t['shape']}), real `{t['server']}`. Store = pool blocks -> "
         "LMCache L1 (PREPARE_STORE, copy into the server's SHM slots, COMMIT); retrieve = lookup (untimed), "
@@ -253,7 +256,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
 
     plain, annotated = fleet["plain"], fleet["annotated"]
     out = [
-        "## 3. Operator on the real local control plane",
+        "### 3. Operator on the real local control plane",
         "",
         "kube-apiserver, controller-manager and scheduler v1.36.3, etcd 3.6, kwok (fake GPU nodes: "
         f"{o['gpu_nodes']}), the operator as a process with its ServiceAccount bound to the chart's RBAC rules, "
@@ -267,7 +270,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
             else "Injection in the pod template (`--injection template`)."
         ),
         "",
-        "### Latency, one workload at a time",
+        "#### Latency, one workload at a time",
         "",
         "| measurement | n | p50 | p99 | max |",
         "|---|---|---|---|---|",
@@ -293,7 +296,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
         out += ["", f"![operator latency]({plots['latency']})"]
     out += [
         "",
-        f"### {o['n_fleet']} annotated Deployments (replicas 0)",
+        f"#### {o['n_fleet']} annotated Deployments (replicas 0)",
         "",
         'Created back to back by the driver (one POST at a time) with `kvoffload.io/enabled: "true"`, '
         "replicas 0 (no pods: this measures the operator and the API, not kwok). Baseline, same run: the same "
@@ -348,7 +351,7 @@ def _operator_section(o: dict[str, Any], plots: dict[str, str]) -> list[str]:
     idle, steady, resync, restart = o["idle_window"], o["steady_window"], o["resync_window"], o["restart"]
     out += [
         "",
-        "### Writes in steady state",
+        "#### Writes in steady state",
         "",
         "API write requests (POST/PUT/PATCH/APPLY/DELETE in `apiserver_request_total`, from `kubectl get --raw "
         "/metrics` before and after) and etcd puts (`etcd_mvcc_put_total`) over each window.",
@@ -416,15 +419,19 @@ def _inline(writes: dict[str, float]) -> str:
 
 def _gpu_section(gpu: dict[str, Any] | None) -> list[str]:
     out = [
-        "## GPU: NVIDIA H200 (measured by the lead on the lent H200, reported here as data)",
+        "### GPU: the first table, NVIDIA H200 (measured by the lead on the lent H200, reported here as data)",
         "",
     ]
     if not gpu or not gpu.get("sizes"):
-        out += ["No GPU results found in `docs/results/gpu-transfer/earlier/run01-first.log`.", "", GPU_PLACEHOLDER]
+        out += [
+            "No GPU results found in `docs/results/gpu-transfer/earlier/store-load-first-table-h200.log`.",
+            "",
+            GPU_PLACEHOLDER,
+        ]
         return out
     env = gpu["env"]
     out += [
-        f"Source: `docs/results/gpu-transfer/earlier/run01-first.log` (JSON lines). GPU {env.get('gpu')}, torch {env.get('torch')}, "
+        f"Source: `docs/results/gpu-transfer/earlier/store-load-first-table-h200.log` (JSON lines). GPU {env.get('gpu')}, torch {env.get('torch')}, "
         f"lmcache {env.get('lmcache')}, Python {env.get('python')}. Command: `{env.get('command')}`. "
         "Pool shaped like Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, 32 tokens/block, 128 KiB "
         "per token) in TensorRT-LLM's layout, through the real sidecar (LMCache server, pinned SHM L1) and "
@@ -462,28 +469,31 @@ def _gpu_section(gpu: dict[str, Any] | None) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any], plots: dict[str, str], gpu: dict[str, Any] | None) -> str:
-    """docs/benchmarks.md from one run's results (any subset of groups), its plots and the GPU log."""
+    """docs/benchmarks.md's generated part (``GENERATED_START`` to ``GPU_PLACEHOLDER``) from one run's results
+    (any subset of groups), its plots and the GPU log."""
     groups = results.get("groups", {})
     out = [
-        "# Benchmarks",
+        GENERATED_START,
         "",
-        "Generated by `make bench` (`python -m benchmarks.run`); do not edit by hand (the GPU section comes "
-        "from `docs/results/gpu-transfer/earlier/run01-first.log`). Benchmarks never run in the test suite and assert nothing; "
-        "every figure sits next to a baseline measured in the same run.",
+        "## Measured by `make bench`: connector overhead, CPU transfer, the operator (CPU)",
         "",
-        "## How to reproduce",
+        "Written by `make bench` (`python -m benchmarks.run`, `benchmarks/report.py`) from its results file, "
+        "from the marker above this heading down to the end marker below; the rest of the page is written by "
+        "hand and kept. Its GPU table comes from `docs/results/gpu-transfer/earlier/store-load-first-table-h200.log`. "
+        "Benchmarks never run in the test suite and assert nothing; every figure sits next to a baseline "
+        "measured in the same run.",
         "",
         "```sh",
         "make bench                               # CPU benchmarks, full counts (about 25 min on 2 cores)",
         "make bench ARGS='--quick'                # small counts, 3-4 min (kwok's pod start-up dominates)",
         "make bench ARGS='--only connector'       # one group: connector | transfer | operator",
-        "python -m benchmarks.run --render-only benchmarks/results/cpu-<time>.json   # redraw plots + this file",
+        "python -m benchmarks.run --render-only benchmarks/results/cpu-<time>.json   # redraw plots + this part",
         "```",
         "",
         "Results: `benchmarks/results/cpu-<UTC time>.json` (every sample and setting) and PNG plots in "
-        "`benchmarks/results/`. GPU: `python -m benchmarks.gpu_transfer` on a CUDA machine (see its docstring).",
+        "`benchmarks/results/`.",
         "",
-        "## This run",
+        "### This run",
         "",
         *_header(results),
         "",

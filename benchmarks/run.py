@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.common import REPO, command_line, machine_info, versions
 from benchmarks.report import (
+    GENERATED_START,
     GPU_PLACEHOLDER,
     make_plots,
     parse_gpu_log,
@@ -36,7 +37,7 @@ from benchmarks.report import (
 GROUPS = ("connector", "transfer", "operator")
 RESULTS_DIR = REPO / "benchmarks" / "results"
 DOCS_FILE = REPO / "docs" / "benchmarks.md"
-GPU_LOG = REPO / "docs" / "results" / "gpu-transfer" / "earlier" / "run01-first.log"
+GPU_LOG = REPO / "docs" / "results" / "gpu-transfer" / "earlier" / "store-load-first-table-h200.log"
 
 
 @dataclass(frozen=True)
@@ -166,12 +167,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
-def keep_after_gpu_placeholder(rendered: str, docs: Path) -> str:
-    """Later GPU runs are written by hand below the placeholder; a re-render keeps them."""
-    if not docs.exists() or GPU_PLACEHOLDER not in rendered:
+def keep_hand_written(rendered: str, docs: Path) -> str:
+    """The page with ``rendered`` (its generated part) in place of the one there: what is written by hand
+    before ``GENERATED_START`` and after ``GPU_PLACEHOLDER`` is kept (a page without the start marker
+    was generated down to the placeholder). A new page gets a title."""
+    if not docs.exists():
+        return "# Benchmarks\n\n" + rendered
+    old = docs.read_text()
+    if GPU_PLACEHOLDER not in rendered or GPU_PLACEHOLDER not in old:
         return rendered
-    _, found, kept = docs.read_text().partition(GPU_PLACEHOLDER)
-    return rendered.partition(GPU_PLACEHOLDER)[0] + GPU_PLACEHOLDER + kept if found else rendered
+    before = old.partition(GENERATED_START)[0] if GENERATED_START in old else ""
+    after = old.partition(GPU_PLACEHOLDER)[2]
+    return before + rendered.partition(GPU_PLACEHOLDER)[0] + GPU_PLACEHOLDER + after
 
 
 def render_docs(results: dict[str, Any], out_dir: Path, docs: Path) -> None:
@@ -185,7 +192,7 @@ def render_docs(results: dict[str, Any], out_dir: Path, docs: Path) -> None:
     plots = make_plots(merged, out_dir, rel)
     gpu = parse_gpu_log(GPU_LOG.read_text(errors="replace")) if GPU_LOG.exists() else None
     docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(keep_after_gpu_placeholder(render_markdown(merged, plots, gpu), docs))
+    docs.write_text(keep_hand_written(render_markdown(merged, plots, gpu), docs))
     print(f"summary: {docs}")
 
 

@@ -11,7 +11,14 @@ from typing import Any
 from benchmarks import run
 from benchmarks.common import interleaved, percentile, scattered_block_ids, summarize
 from benchmarks.operator_bench import parse_request_totals, per_workload, write_deltas
-from benchmarks.report import GPU_PLACEHOLDER, parse_gpu_log, render_markdown, results_filename, write_results
+from benchmarks.report import (
+    GENERATED_START,
+    GPU_PLACEHOLDER,
+    parse_gpu_log,
+    render_markdown,
+    results_filename,
+    write_results,
+)
 
 
 def _stat(p50: float, p99: float, n: int = 10) -> dict[str, float]:
@@ -210,7 +217,7 @@ def test_summary_renders_every_group_and_the_gpu_section() -> None:
     assert "Group `transfer` failed" in text
     assert "| lookup | 2.00 / 4.00 |" in text
     assert "28.0 GB/s" in text and "51%" in text  # store / D2H of the fake GPU row
-    assert GPU_PLACEHOLDER in text
+    assert text.startswith(GENERATED_START) and text.rstrip().endswith(GPU_PLACEHOLDER)
     assert "![operator latency](../benchmarks/results/operator-latency.png)" in text
     assert "python -m benchmarks.run --quick" in text
     assert "kwok marked them Ready 5 s" in text
@@ -223,12 +230,24 @@ def test_runner_options() -> None:
     assert run.FULL.window_s >= 120
 
 
-def test_a_rerender_keeps_the_hand_written_gpu_runs_below_the_placeholder(tmp_path: Path) -> None:
+def test_a_rerender_replaces_only_the_generated_part_and_keeps_the_hand_written_page_around_it(tmp_path: Path) -> None:
     docs = tmp_path / "benchmarks.md"
-    assert run.keep_after_gpu_placeholder(f"new\n{GPU_PLACEHOLDER}\n", docs) == f"new\n{GPU_PLACEHOLDER}\n"
-    docs.write_text(f"old\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")
-    assert run.keep_after_gpu_placeholder(f"new\n{GPU_PLACEHOLDER}\n", docs) == (
-        f"new\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")  # fmt: skip
+    new = f"{GENERATED_START}\nnew\n{GPU_PLACEHOLDER}\n"
+    assert run.keep_hand_written(new, docs) == f"# Benchmarks\n\n{new}"
+    docs.write_text(
+        f"# Benchmarks\n\n## Bandwidth\n| a |\n\n{GENERATED_START}\nold\n{GPU_PLACEHOLDER}\n## Later\n| b |\n"
+    )
+    assert run.keep_hand_written(new, docs) == (
+        f"# Benchmarks\n\n## Bandwidth\n| a |\n\n{GENERATED_START}\nnew\n{GPU_PLACEHOLDER}\n## Later\n| b |\n")  # fmt: skip
+    docs.write_text(f"old\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n")  # a page generated down to the placeholder
+    assert run.keep_hand_written(new, docs) == f"{GENERATED_START}\nnew\n{GPU_PLACEHOLDER}\n### later H200 run\n| a |\n"
+
+
+def test_the_page_as_committed_has_one_generated_part_between_its_markers() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert page.count(GENERATED_START) == 1 and page.count(GPU_PLACEHOLDER) == 1
+    assert page.index(GENERATED_START) < page.index(GPU_PLACEHOLDER)
+    assert "do not edit by hand" not in page.lower()
 
 
 def test_groups_not_run_come_from_the_newest_results_file_by_its_start_time_not_its_mtime(tmp_path: Path) -> None:

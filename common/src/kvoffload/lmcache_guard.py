@@ -56,7 +56,8 @@ from kvoffload.log_budget import LogBudget
 log = logging.getLogger("kvoffload.lmcache_guard")
 
 SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
-"""LMCache releases whose unpickling sites this module was checked against."""
+"""LMCache releases kvoffload was checked against: the server internals this module replaces or reads,
+and the private client names ``kvoffload.connector.lmcache_seam`` uses."""
 UNPICKLING_MODULE = "lmcache.v1.multiprocess.modules.server_transfer"
 """The one module of the server that unpickles request data (its ``pickle`` global is replaced)."""
 REQUEST_SERVER_MODULE = "lmcache.v1.multiprocess.transport.zmq_impl.server"
@@ -70,7 +71,7 @@ _AUTHENTICATORS: list[Any] = []
 
 
 class LMCacheVersionError(RuntimeError):
-    """The installed LMCache is not one this seam was written for."""
+    """The installed LMCache is not one kvoffload was written for (or no longer has what it replaces)."""
 
 
 def restricted_loads(data: bytes) -> list[Any]:
@@ -89,13 +90,19 @@ def installed_lmcache_version() -> str:
         raise LMCacheVersionError("LMCache is not installed") from exc
 
 
-def check_lmcache_version() -> str:
-    """The installed LMCache version; raises ``LMCacheVersionError`` when it is not a supported one."""
-    version = installed_lmcache_version()
+def check_lmcache_version(
+    who: str = "server guard",
+    what_to_do: str = "check where it unpickles before allowing it",
+    version: str | None = None,
+) -> str:
+    """kvoffload's one LMCache version check: ``version`` (default: the installed one) when it is in
+    ``SUPPORTED_LMCACHE_VERSIONS``, else ``LMCacheVersionError`` in one line naming both, ``who``
+    refuses it and ``what_to_do``. The server guard, the KV-event module and the connector's seam call it."""
+    version = installed_lmcache_version() if version is None else version
     if version not in SUPPORTED_LMCACHE_VERSIONS:
         raise LMCacheVersionError(
-            f"LMCache {version} is installed; kvoffload's server guard was written for "
-            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} (check where it unpickles before allowing it)"
+            f"LMCache {version} is installed; kvoffload's {who} was written for LMCache "
+            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} ({what_to_do})"
         )
     return version
 
@@ -447,10 +454,3 @@ def _guard_reserve_write(l1_cls: Any) -> None:
         return original_reserve(self, keys=keys, is_temporary=is_temporary, layout_desc=layout_desc, tag=tag)
 
     l1_cls.reserve_write = _guarded(reserve_write)
-
-
-def transfer_guard_installed() -> bool:
-    """Whether this process's LMCache server drops unfinished stores (``install_transfer_guard``)."""
-    module = sys.modules.get(ENGINE_DRIVEN_MODULE)
-    cls = getattr(module, "EngineDrivenTransferModule", None)
-    return cls is not None and _is_guard(getattr(cls, "_release_entry", None))

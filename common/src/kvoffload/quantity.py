@@ -24,7 +24,7 @@ _SUFFIXES: dict[str, int] = {
 QUANTITY_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 """The byte quantities kvoffload accepts: whole numbers with an optional suffix, a subset of Kubernetes'
 syntax (the CRD holds the same pattern), so every one is a whole number of bytes."""
-_QUANTITY = re.compile(r"^(?P<number>[0-9]+)(?P<suffix>Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_QUANTITY = re.compile(QUANTITY_PATTERN)
 MAX_BYTES = 2**50  # 1 PiB: anything above is a typo, not a cache size.
 
 
@@ -40,7 +40,8 @@ def parse_bytes(value: str, field: str) -> int:
             f"{field}: {value!r} is not a byte quantity; use a whole number with an optional "
             "suffix Ki, Mi, Gi, Ti, Pi (powers of 2) or k, M, G, T, P (powers of 10), e.g. 20Gi"
         )
-    size = int(match["number"]) * _SUFFIXES[match["suffix"] or ""]
+    suffix = match[1] or ""
+    size = int(value[: len(value) - len(suffix)]) * _SUFFIXES[suffix]
     if size <= 0:
         raise QuantityError(f"{field}: {value!r} must be greater than zero")
     if size > MAX_BYTES:

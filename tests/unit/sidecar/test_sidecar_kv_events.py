@@ -146,13 +146,18 @@ def test_a_report_round_trips_and_a_malformed_one_is_refused_naming_the_field() 
         chunk_report.encode(chunk_report.ChunksStored("m", MODEL, 1, (-1,), 0, 1, TPB, ""))
 
 
-def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both() -> None:
-    from kvoffload.lmcache_guard import SUPPORTED_LMCACHE_VERSIONS
-    from kvoffload.sidecar.kv_events_module import KvEventsUnavailable, check_lmcache_version
+def test_an_lmcache_other_than_the_one_written_for_is_refused_naming_both_and_who_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KV-event module refuses, at build, an LMCache its server internals were not checked against."""
+    from kvoffload import lmcache_guard
+    from kvoffload.sidecar.kv_events_module import build_server_modules
 
-    check_lmcache_version(SUPPORTED_LMCACHE_VERSIONS[0])
-    with pytest.raises(KvEventsUnavailable, match=r"0\.6\.0 is installed.*0\.5\.6"):
-        check_lmcache_version("0.6.0")
+    monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.6.0")
+    with pytest.raises(
+        lmcache_guard.LMCacheVersionError, match=r"0\.6\.0 is installed; kvoffload's KV-event module.*0\.5\.6"
+    ):
+        build_server_modules(object())
 
 
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300), st.data())

@@ -94,5 +94,5 @@ def test_the_transfer_guard_replaces_the_release_that_publishes_pending_reservat
     lmcache_guard.install_transfer_guard()
     release = EngineDrivenTransferModule._release_entry
     lmcache_guard.install_transfer_guard()  # a second install (the in-process server's) changes nothing
-    assert lmcache_guard.transfer_guard_installed()
+    assert release.__module__ == lmcache_guard.__name__, "LMCache's release is replaced by the guard's"
     assert EngineDrivenTransferModule._release_entry is release

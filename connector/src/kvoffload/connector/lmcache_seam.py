@@ -35,10 +35,14 @@ from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequ
 from lmcache.v1.multiprocess.transfer_context import MPTransferMode, create_transfer_context
 from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
 
+from kvoffload import lmcache_guard
+from kvoffload.lmcache_guard import SUPPORTED_LMCACHE_VERSIONS, LMCacheVersionError
+
 __all__ = [
     "SUPPORTED_LMCACHE_VERSIONS",
     "EngineType",
     "IPCCacheServerKey",
+    "LMCacheVersionError",
     "MPTransferMode",
     "RequestClientFactory",
     "ServerDisconnected",
@@ -51,8 +55,6 @@ __all__ = [
     "slot_view",
 ]
 
-SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
-"""LMCache releases whose private names above were checked (the seam's version list)."""
 
 MODULES = (
     "lmcache.utils",
@@ -64,10 +66,6 @@ MODULES = (
 """The lmcache modules this seam imports on the engine's path (the bundle checks each loads)."""
 
 
-class LMCacheVersionError(RuntimeError):
-    """The installed LMCache is not one this seam was written for."""
-
-
 def installed_lmcache_version() -> str:
     """The version of the lmcache package imported here (its own ``__version__``, else its metadata)."""
     version = getattr(lmcache, "__version__", None)
@@ -76,14 +74,12 @@ def installed_lmcache_version() -> str:
 
 def check_lmcache_version() -> str:
     """The imported LMCache's version; raises ``LMCacheVersionError`` (one line) when the private
-    names this seam uses were not checked against it."""
-    version = installed_lmcache_version()
-    if version not in SUPPORTED_LMCACHE_VERSIONS:
-        raise LMCacheVersionError(
-            f"kvoffload connector: LMCache {version} is installed; the connector was written for LMCache "
-            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} (connector/src/kvoffload/connector/lmcache_seam.py lists what to re-check)"
-        )
-    return version
+    names this seam uses were not checked against it (``lmcache_guard.check_lmcache_version``)."""
+    return lmcache_guard.check_lmcache_version(
+        "connector",
+        "connector/src/kvoffload/connector/lmcache_seam.py lists what to re-check",
+        installed_lmcache_version(),
+    )
 
 
 class ServerDisconnected(ConnectionError):

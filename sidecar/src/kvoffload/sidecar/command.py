@@ -31,11 +31,8 @@ Why each fixed flag is there:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -67,19 +64,6 @@ KV_EVENTS_MODULE = "kvoffload.sidecar.kv_events_module"
 LMCACHE_CLI_MODULE = "kvoffload.sidecar.lmcache_server"
 """The module ``python -m`` runs for ``lmcache server``: LMCache's CLI behind the restricted
 unpickler (``lmcache_server``), so no client of the request port can make it run code."""
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in a forked child
-    """Linux: this process gets SIGKILL when its parent dies without stopping it (a server when the
-    sidecar or the standby that forked it dies, the standby when the sidecar does).
-
-    The signal follows the *thread* that forked, so fork only from a long-lived thread.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass(frozen=True)

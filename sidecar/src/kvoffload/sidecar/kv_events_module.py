@@ -49,9 +49,8 @@ import zmq
 
 from kvoffload import chunk_report
 from kvoffload.lmcache_guard import (
-    SUPPORTED_LMCACHE_VERSIONS,
     CacheKeysChanged,
-    installed_lmcache_version,
+    check_lmcache_version,
     resolve_chunk_hashes,
     server_module_handler,
     subscribe_cache_key_events,
@@ -89,15 +88,6 @@ Change = Callable[[ChunkTracker], list[Event]]
 
 class KvEventsUnavailable(RuntimeError):
     """The server cannot publish events as configured; the message says why and what to change."""
-
-
-def check_lmcache_version(version: str) -> None:
-    """Refuse an LMCache this module was not written against, naming both."""
-    if version not in SUPPORTED_LMCACHE_VERSIONS:
-        raise KvEventsUnavailable(
-            f"kvoffload KV events: LMCache {version} is installed; this module is written for LMCache "
-            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} (its server internals); turn events off or use a supported LMCache"
-        )
 
 
 def wire_format(raw: object) -> WireFormat:
@@ -386,7 +376,7 @@ def build_server_modules(build: Any) -> Any:
     (default false: the server runs LMCache's ``default`` prefetch policy, whose loads from L2 do not
     stay in L1, so they are not announced there).
     """
-    check_lmcache_version(installed_lmcache_version())
+    check_lmcache_version("KV-event module", "its server internals; turn events off or use a supported LMCache")
     ctx = build.server_context
     if not ctx.event_bus.enabled:
         raise KvEventsUnavailable(

@@ -5,7 +5,7 @@ the standby stays, warm, for the next crash.
 
     python -m kvoffload.sidecar.standby
 
-Protocol (``standby_handle``): each line on stdin is the JSON list of ``lmcache`` arguments of
+Protocol (``standby_handle``, the words in ``standby_wire``): each line on stdin is the JSON list of ``lmcache`` arguments of
 one server; end of input means stand down. On stdout it reports ``warm`` once, then
 ``serving PID`` for each server it forked and ``exited PID CODE`` when one exits (it is their
 parent and reaps them). Its servers get SIGKILL if it dies (``PR_SET_PDEATHSIG``), as it does if
@@ -26,9 +26,9 @@ from typing import Any, TextIO
 
 from kvoffload.lmcache_guard import preload_lmcache_server
 
-from .command import die_with_parent
 from .lmcache_server import run_server
-from .standby_handle import EXITED, SERVING, WARM
+from .parent_death import die_with_parent
+from .standby_wire import EXITED, SERVING, WARM
 
 _REAP_EVERY_S = 0.05
 

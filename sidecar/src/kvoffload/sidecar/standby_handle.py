@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from .standby_wire import EXITED, SERVING, WARM
+
 log = logging.getLogger("kvoffload.sidecar.supervisor")
 
-WARM = "warm"
-SERVING = "serving"
-EXITED = "exited"
 STANDBY_MODULE = "kvoffload.sidecar.standby"
 SERVING_REPORT_TIMEOUT_S = 30.0
 """How long a promotion waits for the standby to say it forked (its warm-up may still run)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvoffload import contract
 
-from .command import ServerCommand, die_with_parent
+from .command import ServerCommand
 from .lifecycle import (
     BackoffPolicy,
     HealthFacts,
@@ -34,6 +34,7 @@ from .lifecycle import (
     restart_delay,
 )
 from .metrics import SidecarMetricsState, inflight_work, transfer_state
+from .parent_death import die_with_parent
 from .settings import SidecarSettings
 from .standby_handle import ServerProcess, Standby
 
