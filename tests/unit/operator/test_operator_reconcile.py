@@ -303,8 +303,8 @@ def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_m
      ({"major": "1", "minor": "28"}, False), ({"major": "1", "minor": "27+"}, False)],
 )  # fmt: skip
 def test_native_sidecars_follow_the_apiserver_version(info: dict[str, str], native: bool) -> None:
-    from kvoffload.operator.__main__ import NATIVE_SIDECAR_MIN
     from kvoffload.operator.api.kube import parse_version
+    from kvoffload.operator.cli import NATIVE_SIDECAR_MIN
 
     assert (parse_version(info) >= NATIVE_SIDECAR_MIN) is native
 

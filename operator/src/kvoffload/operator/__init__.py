@@ -5,3 +5,5 @@ Stages, top to bottom (``.importlinter`` checks the order): ``control`` (the eff
 """
 
 __version__ = "0.1.0"
+PROG = "kvoffload-operator"
+"""The command's name: ``--version`` and every line it stops with start with it."""
