@@ -15,7 +15,7 @@ from kvoffload.operator.control.reconcile import Reconciler
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from tests.unit.operator.operator_fixtures import applied, deployment
+from tests.unit.operator.workload_builders import applied, deployment
 
 pytestmark = pytest.mark.operator
 ARGS_FIELD = '.spec.template.spec.containers[name="trtllm"].args'

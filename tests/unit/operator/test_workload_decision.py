@@ -21,7 +21,7 @@ from kvoffload.operator.plan.workload_decision import (
     WorkloadInputs,
     decide_workload,
 )
-from tests.unit.operator.operator_fixtures import container, deployment
+from tests.unit.operator.workload_builders import container, deployment
 
 pytestmark = pytest.mark.operator
 
