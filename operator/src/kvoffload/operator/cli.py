@@ -256,7 +256,7 @@ def _webhook(args: argparse.Namespace) -> WebhookSettings:
         service, namespace = args.webhook_service, args.leader_election_namespace
         hosts = (f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local")
     return WebhookSettings(namespace=args.leader_election_namespace, hosts=hosts, port=int(args.webhook_port),
-                           client_ca_pem=_client_ca(args.webhook_client_ca))  # fmt: skip
+                           read_client_ca=lambda: _client_ca(args.webhook_client_ca))  # fmt: skip
 
 
 def _client_ca(path: str) -> bytes | None:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import kopf
@@ -45,8 +46,9 @@ class WebhookSettings:
     hosts: tuple[str, ...]
     """The names its certificate is for."""
     port: int
-    client_ca_pem: bytes | None
-    """Reviews are answered only for callers with a client certificate this CA signed (None: any caller)."""
+    read_client_ca: Callable[[], bytes | None]
+    """The CA whose signed client certificates alone get answers (None: any caller); read once the
+    TLS Secret is in place, as the operator always did (an unreadable file stops it there)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _serve_webhook(kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, 
     tls = ensure_tls(kube, webhook.namespace, c.WEBHOOK_TLS_SECRET, list(webhook.hosts), owner=owner)
     scope = ReviewScope.of_registration(webhook.namespace, namespaces)
     server = WebhookServer(kube, metrics, tls, webhook.port, plan=plan, scope=scope,
-                           client_ca_pem=webhook.client_ca_pem)  # fmt: skip
+                           client_ca_pem=webhook.read_client_ca())  # fmt: skip
     server.start()
     try:
         patch_ca_bundle(kube, c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem)
