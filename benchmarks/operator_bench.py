@@ -251,7 +251,7 @@ def _operator_cluster(workdir: Path, gpu_nodes: int, injection: str = "template"
 
     from hack.localcluster import LocalCluster
     from hack.ports import free_port
-    from tests.support.operator_fixtures import bind_rules
+    from tests.support.cluster_operator_fixtures import bind_rules
     from tests.support.operator_support import (
         CRD_FILE,
         LEADER_ELECTION_RULES_FILE,

@@ -27,7 +27,7 @@ settings.register_profile("kvoffload", deadline=None, suppress_health_check=[Hea
 settings.load_profile("kvoffload")
 
 # The operator's session fixtures, defined once for every suite that drives the operator.
-pytest_plugins = ("tests.support.operator_fixtures",)
+pytest_plugins = ("tests.support.cluster_operator_fixtures",)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from hack.localcluster import LocalCluster
 from hack.workloads import apply, list_objects, wait_for
 from kvoffload import contract as c
 from tests.support.audit import OPERATOR_USER, AuditWindow
-from tests.support.operator_fixtures import admission_operator_instead
+from tests.support.cluster_operator_fixtures import admission_operator_instead
 from tests.support.operator_support import OperatorProcess
 from tests.support.operator_support import gitops_manifest as manifest
 from tests.support.scale import count

@@ -20,7 +20,7 @@ import yaml
 from hack.localcluster import LocalCluster
 from hack.workloads import apply, get, list_objects, trtllm_deployment, wait_for, wait_for_default_service_account
 from kvoffload import contract as c
-from tests.support.operator_fixtures import bind_rules
+from tests.support.cluster_operator_fixtures import bind_rules
 from tests.support.operator_support import (
     ADMISSION_NAMESPACE_RULES_FILE,
     ADMISSION_RULES_FILE,

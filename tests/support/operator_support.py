@@ -66,7 +66,7 @@ DEFAULTS_FLAGS = (
 
 def operator_defaults() -> OperatorDefaults:
     """The ``OperatorDefaults`` a test operator process computes from ``DEFAULTS_FLAGS``."""
-    from kvoffload.operator.__main__ import build_parser, defaults_from
+    from kvoffload.operator.cli import build_parser, defaults_from
 
     return defaults_from(build_parser().parse_args(list(DEFAULTS_FLAGS)))
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import render_admission
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
+from kvoffload.operator.plan.workload_apply import render_admission
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE, NAME, TEMPLATE_HASH = "ns", "llm", "5d8f7c9b4"

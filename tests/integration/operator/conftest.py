@@ -1,5 +1,5 @@
 """Node-mode and admission-mode operator fixtures; the session operator and its ServiceAccount come from
-``tests/support/operator_fixtures.py`` (registered in ``tests/conftest.py``)."""
+``tests/support/cluster_operator_fixtures.py`` (registered in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from hack.localcluster import LocalCluster
-from tests.support.operator_fixtures import admission_operator_instead, operator_instead
+from tests.support.cluster_operator_fixtures import admission_operator_instead, operator_instead
 from tests.support.operator_support import (
     NODE_MODE_RULES_FILE,
     OPERATOR_NAMESPACE,

@@ -21,7 +21,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import get, wait_for
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import InjectionRecord
+from kvoffload.operator.plan.injection_record import InjectionRecord
 from kvoffload.quantity import format_bytes
 from tests.integration.operator.test_operator_admission import revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow

@@ -12,7 +12,7 @@ from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaul
 from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.node_fit import largest_gpu_node_memory, node_fit_problem
 from kvoffload.quantity import kubernetes_bytes
-from tests.unit.operator.operator_fixtures import deployment
+from tests.unit.operator.workload_builders import deployment
 
 pytestmark = pytest.mark.operator
 CPU_NODE: dict[str, Any] = {"status": {"allocatable": {"memory": "2Ti", "cpu": "64"}}}

@@ -39,7 +39,7 @@ from kvoffload.operator.plan.node_wiring import (
     node_shm_host_path,
 )
 from kvoffload.policy_values import PolicyError
-from tests.unit.operator.operator_fixtures import applied, container, deployment
+from tests.unit.operator.workload_builders import applied, container, deployment
 
 pytestmark = pytest.mark.operator
 NATIVE = ClusterInfo(native_sidecars=True, operator_version="9.9.9")

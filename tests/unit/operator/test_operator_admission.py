@@ -15,15 +15,12 @@ from kvoffload import contract as c
 from kvoffload.operator.admission.new_workloads import label_for_new_workload, record_before_the_operator
 from kvoffload.operator.admission.pod_alignment import next_eviction, start_failure
 from kvoffload.operator.admission.records import (
-    InjectionRecord,
     admission_response,
     admit,
-    foreign_record,
     injected_pod,
     json_patch,
     merge_pod_spec,
     record_from_workload,
-    render_admission,
 )
 from kvoffload.operator.admission.webhook_tls import ca_bundle_patch, webhook_configuration
 from kvoffload.operator.api.pod_owners import Owner, resolve_owner
@@ -31,6 +28,8 @@ from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload import Workload, read_workload
 from kvoffload.operator.plan.fragment import render
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
+from kvoffload.operator.plan.injection_record import InjectionRecord, foreign_record
+from kvoffload.operator.plan.workload_apply import render_admission
 from kvoffload.policy_values import FsTier, PolicyError, RedisTier
 
 

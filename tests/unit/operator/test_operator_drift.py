@@ -11,7 +11,7 @@ from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.plan.drift import carries, object_carries
 from kvoffload.operator.plan.fragment import ClusterInfo, render_injection_fragment
-from tests.unit.operator.operator_fixtures import applied, deployment
+from tests.unit.operator.workload_builders import applied, deployment
 
 pytestmark = pytest.mark.operator
 

@@ -23,7 +23,7 @@ from kvoffload.operator.plan.fragment import (
 )
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
-from tests.unit.operator.operator_fixtures import applied, container, deployment, live
+from tests.unit.operator.workload_builders import applied, container, deployment, live
 
 pytestmark = pytest.mark.operator
 NATIVE = ClusterInfo(native_sidecars=True, operator_version="9.9.9")

@@ -15,7 +15,7 @@ from kvoffload.operator.control.reconcile import Reconciler
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from tests.unit.operator.operator_fixtures import applied, deployment
+from tests.unit.operator.workload_builders import applied, deployment
 
 pytestmark = pytest.mark.operator
 ARGS_FIELD = '.spec.template.spec.containers[name="trtllm"].args'
@@ -303,8 +303,8 @@ def test_a_stale_removal_event_replans_from_the_live_object_and_writes_nothing_m
      ({"major": "1", "minor": "28"}, False), ({"major": "1", "minor": "27+"}, False)],
 )  # fmt: skip
 def test_native_sidecars_follow_the_apiserver_version(info: dict[str, str], native: bool) -> None:
-    from kvoffload.operator.__main__ import NATIVE_SIDECAR_MIN
     from kvoffload.operator.api.kube import parse_version
+    from kvoffload.operator.cli import NATIVE_SIDECAR_MIN
 
     assert (parse_version(info) >= NATIVE_SIDECAR_MIN) is native
 

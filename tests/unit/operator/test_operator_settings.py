@@ -176,7 +176,7 @@ def test_fuzz_annotations_give_settings_or_an_error_never_an_exception(annotatio
 
 
 def test_an_events_level_other_than_warnings_or_all_stops_the_operator_with_one_line_before_any_request() -> None:
-    from kvoffload.operator.__main__ import main
+    from kvoffload.operator.cli import main
 
     with pytest.raises(SystemExit) as stopped:
         main(["--events", "normal", "--kubeconfig", "/nonexistent/kubeconfig"])
@@ -194,7 +194,7 @@ def test_an_events_level_other_than_warnings_or_all_stops_the_operator_with_one_
 def test_two_listeners_on_one_port_stop_the_operator_with_one_line_before_any_request(
     flags: list[str], message: str
 ) -> None:
-    from kvoffload.operator.__main__ import main
+    from kvoffload.operator.cli import main
 
     with pytest.raises(SystemExit) as stopped:
         main([*flags, "--kubeconfig", "/nonexistent/kubeconfig"])

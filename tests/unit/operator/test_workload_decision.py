@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import foreign_record
 from kvoffload.operator.intent.settings import OperatorDefaults, ours_annotations_digest
 from kvoffload.operator.intent.trtllm_options import MergeFromConfigMap
 from kvoffload.operator.intent.workload import WorkloadRef, read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo
+from kvoffload.operator.plan.injection_record import foreign_record
 from kvoffload.operator.plan.workload_decision import (
     Decision,
     Inject,
@@ -21,7 +21,7 @@ from kvoffload.operator.plan.workload_decision import (
     WorkloadInputs,
     decide_workload,
 )
-from tests.unit.operator.operator_fixtures import container, deployment
+from tests.unit.operator.workload_builders import container, deployment
 
 pytestmark = pytest.mark.operator
 

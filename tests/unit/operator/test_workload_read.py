@@ -15,8 +15,8 @@ from kvoffload.operator.intent.managed_fields import field_owners, owners
 from kvoffload.operator.intent.trtllm_options import AppendFlag, MergeFromConfigMap
 from kvoffload.operator.intent.workload import WorkloadRef, read_workload
 from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
-from tests.unit.operator.operator_fixtures import applied, container, deployment
 from tests.unit.operator.test_operator_fragment import settings_for
+from tests.unit.operator.workload_builders import applied, container, deployment
 
 pytestmark = pytest.mark.operator
 

@@ -11,7 +11,6 @@ import pytest
 
 from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import render_admission
 from kvoffload.operator.admission.workload_updates import (
     LABEL_PATH,
     RECORD_PATH,
@@ -23,6 +22,7 @@ from kvoffload.operator.intent.managed_fields import owners
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, choose_engine, plan_injection
+from kvoffload.operator.plan.workload_apply import render_admission
 
 OURS = {"f:metadata": {"f:annotations": {f"f:{c.ANN_INJECTION_RECORD}": {}}},
         "f:spec": {"f:template": {"f:metadata": {"f:labels": {f"f:{c.LABEL_INJECT}": {}}}}}}  # fmt: skip

@@ -16,14 +16,15 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvoffload.operator.admission.records import InjectionRecord, record_of, render_admission
-from kvoffload.operator.admission.workload_inputs import options_reader
 from kvoffload.operator.admission.workload_updates import template_label_patch
 from kvoffload.operator.api.kube import Kube, KubeApiError, policy_path
+from kvoffload.operator.api.options_reader import options_reader
 from kvoffload.operator.intent.options_sources import OptionsSources
 from kvoffload.operator.intent.settings import OperatorDefaults, enabled_state, policy_name, resolve_settings
 from kvoffload.operator.intent.workload import read_workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan, plan_workload
+from kvoffload.operator.plan.injection_record import InjectionRecord, record_of
+from kvoffload.operator.plan.workload_apply import render_admission
 from kvoffload.policy_values import PolicyError
 
 Planner = Callable[[Mapping[str, Any]], "InjectionPlan | str"]

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import InjectionRecord, injected_pod, record_from_workload
+from kvoffload.operator.admission.records import injected_pod, record_from_workload
 from kvoffload.operator.api.events import EventRecorder, now_timestamp
 from kvoffload.operator.api.kube import Kube, KubeApiError, namespaced_path
 from kvoffload.operator.api.pod_owners import ControllerRef, Owner, controller_ref, resolve_owner
 from kvoffload.operator.intent.workload import WorkloadRef
 from kvoffload.operator.metrics import OperatorMetrics
+from kvoffload.operator.plan.injection_record import InjectionRecord
 from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
@@ -138,6 +139,14 @@ class PodAlignment:
             "it has no right to read Secrets)", failure,
         )  # fmt: skip
         return True
+
+    def pod_changed(self, pod: Mapping[str, Any]) -> None:
+        """A pod of an admission-mode workload changed: report a kvoffload container that cannot start,
+        and evict the pod (or a sibling) if it was created uninjected or its namespace is behind."""
+        namespace = str((pod.get("metadata") or {}).get("namespace"))
+        self.report_start_failure(pod)
+        if uninjected(pod) or self.behind_in(namespace):
+            self.align(namespace)
 
     def behind_in(self, namespace: str) -> bool:
         """Whether a workload in ``namespace`` had a pod evicted and may have more to go (a pod event

@@ -1,20 +1,12 @@
-"""Injection at pod admission, pure: the record a workload's pods are injected from, what the
-operator writes for it (one apply of the workload: the record as an annotation and one template
-label naming its hash), and the pod the webhook admits (the user's pod with the injection merged
-in, its files as pod annotations, as a JSON patch).
-
-The workload's template stays the user's: a GitOps tool that applies its manifest, by any apply,
-finds nothing to fight over. The record holds what the operator decided (settings, the user's
-options file, node wiring); the pod-level parts that depend on the template (args, env, mounts)
-are rendered from the pod itself at admission, so a template change rolls once, through the
-webhook, with the right injection.
+"""Injection at pod admission, pure, the webhook's side: the record a workload's pods are injected
+from (as the operator wrote it, ``plan.injection_record``), and the pod the webhook admits (the user's
+pod with the injection merged in, its files as pod annotations, as a JSON patch).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,147 +14,12 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.managed_fields import owned_by
-from kvoffload.operator.intent.settings import InjectionSettings, enabled_state
-from kvoffload.operator.intent.workload import RECORD_PATH, SUPPORTED_KINDS, Workload, read_workload
-from kvoffload.operator.plan.drift import object_carries
-from kvoffload.operator.plan.fragment import RenderedInjection, render
-from kvoffload.operator.plan.injection_plan import (
-    ClusterInfo,
-    InjectionPlan,
-    choose_engine,
-    plan_injection,
-)
-from kvoffload.operator.plan.node_wiring import NodeCacheWiring
+from kvoffload.operator.intent.settings import enabled_state
+from kvoffload.operator.intent.workload import RECORD_PATH, SUPPORTED_KINDS, read_workload
+from kvoffload.operator.plan.fragment import render
+from kvoffload.operator.plan.injection_plan import RecordedOptions, plan_workload
+from kvoffload.operator.plan.injection_record import InjectionRecord, record_digest
 from kvoffload.policy_values import PolicyError
-
-
-@dataclass(frozen=True)
-class InjectionRecord:
-    """What the operator decided for one workload: enough to inject any of its pods."""
-
-    settings: InjectionSettings
-    user_options_yaml: str | None
-    node_cache: NodeCacheWiring | None
-    operator_version: str
-    native_sidecars: bool
-
-    def to_json(self) -> str:
-        wiring = None
-        if self.node_cache is not None:
-            wiring = {"server_url": self.node_cache.server_url, "shm_host_path": self.node_cache.shm_host_path,
-                      "pod_labels": dict(self.node_cache.pod_labels)}  # fmt: skip
-        document = {"settings": self.settings.as_record(), "user_options_yaml": self.user_options_yaml,
-                    "node_cache": wiring, "operator_version": self.operator_version,
-                    "native_sidecars": self.native_sidecars}  # fmt: skip
-        return json.dumps(document, sort_keys=True, indent=1) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> InjectionRecord | str:
-        """The record, or why the text is not one (a one-line reason)."""
-        try:
-            doc = json.loads(text)
-            wiring = doc.get("node_cache")
-            return cls(
-                settings=InjectionSettings.from_record(doc["settings"]),
-                user_options_yaml=doc.get("user_options_yaml"),
-                node_cache=NodeCacheWiring(**wiring) if wiring else None,
-                operator_version=str(doc["operator_version"]),
-                native_sidecars=bool(doc["native_sidecars"]),
-            )
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            return f"the injection record is not readable: {type(exc).__name__}: {exc}"
-
-    @property
-    def cluster(self) -> ClusterInfo:
-        return ClusterInfo(native_sidecars=self.native_sidecars, operator_version=self.operator_version)
-
-
-SELECTOR_PATH = ("f:spec", "f:selector")
-"""A field no write of kvoffload's ever sets: held by its field manager, a whole manifest was applied
-under kvoffload's name."""
-
-
-def foreign_record(workload: Workload) -> PolicyError | None:
-    """Why what kvoffload's field manager holds on ``workload`` is not what kvoffload wrote: an
-    injection record that does not read as one, or the workload's selector (a manifest applied under
-    kvoffload's name). None when nothing says so. Such a workload is left alone, with one Warning: a
-    removal would delete the forger's fields (the apiserver refuses a Deployment without its selector,
-    again at every retry) and an apply would fail the same way."""
-    text = workload.annotations.get(c.ANN_INJECTION_RECORD)
-    if text is not None and workload.owns_record:
-        parsed = InjectionRecord.from_json(text)
-        if isinstance(parsed, str):
-            return _left_alone(text, parsed)
-    if owned_by(workload.live, SELECTOR_PATH, c.FIELD_MANAGER):
-        return _left_alone(text, f"field manager {c.FIELD_MANAGER} holds spec.selector, which kvoffload never "
-                                 "writes: the workload was applied under kvoffload's name")  # fmt: skip
-    return None
-
-
-def _left_alone(text: str | None, why: str) -> PolicyError:
-    shown = text if text is None or len(text) <= 60 else text[:60] + "..."
-    return PolicyError(
-        f"metadata.annotations[{c.ANN_INJECTION_RECORD}]", shown,
-        f"kvoffload did not write this ({why}); kvoffload leaves the workload alone until the annotation is "
-        f"removed and the workload is applied under a field manager of its own, not {c.FIELD_MANAGER}",
-        reason="foreign_record",
-    )  # fmt: skip
-
-
-def record_of(plan: InjectionPlan) -> InjectionRecord:
-    return InjectionRecord(
-        settings=plan.settings, user_options_yaml=plan.user_options_yaml, node_cache=plan.node_cache,
-        operator_version=plan.cluster.operator_version, native_sidecars=plan.cluster.native_sidecars,
-    )  # fmt: skip
-
-
-def render_admission(plan: InjectionPlan) -> RenderedInjection:
-    """What the operator applies in admission mode, one write: the record as an annotation of the
-    workload and the template label naming the hash of the record and the files it gives the pods."""
-    in_template = render(plan, files_on_pod=True)  # its warnings, and the files the pods get
-    record = record_of(plan).to_json()
-    digest = record_digest(in_template.files, record)
-    body = plan.workload.ref.apply_body()
-    body["metadata"]["annotations"] = {c.ANN_INJECTION_RECORD: record}
-    body["spec"] = {"template": {"metadata": {"labels": {c.LABEL_INJECT: digest}}}}
-    return RenderedInjection(
-        workload_apply=body, configmap_apply=None, files=in_template.files, config_hash=digest,
-        engine_container=in_template.engine_container, forceable_fields=ADMISSION_FORCEABLE,
-        warnings=in_template.warnings,
-    )  # fmt: skip
-
-
-ADMISSION_FORCEABLE = (f".metadata.annotations.{c.ANN_INJECTION_RECORD}",
-                       f".spec.template.metadata.labels.{c.LABEL_INJECT}")  # fmt: skip
-"""kvoffload's own keys, taken back when another manager holds them. A write through the webhook
-keeps them kvoffload's (``workload_updates``); one admitted while the webhook was not reached (say
-``kubectl rollout undo`` writing an older record and label back as ``kubectl-rollout``) is answered
-by the operator re-applying its current record (one more rollout) instead of leaving pods the
-webhook refuses."""
-
-
-def intent_in_place(workload: Workload, rendered: RenderedInjection) -> bool:
-    """Whether the workload already carries the record and label an apply would write, both held
-    by kvoffload's field manager: the apply would change nothing, so it is not sent."""
-    return workload.holds_admission_keys and object_carries(rendered.workload_apply, workload.live)
-
-
-def record_digest(files: Mapping[str, str], record_json: str) -> str:
-    """The hash naming a record and the files it gives the pods (``LABEL_INJECT``'s value)."""
-    return hashlib.sha256(json.dumps({**files, _RECORD_KEY: record_json}, sort_keys=True).encode()).hexdigest()[:16]
-
-
-_RECORD_KEY = "injection.json"
-"""The record's key beside the files in the hash (the key the ConfigMap of earlier versions used:
-an upgrade rolls no pods for the move alone)."""
-
-
-def render_for(plan: InjectionPlan) -> RenderedInjection:
-    """The apply bodies for the operator's injection mode."""
-    return render_admission(plan) if plan.cluster.injection == "admission" else render(plan)
-
-
-# --- the webhook's side ------------------------------------------------------------
 
 
 def record_from_workload(workload: Mapping[str, Any] | None, kind: str, name: str) -> InjectionRecord | str:
@@ -193,11 +50,8 @@ def injected_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str, r
                  ) -> dict[str, Any] | PolicyError:  # fmt: skip
     """The pod with the injection the record describes, rendered from the pod itself."""
     workload = read_workload(workload_of_pod(pod, kind, name, namespace))
-    engine = choose_engine(workload, record.settings)
-    if isinstance(engine, PolicyError):
-        return engine
-    plan = plan_injection(workload, record.settings, record.cluster, engine, record.user_options_yaml,
-                          record.node_cache)  # fmt: skip
+    plan = plan_workload(workload, record.settings, record.cluster, RecordedOptions(record.user_options_yaml),
+                         record.node_cache)  # fmt: skip
     if isinstance(plan, PolicyError):
         return plan
     rendered = render(plan, files_on_pod=True)

@@ -16,13 +16,7 @@ from kvoffload import contract as c
 from kvoffload.log_budget import LogBudget
 from kvoffload.operator.admission.https_server import HttpsServer, Reply, Request, refusal
 from kvoffload.operator.admission.new_workloads import Planner, label_for_new_workload, record_before_the_operator
-from kvoffload.operator.admission.records import (
-    Admission,
-    InjectionRecord,
-    admission_response,
-    admit,
-    record_from_workload,
-)
+from kvoffload.operator.admission.records import Admission, admission_response, admit, record_from_workload
 from kvoffload.operator.admission.review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
 from kvoffload.operator.admission.webhook_tls import ReviewScope, TlsMaterial
 from kvoffload.operator.admission.workload_updates import kvoffload_injects, review_update
@@ -30,6 +24,7 @@ from kvoffload.operator.api.kube import Kube, KubeApiError, workload_path
 from kvoffload.operator.api.pod_owners import resolve_owner
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.plan.injection_plan import InjectionPlan
+from kvoffload.operator.plan.injection_record import InjectionRecord
 
 log = logging.getLogger("kvoffload.operator")
 MAX_REVIEW_BYTES = 2**20

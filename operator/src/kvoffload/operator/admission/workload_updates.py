@@ -26,10 +26,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import Admission, render_admission
+from kvoffload.operator.admission.records import Admission
 from kvoffload.operator.intent.managed_fields import TEMPLATE_META, owned_by
 from kvoffload.operator.intent.settings import enabled_state, ours_annotations_digest
 from kvoffload.operator.plan.injection_plan import InjectionPlan
+from kvoffload.operator.plan.workload_apply import render_admission
 
 RECORD_PATH = ("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}")
 LABEL_PATH = (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}")

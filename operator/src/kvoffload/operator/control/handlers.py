@@ -1,4 +1,5 @@
-"""kopf glue: watch events in, ``Reconciler`` calls out; nothing else.
+"""kopf glue: watch events in, ``Reconciler`` (or, admission mode, the pod alignment in ``memo``)
+calls out; the periodic work is ``background``'s. Nothing else.
 
 Only ``@kopf.on.event`` handlers: they are stateless, so kopf stores no progress, diff-base or
 finalizer on user workloads. Every event (including the initial listing after a restart)
@@ -8,20 +9,14 @@ reconciles the object as it is now, which is what makes a killed operator conver
 from __future__ import annotations
 
 import copy
-import logging
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.pod_alignment import uninjected
+from kvoffload.operator.control.background import start_background
 from kvoffload.operator.control.reconcile import Reconciler
-
-log = logging.getLogger("kvoffload.operator")
-POLICY_STATUS_INTERVAL_S = 2.0
-NODE_CACHE_RECHECK_S = 30.0
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,44 +42,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
 
-    stop = threading.Event()
-    memo.stop_background = stop
-
-    def background() -> None:
-        elapsed = 0.0
-        since_node_check = 0.0
-        while not stop.wait(POLICY_STATUS_INTERVAL_S):
-            try:
-                _reconciler(memo).run_due_retries()
-            except Exception:
-                log.exception("retries failed")
-            _reconciler(memo).policies.flush_status()
-            try:
-                _reconciler(memo).check_options_sources()
-            except Exception:
-                log.exception("options ConfigMap check failed")
-            since_node_check += POLICY_STATUS_INTERVAL_S
-            if since_node_check >= NODE_CACHE_RECHECK_S:  # a missed pod event must not strand a cache pod
-                since_node_check = 0.0
-                try:
-                    _reconciler(memo).policies.recheck_node_caches()
-                except Exception:
-                    log.exception("node cache recheck failed")
-                alignment = _reconciler(memo).pod_alignment
-                if alignment is not None:  # backed-off evictions are due, or a pod event was missed
-                    try:
-                        alignment.align()
-                    except Exception:
-                        log.exception("aligning pods created without the injection failed")
-            elapsed += POLICY_STATUS_INTERVAL_S
-            if memo.resync_seconds and elapsed >= memo.resync_seconds:
-                elapsed = 0.0
-                try:
-                    _reconciler(memo).resync()
-                except Exception:
-                    log.exception("resync failed")
-
-    threading.Thread(target=background, name="kvoffload-background", daemon=True).start()
+    alignment = memo.pod_alignment
+    memo.stop_background = start_background(
+        _reconciler(memo), memo.resync_seconds, alignment.align if alignment is not None else None
+    )
 
 
 @kopf.on.cleanup()
@@ -141,13 +102,9 @@ def register_node_mode_handlers() -> None:
 
 def injection_pod_event(body: kopf.Body, type: str | None, memo: Any, **_: Any) -> None:
     """A pod of an admission-mode workload changed: evict it (or a sibling) if created uninjected."""
-    alignment = _reconciler(memo).pod_alignment
-    if alignment is None:
-        return
-    namespace = str((body.get("metadata") or {}).get("namespace"))
-    alignment.report_start_failure(body)
-    if uninjected(body) or alignment.behind_in(namespace):
-        alignment.align(namespace)
+    alignment = memo.pod_alignment
+    if alignment is not None:
+        alignment.pod_changed(body)
 
 
 def register_admission_handlers() -> None:

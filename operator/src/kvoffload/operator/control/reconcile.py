@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.pod_alignment import PodAlignment
-from kvoffload.operator.admission.records import foreign_record, intent_in_place, render_for
-from kvoffload.operator.admission.workload_inputs import options_reader, replan
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
+from kvoffload.operator.api.options_reader import options_reader
 from kvoffload.operator.api.retry import RetryQueue
 from kvoffload.operator.control.outcome import Notice, Outcome, conflicted, rejected
 from kvoffload.operator.control.policies import Policies
@@ -37,9 +35,10 @@ from kvoffload.operator.intent.workload import SUPPORTED_KINDS, Workload, Worklo
 from kvoffload.operator.metrics import OperatorMetrics
 from kvoffload.operator.node.caches import NodeCaches
 from kvoffload.operator.node.gpu_nodes import GpuNodeMemory
-from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RenderedInjection
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
+from kvoffload.operator.plan.injection_record import foreign_record
+from kvoffload.operator.plan.workload_apply import intent_in_place, render_for, renders_to_itself
 from kvoffload.operator.plan.workload_decision import (
     Decision,
     Inject,
@@ -48,7 +47,6 @@ from kvoffload.operator.plan.workload_decision import (
     WorkloadInputs,
     decide_workload,
 )
-from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")
 
@@ -78,9 +76,6 @@ class Reconciler:
     """Which workloads merge which of the user's options ConfigMaps (a ConfigMap edit re-renders them)."""
     policies: Policies = field(init=False)
     """The policy side: cache, node caches, status."""
-
-    pod_alignment: PodAlignment | None = None
-    """Admission mode: evicts pods created without the injection (None in template mode)."""
 
     node_memory: GpuNodeMemory = field(init=False)
     """The largest GPU node's allocatable memory, for the pre-pod fit check."""
@@ -245,10 +240,8 @@ class Reconciler:
             # The apply raised the generation. If the object it returned is a fixed point (the
             # renderer gives the same fragment and the object carries it), the event for that
             # generation has nothing to do either: remember both as done.
-            again = replan(answer, plan)
             answer_meta = answer.get("metadata") or {}
-            if (not isinstance(again, PolicyError) and again.config_hash == config_hash
-                    and object_carries(again.workload_apply, answer)):  # fmt: skip
+            if renders_to_itself(answer, plan, config_hash):
                 done.add((answer_meta.get("generation"),
                           ours_annotations_digest(answer_meta.get("annotations") or {}), *fingerprint[2:]))  # fmt: skip
         with self._lock:

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.records import foreign_record
 from kvoffload.operator.api.kube import Kube, KubeApiError, configmap_path, list_workloads, workload_path
 from kvoffload.operator.intent.settings import enabled_state, ours_annotations_digest
 from kvoffload.operator.intent.workload import Workload, configmap_name, read_workload
 from kvoffload.operator.plan.drift import object_carries
 from kvoffload.operator.plan.fragment import RemovalPlan, RenderedInjection, render_removal
+from kvoffload.operator.plan.injection_record import foreign_record
 from kvoffload.policy_values import PolicyError
 
 log = logging.getLogger("kvoffload.operator")

@@ -32,8 +32,8 @@ from kvoffload.operator.plan.containers import (
 from kvoffload.operator.plan.injection_plan import (
     ClusterInfo,
     InjectionPlan,
-    choose_engine,
-    plan_injection,
+    RecordedOptions,
+    plan_workload,
 )
 from kvoffload.operator.plan.node_wiring import NodeCacheWiring
 from kvoffload.policy_values import PolicyError
@@ -214,12 +214,8 @@ def render_injection_fragment(
     user_options_yaml: str | None = None,
     node_cache: NodeCacheWiring | None = None,
 ) -> RenderedInjection | PolicyError:
-    """Read, choose, plan and render in one call (tests, tools); the reconciler runs the steps itself."""
-    read = read_workload(workload)
-    engine = choose_engine(read, settings)
-    if isinstance(engine, PolicyError):
-        return engine
-    plan = plan_injection(read, settings, cluster, engine, user_options_yaml, node_cache)
+    """Read, plan (``plan_workload``) and render for template mode in one call (tests, tools, node mode)."""
+    plan = plan_workload(read_workload(workload), settings, cluster, RecordedOptions(user_options_yaml), node_cache)
     return plan if isinstance(plan, PolicyError) else render(plan)
 
 

@@ -60,6 +60,14 @@ which ConfigMap)."""
 
 
 @dataclass(frozen=True)
+class RecordedOptions:
+    """The user's options file as read already (an injection record's, an earlier plan's): planning
+    with it reads nothing."""
+
+    text: str | None = None
+
+
+@dataclass(frozen=True)
 class InjectionPlan:
     """Everything decided for one workload; :func:`kvoffload.operator.plan.fragment.render` renders it."""
 
@@ -145,26 +153,40 @@ def choose_engine(workload: Workload, settings: InjectionSettings) -> Container 
     return _collision_problem(workload, engine) or engine
 
 
-def plan_workload(workload: Workload, settings: InjectionSettings, cluster: ClusterInfo, read_options: OptionsReader,
-                  node_cache: NodeCacheWiring | None = None) -> InjectionPlan | PolicyError:  # fmt: skip
-    """The plan for an opted-in workload: the engine, the user's options file (read through
-    ``read_options`` where a ConfigMap holds it) and the rest (``plan_injection``); ``node_cache``
-    wires a node-mode engine to its node's cache pod (``node_wiring.node_cache_wiring``)."""
+def plan_workload(workload: Workload, settings: InjectionSettings, cluster: ClusterInfo,
+                  options: OptionsReader | RecordedOptions, node_cache: NodeCacheWiring | None = None
+                  ) -> InjectionPlan | PolicyError:  # fmt: skip
+    """The plan for an opted-in workload, the one sequence every caller runs: choose the engine, take
+    the user's options file (read through ``options`` where a ConfigMap holds it, or as recorded
+    already) and plan the rest (``plan_injection``); ``node_cache`` wires a node-mode engine to its
+    node's cache pod (``node_wiring.node_cache_wiring``). The caller renders the plan for its mode."""
     engine = choose_engine(workload, settings)
     if isinstance(engine, PolicyError):
         return engine
+    if isinstance(options, RecordedOptions):
+        user_options = options.text
+    else:
+        read = _read_user_options(workload, engine, options)
+        if isinstance(read, PolicyError):
+            return read
+        user_options = read
+    return plan_injection(workload, settings, cluster, engine, user_options, node_cache)
+
+
+def _read_user_options(workload: Workload, engine: Container, read_options: OptionsReader) -> str | None | PolicyError:
+    """The user's options file from the ConfigMap the engine's options come from (None: no ConfigMap)."""
     source = engine.options if isinstance(engine.options, MergeFromConfigMap) else None
     configmap = read_options(workload.ref, source)
-    user_options = None
-    if source is not None:
-        user_options = ((configmap or {}).get("data") or {}).get(source.key)
-        if user_options is None:
-            what = "does not exist" if configmap is None else f"has no key {source.key!r}"
-            return PolicyError(
-                f"ConfigMap {source.configmap}", source.key,
-                f"the TensorRT-LLM options file {source.path} comes from it but it {what}", reason="options_missing",
-            )  # fmt: skip
-    return plan_injection(workload, settings, cluster, engine, user_options, node_cache)
+    if source is None:
+        return None
+    user_options = ((configmap or {}).get("data") or {}).get(source.key)
+    if user_options is None:
+        what = "does not exist" if configmap is None else f"has no key {source.key!r}"
+        return PolicyError(
+            f"ConfigMap {source.configmap}", source.key,
+            f"the TensorRT-LLM options file {source.path} comes from it but it {what}", reason="options_missing",
+        )  # fmt: skip
+    return user_options
 
 
 def plan_injection(
