@@ -255,7 +255,7 @@ def test_the_default_format_is_what_vllm_0_34s_own_classes_decode_with_vllms_med
         ("CPU", None), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")]  # fmt: skip
     assert [(e.medium, e.locality) for e in batch.events[3:6]] == [  # type: ignore[union-attr]
         ("STORAGE", "REMOTE"), ("CPU", None), ("STORAGE", "LOCAL")]  # fmt: skip
-    assert batch.data_parallel_rank == 0
+    assert batch.data_parallel_rank is None  # no rank: the consumer's wiring gives it
 
 
 def test_the_positional_format_is_vllm_0_23s_arrays_with_the_media_dynamo_names() -> None:
@@ -263,7 +263,7 @@ def test_the_positional_format_is_vllm_0_23s_arrays_with_the_media_dynamo_names(
 
     _ts, events, rank = msgspec.msgpack.decode(encode_batch(1.0, stored_and_removed(), "vllm-positional"))
     assert [e[6] for e in events[:3]] == ["CPU", "DISK", "EXTERNAL"] and events[-1] == ["AllBlocksCleared"]
-    assert [e[2] for e in events[3:6]] == ["EXTERNAL", "CPU", "DISK"] and rank == 0
+    assert [e[2] for e in events[3:6]] == ["EXTERNAL", "CPU", "DISK"] and rank is None
 
 
 def test_a_clear_withdraws_every_block_in_each_tier_holding_it_before_the_bare_clear() -> None:

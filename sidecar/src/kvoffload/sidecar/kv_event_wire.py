@@ -4,7 +4,7 @@ a policy picks, and the journal that lets a restarted server withdraw what its p
 Formats (``kvEvents.format``, ``KVOFFLOAD_KV_EVENTS_FORMAT``):
 
 - ``vllm`` (default): vLLM >= 0.24 (vllm-project/vllm#42892; read in vLLM 0.34.0, commit 62d4bc3c7,
-  ``vllm/distributed/kv_events.py``): the batch stays a positional array ``[ts, events, dp_rank]``
+  ``vllm/distributed/kv_events.py``): the batch stays a positional array ``[ts, events, dp_rank]`` (the rank nil)
   (``EventBatch``: ``array_like=True``); each event is a map tagged ``"type"`` (``KVCacheEvent``:
   ``tag=True, omit_defaults=True``), fields without a default always present. Media as vLLM names
   them (``MEDIUM_CPU``, ``MEDIUM_STORAGE`` with ``locality`` ``LOCAL``/``REMOTE``): L1 ``CPU``, a
@@ -118,8 +118,11 @@ def wire_event(event: Event, wire: WireFormat) -> Any:
 
 
 def encode_batch(ts: float, events: Iterable[Event], wire: WireFormat) -> bytes:
-    """A batch as vLLM publishes it: ``[ts, events, data_parallel_rank]`` (rank 0)."""
-    return msgspec.msgpack.encode([ts, [wire_event(e, wire) for e in events], 0])
+    """A batch ``[ts, events, data_parallel_rank]`` with the rank nil (``EventBatch``'s default, no
+    rank): a consumer then takes the rank its wiring gives the stream, so a cache server's clear is
+    never read as the engine's rank 0 (docs/routing.md, "The GPU tier"). The nil is sent, not left
+    out as vLLM's ``omit_defaults`` would: Dynamo 1.6.1 refuses a batch of two elements."""
+    return msgspec.msgpack.encode([ts, [wire_event(e, wire) for e in events], None])
 
 
 # The journal: what a server announced, so that its successor can withdraw it and go on numbering.

@@ -5,7 +5,7 @@ the server internals it needs (key resolution, the event bus's names) sit behind
 ``kvoffload.lmcache_guard``. It runs inside the LMCache server process and:
 
 - publishes vLLM's KV-event batches on a ZMQ XPUB socket it binds: three frames
-  ``[topic, sequence as 8-byte big-endian, msgpack [timestamp, events, dp_rank]]``, the events in
+  ``[topic, sequence as 8-byte big-endian, msgpack [timestamp, events, nil]]``, the events in
   the configured wire format (``kv_event_wire``: vLLM >= 0.24's maps by default);
 - answers ``chunk_report.METHOD`` (the connector's report after a store's COMMIT was answered) by
   resolving the chunks' hashes with the server's own hasher (so LMCache's evictions name the same
