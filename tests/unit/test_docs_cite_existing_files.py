@@ -35,10 +35,6 @@ KNOWN_STALE: dict[str, dict[str, str]] = {
         "docs/results/gpu-transfer/earlier/run02-pipelined-pieces.log":
             "docs/results/gpu-transfer/earlier/store-load-pipelined-pieces.log",
     },
-    "docs/operator.md": {
-        "admission_review.py": "admission/review.py",
-        "docs/results/operator-walk": "nothing: another drawing tool's output, deleted (name the project's own commands)",
-    },
 }  # fmt: skip
 
 THIRD_PARTY_FILES = {

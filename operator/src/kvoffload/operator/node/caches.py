@@ -1,4 +1,4 @@
-"""Effects of node mode: fetch the policy and its pods, call ``node_mode``'s pure planner,
+"""Effects of node mode: fetch the policy and its pods, call the pure planners (``placement``, ``cache_objects``),
 create and delete cache pods, apply the node-local Service and NetworkPolicy where they drifted.
 
 Level-triggered: every pass lists the pods as they are now, so an operator that restarts, or
