@@ -12,7 +12,7 @@ Validation never raises: a reader (:mod:`kvoffload.policy_values`) returns the v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -35,9 +35,11 @@ from kvoffload.policy_values import (
     WORKLOAD_DEPENDENT,
     FsTier,
     PolicyError,
+    PolicyField,
     RedisTier,
     read_bool,
     read_choice,
+    read_fields,
     read_fs_tier,
     read_image,
     read_int,
@@ -129,19 +131,6 @@ class Policy:
         return doc
 
 
-@dataclass(frozen=True)
-class PolicyField:
-    """One settable field: where it sits in the ``spec``, the :class:`Policy` attribute, its reader."""
-
-    path: tuple[str, ...]
-    attr: str
-    read: Callable[[object, str], Any]
-
-    @property
-    def spec_path(self) -> str:
-        return ".".join(self.path)
-
-
 FIELDS: tuple[PolicyField, ...] = (
     PolicyField(("mode",), "mode", read_choice(MODES)),
     PolicyField(("shmSize",), "shm_bytes", read_quantity()),
@@ -174,15 +163,6 @@ SECTIONS = ("cache", "l2", "sidecar", "connector", "kvEvents")
 P = TypeVar("P", bound=Policy)
 
 
-def _lookup(spec: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, object]:
-    node: object = spec
-    for part in path:
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
 def parse_policy(spec: object, base: P, where: str) -> P | PolicyError:
     """``base`` with the fields ``spec`` sets laid over it; ``where`` names the spec in messages.
 
@@ -191,19 +171,10 @@ def parse_policy(spec: object, base: P, where: str) -> P | PolicyError:
     root = read_mapping(spec, where)
     if isinstance(root, PolicyError):
         return root
-    for section in SECTIONS:
-        if section in root and isinstance(read_mapping(root[section], ""), PolicyError):
-            return PolicyError(f"{where}.{section}", root[section], "an object")
-    updates: dict[str, Any] = {}
-    for f in FIELDS:
-        present, raw = _lookup(root, f.path)
-        if not present:
-            continue
-        value = f.read(raw, f"{where}.{f.spec_path}")
-        if isinstance(value, PolicyError):
-            return value
-        updates[f.attr] = value
-    problem = spec_rule_problem(root, where)
+    updates = read_fields(root, SECTIONS, FIELDS, where)
+    if isinstance(updates, PolicyError):
+        return updates
+    problem = spec_rule_problem(updates, where)
     return problem or replace(base, **updates)
 
 
@@ -220,19 +191,18 @@ def merged_rule_problem(policy: Policy, where: str) -> PolicyError | None:
     return None
 
 
-def spec_rule_problem(spec: Mapping[str, Any], where: str) -> PolicyError | None:
-    """The rules between fields of one spec: exactly the CRD's CEL rules."""
-    backend = _lookup(spec, ("connector", "backend"))
-    if spec.get("mode") == "node" and backend[0] and backend[1] != c.BACKEND_SIDECAR:
-        return PolicyError(f"{where}.connector.backend", backend[1],
+def spec_rule_problem(values: Mapping[str, Any], where: str) -> PolicyError | None:
+    """The rules between fields of one spec, exactly the CRD's CEL rules, on the fields it sets
+    (read, by attribute)."""
+    backend = values.get("backend")
+    if values.get("mode") == "node" and backend not in (None, c.BACKEND_SIDECAR):
+        return PolicyError(f"{where}.connector.backend", backend,
                            "mode node needs backend sidecar (the cache server runs in the node's cache pod)")  # fmt: skip
-    events = _lookup(spec, ("kvEvents", "enabled"))
-    if events[1] is True and backend[0] and backend[1] != c.BACKEND_SIDECAR:
-        return PolicyError(f"{where}.connector.backend", backend[1],
+    if values.get("kv_events") is True and backend not in (None, c.BACKEND_SIDECAR):
+        return PolicyError(f"{where}.connector.backend", backend,
                            "kvEvents.enabled needs backend sidecar (backend inprocess runs no cache server to publish them)")  # fmt: skip
-    lookup = _lookup(spec, ("connector", "lookupTimeoutMs"))
-    retrieve = _lookup(spec, ("connector", "retrieveTimeoutMs"))
-    if lookup[0] and retrieve[0] and lookup[1] > retrieve[1]:  # type: ignore[operator]
-        return PolicyError(f"{where}.connector.lookupTimeoutMs", lookup[1],
-                           f"at most retrieveTimeoutMs ({retrieve[1]}): a lookup waits within a load's time")  # fmt: skip
+    lookup, retrieve = values.get("lookup_timeout_ms"), values.get("retrieve_timeout_ms")
+    if lookup is not None and retrieve is not None and lookup > retrieve:
+        return PolicyError(f"{where}.connector.lookupTimeoutMs", lookup,
+                           f"at most retrieveTimeoutMs ({retrieve}): a lookup waits within a load's time")  # fmt: skip
     return None

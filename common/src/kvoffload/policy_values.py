@@ -105,6 +105,49 @@ class RedisTier:
 # --- field readers: (value, field name) -> value | PolicyError ----------------
 
 
+@dataclass(frozen=True)
+class PolicyField:
+    """One settable field: where it sits in the ``spec``, the :class:`Policy` attribute, its reader."""
+
+    path: tuple[str, ...]
+    attr: str
+    read: Callable[[object, str], Any]
+
+    @property
+    def spec_path(self) -> str:
+        return ".".join(self.path)
+
+
+def lookup_path(spec: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, object]:
+    """Whether ``spec`` sets the nested ``path``, and its value there."""
+    node: object = spec
+    for part in path:
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def read_fields(
+    spec: Mapping[str, Any], sections: tuple[str, ...], fields: tuple[PolicyField, ...], where: str
+) -> dict[str, Any] | PolicyError:
+    """Each field ``spec`` sets, read by its reader, by attribute; the first bad one's error (a
+    section that is not an object first)."""
+    for section in sections:
+        if section in spec and not isinstance(spec[section], Mapping):
+            return PolicyError(f"{where}.{section}", spec[section], "an object")
+    values: dict[str, Any] = {}
+    for f in fields:
+        present, raw = lookup_path(spec, f.path)
+        if not present:
+            continue
+        value = f.read(raw, f"{where}.{f.spec_path}")
+        if isinstance(value, PolicyError):
+            return value
+        values[f.attr] = value
+    return values
+
+
 def read_choice(allowed: tuple[str, ...]) -> Callable[[object, str], str | PolicyError]:
     def read(value: object, name: str) -> str | PolicyError:
         if isinstance(value, str) and value in allowed:
