@@ -37,6 +37,8 @@ from benchmarks.gpu_hooks_check import connector_hooks, save_and_wait
 def _layer_work(size: int, ms: float) -> tuple[torch.Tensor, int]:
     """A matrix and how many of its products take about ``ms`` on the device."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):  # warm up first: a cold device times the products slow, and too few are run
+        a @ a
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -75,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
     nblocks = args.tokens // gt.TOKENS_PER_BLOCK
     failures = 0
+    a, reps = _layer_work(4096, args.layer_ms)  # one calibration: both modes run the same forward work
     for mode in ("layerwise", "whole"):
         env = {contract.ENV_LAYERWISE_LOADS: "true" if mode == "layerwise" else "false",
                contract.ENV_LOAD_COST_GUARD: "false", contract.ENV_ASYNC_LOAD_MIN_TOKENS: "0"}  # fmt: skip
         with connector_hooks(args.l1, nblocks, "cuda", env) as (_sidecar, scheduler, worker, pool, _):
-            a, reps = _layer_work(4096, args.layer_ms)
             sums = torch.zeros(pool.shape[1], device="cuda")
             engine = torch.cuda.current_stream()
             for rnd in range(args.rounds):

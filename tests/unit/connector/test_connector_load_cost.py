@@ -72,6 +72,8 @@ def test_the_engine_process_measures_nothing_until_loads_and_prefills_were_timed
     assert costs.load_cost() == LinearCost(0.0, 1024 / 0.001) + LinearCost(0.0, 1024 / 0.002)
     costs.computed(MIN_PREFILL_SAMPLE_TOKENS - 1, 1e-6)  # mostly decode: not a prefill sample
     assert costs.recompute_tokens_per_s() is None and costs.load_pays(1024)
+    costs.computed(1024, 0.005)  # the first prefill, on a cold device: not a sample
+    assert costs.recompute_tokens_per_s() is None
     costs.computed(1024, 0.001)
     assert costs.recompute_tokens_per_s() == 1024 / 0.001
     assert not costs.load_pays(1024), "3 ms to load what a 1 ms prefill computes"
