@@ -138,10 +138,10 @@ class RawClient:
             self.transfer.engine_driven_context.mq_timeout = 60.0
 
     def key(self, session: str, tokens: tuple[int, ...], start: int, end: int, worker: bool, salt: str = "") -> Any:
-        """The connector's own key for these tokens (``ServerKeys``), so both sides name chunks alike."""
-        from kvoffload.connector.backends.server_keys import ServerKeys
+        """The connector's own key for these tokens (``ChunkKeys``), so both sides name chunks alike."""
+        from kvoffload.connector.backends.chunk_keys import ChunkKeys
 
-        keys = ServerKeys(world_size=1, rank=0)
+        keys = ChunkKeys(world_size=1, rank=0)
         keys.model = self.shape.key_model
         return keys.key(session, tokens, start, end, salt, worker)
 

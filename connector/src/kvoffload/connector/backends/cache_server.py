@@ -30,6 +30,7 @@ from typing import Any
 from kvoffload.connector.backends.abandoned_lookups import AbandonedLookups
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, instance_id
 from kvoffload.connector.backends.blockcopy import GroupedPages
+from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
@@ -38,7 +39,6 @@ from kvoffload.connector.backends.layer_copies import LayerwiseLoad
 from kvoffload.connector.backends.pool_transfers import KV_POOL_NAME, PoolTransfers, Timeouts
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import RETIRED_GRACE_S, Segment, Segments
-from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.identities import model_identity
 from kvoffload.connector.keys import cache_model_name, chunk_layout
@@ -80,7 +80,7 @@ class CacheServerBackend:
         """The request client, up or down, PINGs."""
         self.segments = Segments()
         """The registered transfer context, its segment and the retired ones."""
-        self._keys = ServerKeys(settings.world_size, rank)
+        self._keys = ChunkKeys(settings.world_size, rank)
         self._needs_register = False
         self._geometry: KvGeometry | None = None
         self.transfers: PoolTransfers | None = None
@@ -119,7 +119,7 @@ class CacheServerBackend:
         return local.grouped_layout if local is not None else None
 
     @property
-    def server_keys(self) -> ServerKeys:
+    def chunk_keys(self) -> ChunkKeys:
         """How this backend names chunks on the server (model, key world and rank)."""
         return self._keys
 
@@ -369,7 +369,7 @@ class CacheServerBackend:
         local = self._process.worker(self._settings.server_url)
         if local is None or local.cache_model is None:
             raise BackendError("lookup", "unavailable", "no worker in this process registered its KV pool")
-        self._keys.adopt(local.server_keys)
+        self._keys.adopt(local.chunk_keys)
 
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str

@@ -20,7 +20,7 @@ from kvoffload.connector.load_cost import LoadCosts
 from kvoffload.connector.wire import SecuredLoad
 
 if TYPE_CHECKING:
-    from kvoffload.connector.backends.server_keys import ServerKeys
+    from kvoffload.connector.backends.chunk_keys import ChunkKeys
 
 
 class LocalWorker(Protocol):
@@ -30,7 +30,7 @@ class LocalWorker(Protocol):
     def cache_model(self) -> str | None: ...
 
     @property
-    def server_keys(self) -> ServerKeys: ...
+    def chunk_keys(self) -> ChunkKeys: ...
 
     @property
     def grouped_layout(self) -> GroupedLayout | None: ...

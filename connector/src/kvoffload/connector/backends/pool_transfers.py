@@ -29,6 +29,7 @@ from kvoffload.connector.backends.blockcopy import (
     gather_chunks,
     scatter_chunks,
 )
+from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
@@ -42,7 +43,6 @@ from kvoffload.connector.backends.layer_copies import (
 )
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import Segment, Segments
-from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.lmcache_seam import IPCCacheServerKey, slot_view
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.wire import TransferOp
@@ -91,7 +91,7 @@ class PoolTransfers:
 
     def __init__(self, kv_pool: Any, *, rank: int, instance_id: int, tokens_per_block: int, chunk_size: int,
                  timeouts: Timeouts, use_fast_copies: bool, connection: ServerConnection, segments: Segments,
-                 keys: ServerKeys, committer: Committer, securing: Securing | None,
+                 keys: ChunkKeys, committer: Committer, securing: Securing | None,
                  metrics: ConnectorMetrics, pages: GroupedPages | None = None,
                  catch_up: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.pool = kv_pool
