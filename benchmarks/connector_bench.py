@@ -237,7 +237,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS, KvoffloadLoadError
+    from kvoffload.connector.runtime import KvoffloadLoadError, engine_process
     from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
     from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
@@ -256,10 +256,12 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         url = server.url
         off = ConnectorMetrics(MODEL, "sidecar", enabled=False)
         raw = RawClient(url, shape, pool)
-        backend = CacheServerBackend(_settings(url, shape), rank=0, role="worker", metrics=off, process=ENGINE_PROCESS)
+        backend = CacheServerBackend(
+            _settings(url, shape), rank=0, role="worker", metrics=off, process=engine_process()
+        )
         backend.register(pool, geometry)
         sched_backend = CacheServerBackend(
-            _settings(url, shape), rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS
+            _settings(url, shape), rank=0, role="scheduler", metrics=off, process=engine_process()
         )
         llm_args = connector_llm_args(MODEL, url, block=shape.tokens_per_block)
         hooks: dict[bool, tuple[Any, Any]] = {}
@@ -461,7 +463,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             )
 
             # --- lookup + secure while other prompts' store COMMITs are still queued ----------
-            securing = ENGINE_PROCESS.worker(url)  # the worker the scheduler secures through
+            securing = engine_process().worker(url)  # the worker the scheduler secures through
             assert securing is not None
 
             def lookup_secure(queued: int) -> Any:
@@ -551,7 +553,7 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
     from kvoffload.connector.backends.blockcopy import gather_chunk, scatter_chunk
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     shape = TRANSFER_SHAPE
@@ -572,16 +574,16 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
             server = stack.enter_context(_server(chunk, l1_gb))
             settings = _settings(server.url, shape)
             ours = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=True
+                settings, rank=0, role="worker", metrics=off, process=engine_process(), use_fast_copies=True
             )
             stack.callback(ours.close)
             ours.register(pool, geometry)
             shipped = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=False
+                settings, rank=0, role="worker", metrics=off, process=engine_process(), use_fast_copies=False
             )
             stack.callback(shipped.close)
             shipped.register(pool, geometry)
-            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
+            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=engine_process())
             stack.callback(scheduler.close)
             nb = tokens // block
             nbytes = tokens * shape.bytes_per_token

@@ -168,7 +168,7 @@ def make_backend(
     from kvoffload.connector.backends.base import kv_geometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.settings import parse_settings
 
     llm_args = types.SimpleNamespace(
@@ -185,7 +185,7 @@ def make_backend(
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
-    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS,
+    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=engine_process(),
                                  use_fast_copies=fast)  # fmt: skip
     if pool is None:  # scheduler role: lookups only
         deadline = time.monotonic() + 30
@@ -548,13 +548,13 @@ def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Pat
                       ) -> list[dict[str, Any]]:  # fmt: skip
     """The in-process backend: LMCache's engine started inside this process, same data path."""
     standin_on_path()
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.quantity import parse_bytes
 
     settings = types.SimpleNamespace(
         world_size=1, chunk_size=args.chunk_sizes[0], l1_bytes=parse_bytes(args.l1, "--l1")
     )
-    url = ENGINE_PROCESS.inprocess.start(settings)  # type: ignore[arg-type]
+    url = engine_process().inprocess.start(settings)  # type: ignore[arg-type]
     rows = []
     try:
         scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
@@ -570,7 +570,7 @@ def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Pat
         backend.close()
         scheduler.close()
     finally:
-        ENGINE_PROCESS.inprocess.stop()
+        engine_process().inprocess.stop()
     return rows
 
 

@@ -33,7 +33,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
     gt.DEVICE = args.device  # "cuda" is this rank's GPU after set_device
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     heads = gt.KV_HEADS // args.world_size
@@ -70,7 +70,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
             t_store = time.perf_counter() - t0
             # COMMITs are sent by each rank's committer thread after the copy; rank 0's lookup waits
             # only for its own process's, so every rank waits for its own before the barrier.
-            if not ENGINE_PROCESS.pending.wait_idle(60.0):
+            if not engine_process().pending.wait_idle(60.0):
                 raise RuntimeError(f"rank {rank}: store COMMIT not answered within 60 s")
             barrier.wait()  # every rank's chunks are in before the lookup
             if scheduler is not None:

@@ -50,7 +50,7 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     shape = OVERHEAD_SHAPE
@@ -71,7 +71,7 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
     backends = {
         on: CacheServerBackend(
             _settings(server.url, shape, {"KVOFFLOAD_KV_EVENTS": "true" if on else "false"}),
-            rank=0, role="worker", metrics=metrics, process=ENGINE_PROCESS,
+            rank=0, role="worker", metrics=metrics, process=engine_process(),
         )
         for on in (False, True)
     }  # fmt: skip
@@ -104,7 +104,7 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
             t0 = time.perf_counter()
             assert backends[on].store(op) > 0, "store failed"
             t1 = time.perf_counter()
-            assert ENGINE_PROCESS.pending.wait_session(sid, 30.0), "COMMIT not answered"
+            assert engine_process().pending.wait_session(sid, 30.0), "COMMIT not answered"
             t2 = time.perf_counter()
             if i >= warmup:
                 published[name].append((t2 - t0) * 1e3)

@@ -127,7 +127,7 @@ def bench_transfer(argv: list[str] | None = None) -> None:
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.cache_server import CacheServerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.settings import parse_settings
     from kvoffload.connector.wire import TransferOp
     from tests.support.lmcache_server import LMCacheServer
@@ -164,7 +164,7 @@ def bench_transfer(argv: list[str] | None = None) -> None:
         pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16, device=args.device)
         pool = pool.view(dtype)
         off = ConnectorMetrics("x", "sidecar", enabled=False)
-        sched = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
+        sched = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=engine_process())
         toks = tuple(make_prompt(99, tokens))
         nbytes = tokens // block * pool[0].numel() * pool.element_size()
         print(f"pool {tuple(pool.shape)} {dtype} on {pool.device}; block = {pool[0].numel() * pool.element_size() / 2**20:.1f} MiB; "
@@ -182,7 +182,7 @@ def bench_transfer(argv: list[str] | None = None) -> None:
         for rep in range(2 * args.reps):
             fast = rep % 2 == 1
             backend = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=fast
+                settings, rank=0, role="worker", metrics=off, process=engine_process(), use_fast_copies=fast
             )
             backend.register(pool, KvGeometry(heads, block, hd))
             sid = f"s{rep}"
