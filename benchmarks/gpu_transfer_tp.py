@@ -65,7 +65,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
             gt.sync()
             barrier.wait()
             t0 = time.perf_counter()
-            backend.store(TransferOp(0, f"s{rep}-{tokens}", token_ids, 0, tokens, src, 0, "tp"))
+            backend.copies.store(TransferOp(0, f"s{rep}-{tokens}", token_ids, 0, tokens, src, 0, "tp"))
             gt.sync()
             t_store = time.perf_counter() - t0
             # COMMITs are sent by each rank's committer thread after the copy; rank 0's lookup waits
@@ -77,7 +77,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
                 hits.append(scheduler.lookup(f"r{rep}-{tokens}", token_ids, tokens, "tp"))
             barrier.wait()
             t0 = time.perf_counter()
-            backend.retrieve(TransferOp(0, f"r{rep}-{tokens}", token_ids, 0, tokens, dst, 0, "tp"))
+            backend.copies.retrieve(TransferOp(0, f"r{rep}-{tokens}", token_ids, 0, tokens, dst, 0, "tp"))
             gt.sync()
             t_retrieve = time.perf_counter() - t0
             exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))

@@ -25,7 +25,7 @@ import pytest
 from kvoffload.connector.backends import pool_transfers
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.wire import TransferOp
-from tests.support.direct_backend import backend_pair, direct_backend, pool_for
+from tests.support.direct_backend import backend_pair, direct_worker, pool_for
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     BLOCK,
@@ -134,7 +134,7 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
     PREPARE_STORE times out here, the server makes the reservation once it runs again."""
     tokens, blocks = CHUNK, CHUNK // BLOCK
     env = {**ENV, "KVOFFLOAD_STORE_TIMEOUT_MS": "300"}
-    worker = direct_backend(guarded_server, "stalled-store", "worker", env, pool_for(blocks + 1))
+    worker = direct_worker(guarded_server, "stalled-store", env, pool_for(blocks + 1))
     prompt = tuple(make_prompt(97, tokens))
     used_before = l1_used_bytes(guarded_server)
     try:
