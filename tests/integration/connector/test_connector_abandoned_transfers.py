@@ -140,7 +140,7 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
     try:
         with guarded_server.paused():
             with pytest.raises(BackendError):
-                worker.store(TransferOp(0, "stalled", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+                worker.copies.store(TransferOp(0, "stalled", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
             time.sleep(0.5)  # the server stays stopped past the PREPARE's timeout
         eventually(lambda: worker.is_up() and worker.committer.unaborted == 0, "the abort answered")
     finally:
@@ -188,7 +188,7 @@ def test_a_lookup_answered_too_late_leaves_no_read_lock_and_no_prefetch_job_behi
     worker, scheduler = backend_pair(guarded_server, "late-lookup", env, blocks)
     prompt = tuple(make_prompt(98, tokens))
     try:
-        worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0)
         before = guarded_server.held()
         with guarded_server.paused(), pytest.raises(BackendError):
