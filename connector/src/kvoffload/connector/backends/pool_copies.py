@@ -47,28 +47,28 @@ class PoolCopies:
 
     def expect_async_load(self) -> None:
         """An asynchronous load will be issued (its segment stays mapped till then)."""
-        self._pool("retrieve").expect_async_load()
+        self._pool("retrieve").async_loads.expect()
 
     def start_async_load(self, op: TransferOp) -> BackendError | None:
         """Issue an expected asynchronous load's copies without waiting; the error, if any."""
-        return self._pool("retrieve").start_async_load(op)
+        return self._pool("retrieve").async_loads.start(op)
 
     def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
         """Asynchronous loads whose KV is in the pool since the last call (their chunks released)."""
         transfers = self._transfers()
-        return transfers.finished_async_loads() if transfers is not None else []
+        return transfers.async_loads.finished() if transfers is not None else []
 
     def order_after_async_loads(self, blocks: frozenset[int]) -> None:
         """Order the next forward after asynchronous loads still copying into ``blocks``."""
         transfers = self._transfers()
         if transfers is not None:
-            transfers.order_after_async_loads(blocks)
+            transfers.async_loads.order_after(blocks)
 
     def wait_async_loads(self, blocks: frozenset[int]) -> None:
         """Return once no asynchronous load copies into ``blocks`` any more (host-side)."""
         transfers = self._transfers()
         if transfers is not None:
-            transfers.wait_async_loads(blocks)
+            transfers.async_loads.wait(blocks)
 
     def abandoned_load_blocks(self) -> frozenset[int]:
         """Blocks written by loads of parked requests TensorRT-LLM finished (cancelled) meanwhile."""
