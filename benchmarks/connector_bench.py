@@ -7,7 +7,7 @@ interleaved in the same run against the same server:
   WAIT_PREFETCH_STATUS; PREPARE -> ``blockcopy`` -> COMMIT with a transfer context of our own);
 * ``lmcache_copies``: the same protocol through LMCache's own ``submit_store``/``submit_retrieve``
   (its gather/scatter: what LMCache ships), for retrieve and store;
-* ``backend``: ``CacheServerBackend.lookup/retrieve/store`` (the wrapper: timeouts, lock, keys);
+* ``backend``: ``SchedulerClient.lookup`` and ``WorkerBackend.copies.retrieve/store`` (the wrapper: timeouts, lock, keys);
 * ``hook_metrics_off`` / ``hook_metrics_on``: the TensorRT-LLM hook that performs the operation
   (``get_num_new_matched_tokens``, ``start_load_kv``, synchronous ``wait_for_save``), with
   ``KVOFFLOAD_METRICS_ENABLED`` false / true (prometheus_client multiprocess mode).
@@ -102,7 +102,7 @@ def _server(chunk: int, l1_gb: float) -> Iterator[Any]:
 
 
 class RawClient:
-    """LMCache 0.5.6's client API used directly: the calls ``CacheServerBackend`` wraps."""
+    """LMCache 0.5.6's client API used directly: the calls ``SchedulerClient`` and ``WorkerBackend`` wrap."""
 
     def __init__(self, url: str, shape: PoolShape, pool: Any | None) -> None:
         import zmq
@@ -138,10 +138,10 @@ class RawClient:
             self.transfer.engine_driven_context.mq_timeout = 60.0
 
     def key(self, session: str, tokens: tuple[int, ...], start: int, end: int, worker: bool, salt: str = "") -> Any:
-        """The connector's own key for these tokens (``ServerKeys``), so both sides name chunks alike."""
-        from kvoffload.connector.backends.server_keys import ServerKeys
+        """The connector's own key for these tokens (``ChunkKeys``), so both sides name chunks alike."""
+        from kvoffload.connector.backends.chunk_keys import ChunkKeys
 
-        keys = ServerKeys(world_size=1, rank=0)
+        keys = ChunkKeys(world_size=1, rank=0)
         keys.model = self.shape.key_model
         return keys.key(session, tokens, start, end, salt, worker)
 
@@ -235,9 +235,10 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
     from kvoffload.connector.backends.base import KvGeometry
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS, KvoffloadLoadError
+    from kvoffload.connector.runtime import KvoffloadLoadError, engine_process
     from kvoffload.connector.trtllm import KvoffloadConnectorScheduler, KvoffloadConnectorWorker
     from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest, connector_llm_args
@@ -256,11 +257,9 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
         url = server.url
         off = ConnectorMetrics(MODEL, "sidecar", enabled=False)
         raw = RawClient(url, shape, pool)
-        backend = CacheServerBackend(_settings(url, shape), rank=0, role="worker", metrics=off, process=ENGINE_PROCESS)
+        backend = WorkerBackend(_settings(url, shape), rank=0, metrics=off, process=engine_process())
         backend.register(pool, geometry)
-        sched_backend = CacheServerBackend(
-            _settings(url, shape), rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS
-        )
+        sched_backend = SchedulerClient(_settings(url, shape), metrics=off, process=engine_process())
         llm_args = connector_llm_args(MODEL, url, block=shape.tokens_per_block)
         hooks: dict[bool, tuple[Any, Any]] = {}
         for metrics in (False, True):
@@ -412,7 +411,10 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                             hot_lmcache_key,
                         ),
                     ),
-                    ("backend", retrieve_with("backend", lambda sid: backend.retrieve(op(sid, hot_key, dst)) > 0)),
+                    (
+                        "backend",
+                        retrieve_with("backend", lambda sid: backend.copies.retrieve(op(sid, hot_key, dst)) > 0),
+                    ),
                     *[
                         (name, retrieve_with(name, hook_load(m), prepare=hook_secure(m), finish=hook_done(m)))
                         for name, m in (("hook_metrics_off", False), ("hook_metrics_on", True))
@@ -452,7 +454,7 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
                 [
                     ("raw", store_with(lambda sid, t: raw.store_protocol(sid, t, src))),
                     ("lmcache_copies", store_with(lambda sid, t: raw.store_lmcache(sid, t, src))),
-                    ("backend", store_with(lambda sid, t: backend.store(op(sid, t, src)) > 0)),
+                    ("backend", store_with(lambda sid, t: backend.copies.store(op(sid, t, src)) > 0)),
                     ("hook_metrics_off", store_with(hook_save(False))),
                     ("hook_metrics_on", store_with(hook_save(True))),
                 ],
@@ -461,14 +463,14 @@ def connector_overhead(reps: int, warmup: int = 3) -> dict[str, Any]:
             )
 
             # --- lookup + secure while other prompts' store COMMITs are still queued ----------
-            securing = ENGINE_PROCESS.worker(url)  # the worker the scheduler secures through
+            securing = engine_process().worker(url)  # the worker the scheduler secures through
             assert securing is not None
 
             def lookup_secure(queued: int) -> Any:
                 def run(_: int) -> float:
                     for _ in range(queued):  # other requests' stores just ended: COMMITs queued
                         n = next(ids)
-                        securing.store(op(f"bc{n}", _prompt(n, chunk), src))
+                        securing.copies.store(op(f"bc{n}", _prompt(n, chunk), src))
                     sid = f"ls{next(ids)}"
                     t0 = time.perf_counter()
                     hit = sched_backend.lookup(sid, hot_key, chunk, "")
@@ -549,9 +551,10 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
 
     from kvoffload.connector.backends.base import KvGeometry
     from kvoffload.connector.backends.blockcopy import gather_chunk, scatter_chunk
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     shape = TRANSFER_SHAPE
@@ -571,17 +574,13 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
         with contextlib.ExitStack() as stack:
             server = stack.enter_context(_server(chunk, l1_gb))
             settings = _settings(server.url, shape)
-            ours = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=True
-            )
+            ours = WorkerBackend(settings, rank=0, metrics=off, process=engine_process(), use_fast_copies=True)
             stack.callback(ours.close)
             ours.register(pool, geometry)
-            shipped = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=False
-            )
+            shipped = WorkerBackend(settings, rank=0, metrics=off, process=engine_process(), use_fast_copies=False)
             stack.callback(shipped.close)
             shipped.register(pool, geometry)
-            scheduler = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
+            scheduler = SchedulerClient(settings, metrics=off, process=engine_process())
             stack.callback(scheduler.close)
             nb = tokens // block
             nbytes = tokens * shape.bytes_per_token
@@ -638,14 +637,14 @@ def cpu_transfer(sizes_tokens: list[int], reps: int, shipped_max_tokens: int, wa
                 seed = next(seeds)
                 toks = _prompt(seed, tokens)
                 t0 = time.perf_counter()
-                backend.store(TransferOp(0, f"s{seed}", toks, 0, tokens, src, 0, ""))
+                backend.copies.store(TransferOp(0, f"s{seed}", toks, 0, tokens, src, 0, ""))
                 t_store = time.perf_counter() - t0
                 hit = scheduler.lookup(f"r{seed}", toks, tokens, "")
                 if hit != tokens:
                     raise RuntimeError(f"lookup after store hit {hit} of {tokens} tokens (L1 too small?)")
                 pool[list(dst)] = 0
                 t0 = time.perf_counter()
-                backend.retrieve(TransferOp(0, f"r{seed}", toks, 0, tokens, dst, 0, ""))
+                backend.copies.retrieve(TransferOp(0, f"r{seed}", toks, 0, tokens, dst, 0, ""))
                 t_ret = time.perf_counter() - t0
                 scheduler.end_session(f"r{seed}")
                 exact.append(bool(torch.equal(pool[list(src)].view(torch.int16), pool[list(dst)].view(torch.int16))))

@@ -166,9 +166,10 @@ def make_backend(
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(workdir / "metrics"))
     standin_on_path()  # the connector's package imports TensorRT-LLM's connector base classes
     from kvoffload.connector.backends.base import kv_geometry
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.settings import parse_settings
 
     llm_args = types.SimpleNamespace(
@@ -185,13 +186,14 @@ def make_backend(
     }
     settings = parse_settings(env, llm_args)
     metrics = ConnectorMetrics(settings.model_name, "sidecar")
-    backend = CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS,
-                                 use_fast_copies=fast)  # fmt: skip
-    if pool is None:  # scheduler role: lookups only
+    if role == "scheduler":  # lookups only
+        scheduler = SchedulerClient(settings, metrics=metrics, process=engine_process())
         deadline = time.monotonic() + 30
-        while not backend.is_up() and time.monotonic() < deadline:
+        while not scheduler.is_up() and time.monotonic() < deadline:
             time.sleep(0.1)
-        return backend
+        return scheduler
+    assert pool is not None, "a worker registers a pool"
+    backend = WorkerBackend(settings, rank=rank, metrics=metrics, process=engine_process(), use_fast_copies=fast)
     geometry = kv_geometry(
         pool.shape[-1], TOKENS_PER_BLOCK, {"num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}, world_size
     )
@@ -244,14 +246,14 @@ def transfer_round(
     sync()
     store = TransferOp(0, f"s{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt)
     t0 = time.perf_counter()
-    backend.store(store)
+    backend.copies.store(store)
     if sync_after:
         sync()
     t_store = time.perf_counter() - t0
     load = TransferOp(0, f"r{rep}-{tokens}-{salt}", token_ids, 0, tokens, dst, 0, salt)
     hit = scheduler.lookup(load.session_id, token_ids, tokens, salt)  # TensorRT-LLM looks up first
     t0 = time.perf_counter()
-    backend.retrieve(load)
+    backend.copies.retrieve(load)
     if sync_after:
         sync()
     t_retrieve = time.perf_counter() - t0
@@ -294,13 +296,13 @@ def engine_path_store(
         pass_end.record(engine)
     with torch.cuda.stream(saver):
         saver.wait_event(pass_end)
-        backend.store(TransferOp(0, f"w{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt))
+        backend.copies.store(TransferOp(0, f"w{rep}-{tokens}-{salt}", token_ids, 0, tokens, src, 0, salt))
         stored.record(saver)
     stored.synchronize()
     store_s = pass_end.elapsed_time(stored) / 1e3
     load = TransferOp(0, f"v{rep}-{tokens}-{salt}", token_ids, 0, tokens, dst, 0, salt)
     hit = scheduler.lookup(load.session_id, token_ids, tokens, salt)
-    backend.retrieve(load)
+    backend.copies.retrieve(load)
     sync()
     exact = hit == tokens and bool(torch.equal(kv.view(torch.int16), pool[dst_idx].view(torch.int16)))
     scheduler.end_session(load.session_id)
@@ -324,10 +326,12 @@ def engine_path_load(
     t_secure = time.perf_counter() - t0
     assert secured is not None, "load not secured"
     t0 = time.perf_counter()
-    (loaded,) = backend.load_secured([TransferOp(0, session, token_ids, 0, tokens, dst, 0, salt, secured=secured)])
+    (loaded,) = backend.copies.load_secured(
+        [TransferOp(0, session, token_ids, 0, tokens, dst, 0, salt, secured=secured)]
+    )
     sync()
     t_load = time.perf_counter() - t0
-    backend.release_loaded()
+    backend.copies.release_loaded()
     assert loaded.error is None, loaded.error
     exact = bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
     scheduler.end_session(session)
@@ -495,7 +499,7 @@ def measure_batched_loads(
     pool.copy_(torch.randn(pool.shape, dtype=torch.float32, device=DEVICE).to(pool.dtype))
     sync()
     for i in range(count):
-        backend.store(TransferOp(i, f"batch-store-{i}", prompts[i], 0, tokens, src[i], 0, "batch"))
+        backend.copies.store(TransferOp(i, f"batch-store-{i}", prompts[i], 0, tokens, src[i], 0, "batch"))
     sync()
     src_idx = torch.tensor([b for s in src for b in s], device=DEVICE)
     dst_idx = torch.tensor([b for d in dst for b in d], device=DEVICE)
@@ -520,14 +524,14 @@ def measure_batched_loads(
             sync()
             t0 = time.perf_counter()
             if name == "secured":
-                results = backend.load_secured(ops)
+                results = backend.copies.load_secured(ops)
                 assert all(r.error is None for r in results), results
             else:
                 for op in ops:
-                    backend.retrieve(op)
+                    backend.copies.retrieve(op)
             elapsed = time.perf_counter() - t0
             if name == "secured":
-                backend.release_loaded()
+                backend.copies.release_loaded()
                 if rep:
                     times["secure_at_lookup"].append(secure_s)
             exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))
@@ -548,13 +552,13 @@ def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Pat
                       ) -> list[dict[str, Any]]:  # fmt: skip
     """The in-process backend: LMCache's engine started inside this process, same data path."""
     standin_on_path()
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.quantity import parse_bytes
 
     settings = types.SimpleNamespace(
         world_size=1, chunk_size=args.chunk_sizes[0], l1_bytes=parse_bytes(args.l1, "--l1")
     )
-    url = ENGINE_PROCESS.inprocess.start(settings)  # type: ignore[arg-type]
+    url = engine_process().inprocess.start(settings)  # type: ignore[arg-type]
     rows = []
     try:
         scheduler = make_backend(url, None, fast=True, workdir=workdir, role="scheduler")
@@ -570,7 +574,7 @@ def measure_inprocess(pool: torch.Tensor, args: argparse.Namespace, workdir: Pat
         backend.close()
         scheduler.close()
     finally:
-        ENGINE_PROCESS.inprocess.stop()
+        engine_process().inprocess.stop()
     return rows
 
 

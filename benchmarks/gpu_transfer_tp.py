@@ -33,7 +33,7 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
     gt.DEVICE = args.device  # "cuda" is this rank's GPU after set_device
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     heads = gt.KV_HEADS // args.world_size
@@ -65,19 +65,19 @@ def _rank_main(rank: int, args: argparse.Namespace, url: str, workdir: str, barr
             gt.sync()
             barrier.wait()
             t0 = time.perf_counter()
-            backend.store(TransferOp(0, f"s{rep}-{tokens}", token_ids, 0, tokens, src, 0, "tp"))
+            backend.copies.store(TransferOp(0, f"s{rep}-{tokens}", token_ids, 0, tokens, src, 0, "tp"))
             gt.sync()
             t_store = time.perf_counter() - t0
             # COMMITs are sent by each rank's committer thread after the copy; rank 0's lookup waits
             # only for its own process's, so every rank waits for its own before the barrier.
-            if not ENGINE_PROCESS.pending.wait_idle(60.0):
+            if not engine_process().pending.wait_idle(60.0):
                 raise RuntimeError(f"rank {rank}: store COMMIT not answered within 60 s")
             barrier.wait()  # every rank's chunks are in before the lookup
             if scheduler is not None:
                 hits.append(scheduler.lookup(f"r{rep}-{tokens}", token_ids, tokens, "tp"))
             barrier.wait()
             t0 = time.perf_counter()
-            backend.retrieve(TransferOp(0, f"r{rep}-{tokens}", token_ids, 0, tokens, dst, 0, "tp"))
+            backend.copies.retrieve(TransferOp(0, f"r{rep}-{tokens}", token_ids, 0, tokens, dst, 0, "tp"))
             gt.sync()
             t_retrieve = time.perf_counter() - t0
             exact &= bool(torch.equal(pool[src_idx].view(torch.int16), pool[dst_idx].view(torch.int16)))

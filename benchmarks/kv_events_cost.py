@@ -6,7 +6,7 @@ one with ``KVOFFLOAD_KV_EVENTS`` on, one off. Each store is a fresh one-chunk pr
 ``connector_bench.OVERHEAD_SHAPE``; with ``--prompt-tokens N`` the last chunk of an N-token prompt), the
 variants interleaved round by round. Per store:
 
-* ``store_ms``: ``CacheServerBackend.store`` on the calling (engine's saver) thread: PREPARE, copies,
+* ``store_ms``: ``PoolCopies.store`` (a worker backend's) on the calling (engine's saver) thread: PREPARE, copies,
   COMMIT queued;
 * ``published_ms``: from the store's start until its COMMIT was answered and, with events on, the
   report sent (the committer thread's work: what a lookup of the same prompt would wait for);
@@ -48,9 +48,9 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
 
     from hack.ports import free_port
     from kvoffload.connector.backends.base import KvGeometry
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
 
     shape = OVERHEAD_SHAPE
@@ -69,9 +69,9 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
     sub.connect(f"tcp://127.0.0.1:{events_port}")
     metrics = ConnectorMetrics(MODEL, "sidecar", enabled=False)
     backends = {
-        on: CacheServerBackend(
+        on: WorkerBackend(
             _settings(server.url, shape, {"KVOFFLOAD_KV_EVENTS": "true" if on else "false"}),
-            rank=0, role="worker", metrics=metrics, process=ENGINE_PROCESS,
+            rank=0, metrics=metrics, process=engine_process(),
         )
         for on in (False, True)
     }  # fmt: skip
@@ -102,9 +102,9 @@ def kv_events_cost(reps: int, prompt_tokens: int, warmup: int = 5) -> dict[str, 
             sid = f"bench-events-{n}"
             op = TransferOp(0, sid, _prompt(n, prompt_tokens), prompt_tokens - chunk, prompt_tokens, src, 0, "")
             t0 = time.perf_counter()
-            assert backends[on].store(op) > 0, "store failed"
+            assert backends[on].copies.store(op) > 0, "store failed"
             t1 = time.perf_counter()
-            assert ENGINE_PROCESS.pending.wait_session(sid, 30.0), "COMMIT not answered"
+            assert engine_process().pending.wait_session(sid, 30.0), "COMMIT not answered"
             t2 = time.perf_counter()
             if i >= warmup:
                 published[name].append((t2 - t0) * 1e3)

@@ -124,7 +124,7 @@ def _connector_section(c: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "WAIT_PREFETCH_STATUS; retrieve/store: PREPARE -> the same block copies -> COMMIT). **The baseline.**",
         "- `LMCache copies`: the same protocol through LMCache's own `submit_retrieve`/`submit_store` (its "
         "gather/scatter), i.e. what LMCache 0.5.6 ships for this layout.",
-        "- `backend`: `CacheServerBackend.lookup/retrieve/store` (timeouts, lock, keys, failure handling).",
+        "- `backend`: `SchedulerClient.lookup`, `WorkerBackend.copies.retrieve/store` (timeouts, lock, keys, failure handling).",
         "- `hook, metrics off/on`: the TensorRT-LLM hook doing the operation (`get_num_new_matched_tokens`, "
         "`start_load_kv`, synchronous `wait_for_save`) with `KVOFFLOAD_METRICS_ENABLED` false/true "
         "(prometheus_client multiprocess mode, as deployed). The hook's lookup also secures the load (its "

@@ -745,9 +745,9 @@ def _serve_rank(conn: Any, rank: int, llm_args: Any, geometry: dict[str, int], k
 def settle_commits(timeout_s: float = 10.0) -> bool:
     """Wait until this process's deferred COMMITs were answered: another process's lookup finds
     only committed chunks (a test's synchronisation, not the engine's)."""
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
 
-    return ENGINE_PROCESS.pending.wait_idle(timeout_s)
+    return engine_process().pending.wait_idle(timeout_s)
 
 
 def _attention_dp_rank_main(conn: Any, llm_args: Any, rank: int, env: dict[str, str], kwargs: dict[str, Any]) -> None:

@@ -125,9 +125,10 @@ def bench_transfer(argv: list[str] | None = None) -> None:
     import torch
 
     from kvoffload.connector.backends.base import KvGeometry
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
     from kvoffload.connector.metrics import ConnectorMetrics
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.settings import parse_settings
     from kvoffload.connector.wire import TransferOp
     from tests.support.lmcache_server import LMCacheServer
@@ -164,7 +165,7 @@ def bench_transfer(argv: list[str] | None = None) -> None:
         pool = torch.randint(-1000, 1000, (nb, layers, 2, heads * block * hd), dtype=torch.int16, device=args.device)
         pool = pool.view(dtype)
         off = ConnectorMetrics("x", "sidecar", enabled=False)
-        sched = CacheServerBackend(settings, rank=0, role="scheduler", metrics=off, process=ENGINE_PROCESS)
+        sched = SchedulerClient(settings, metrics=off, process=engine_process())
         toks = tuple(make_prompt(99, tokens))
         nbytes = tokens // block * pool[0].numel() * pool.element_size()
         print(f"pool {tuple(pool.shape)} {dtype} on {pool.device}; block = {pool[0].numel() * pool.element_size() / 2**20:.1f} MiB; "
@@ -181,22 +182,20 @@ def bench_transfer(argv: list[str] | None = None) -> None:
             del host, dev
         for rep in range(2 * args.reps):
             fast = rep % 2 == 1
-            backend = CacheServerBackend(
-                settings, rank=0, role="worker", metrics=off, process=ENGINE_PROCESS, use_fast_copies=fast
-            )
+            backend = WorkerBackend(settings, rank=0, metrics=off, process=engine_process(), use_fast_copies=fast)
             backend.register(pool, KvGeometry(heads, block, hd))
             sid = f"s{rep}"
             blocks = tuple(range(tokens // block))
             dst = tuple(range(tokens // block, 2 * (tokens // block)))
             try:
                 t0 = time.perf_counter()
-                backend.store(TransferOp(rep, sid, toks, 0, tokens, blocks, 0, f"rep{rep}"))
+                backend.copies.store(TransferOp(rep, sid, toks, 0, tokens, blocks, 0, f"rep{rep}"))
                 t_store = time.perf_counter() - t0
                 while not sched.is_up():  # a slow server may have missed a heartbeat
                     time.sleep(0.1)
                 hit = sched.lookup(sid + "r", toks, tokens, f"rep{rep}")
                 t0 = time.perf_counter()
-                backend.retrieve(TransferOp(rep, sid + "r", toks, 0, hit, dst, 0, f"rep{rep}"))
+                backend.copies.retrieve(TransferOp(rep, sid + "r", toks, 0, hit, dst, 0, f"rep{rep}"))
                 t_ret = time.perf_counter() - t0
             except Exception as exc:
                 print(f"{'blockcopy' if fast else 'lmcache  '} FAILED: {exc!r}", flush=True)

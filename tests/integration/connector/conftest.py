@@ -51,11 +51,12 @@ def doomed_server(
 def no_commit_left_pending() -> Iterator[None]:
     """Every COMMIT a test queued is answered or dropped by its end: one left pending in this process
     would fail every later test's ``settle_commits`` instead of this one."""
-    from kvoffload.connector.runtime import ENGINE_PROCESS
+    from kvoffload.connector.runtime import engine_process
 
     yield
-    if not ENGINE_PROCESS.pending.wait_idle(15.0):
-        pytest.fail(f"COMMITs still pending after the test, sessions {ENGINE_PROCESS.pending.sessions()}")
+    pending = engine_process().pending
+    if not pending.wait_idle(15.0):
+        pytest.fail(f"COMMITs still pending after the test, sessions {pending.sessions()}")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ import pytest
 from kvoffload.connector.backends import pool_transfers
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.wire import TransferOp
-from tests.support.direct_backend import backend_pair, direct_backend, pool_for
+from tests.support.direct_backend import backend_pair, direct_worker, pool_for
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     BLOCK,
@@ -134,13 +134,13 @@ def test_a_store_whose_prepare_timed_out_on_a_stalled_server_is_never_published(
     PREPARE_STORE times out here, the server makes the reservation once it runs again."""
     tokens, blocks = CHUNK, CHUNK // BLOCK
     env = {**ENV, "KVOFFLOAD_STORE_TIMEOUT_MS": "300"}
-    worker = direct_backend(guarded_server, "stalled-store", "worker", env, pool_for(blocks + 1))
+    worker = direct_worker(guarded_server, "stalled-store", env, pool_for(blocks + 1))
     prompt = tuple(make_prompt(97, tokens))
     used_before = l1_used_bytes(guarded_server)
     try:
         with guarded_server.paused():
             with pytest.raises(BackendError):
-                worker.store(TransferOp(0, "stalled", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+                worker.copies.store(TransferOp(0, "stalled", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
             time.sleep(0.5)  # the server stays stopped past the PREPARE's timeout
         eventually(lambda: worker.is_up() and worker.committer.unaborted == 0, "the abort answered")
     finally:
@@ -188,7 +188,7 @@ def test_a_lookup_answered_too_late_leaves_no_read_lock_and_no_prefetch_job_behi
     worker, scheduler = backend_pair(guarded_server, "late-lookup", env, blocks)
     prompt = tuple(make_prompt(98, tokens))
     try:
-        worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0)
         before = guarded_server.held()
         with guarded_server.paused(), pytest.raises(BackendError):

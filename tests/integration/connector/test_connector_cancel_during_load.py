@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract
-from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.pool_copies import PoolCopies
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     BLOCK,
@@ -36,13 +36,13 @@ stores for reuse at its cancel are exactly the ones its load writes."""
 def slow_async_loads(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every asynchronous load takes ``seconds`` longer to land (a long DMA), so a cancel and a retry
     fall inside it."""
-    start = CacheServerBackend.start_async_load
+    start = PoolCopies.start_async_load
 
-    def slow(self: CacheServerBackend, op: Any) -> Any:
+    def slow(self: PoolCopies, op: Any) -> Any:
         time.sleep(seconds)
         return start(self, op)
 
-    monkeypatch.setattr(CacheServerBackend, "start_async_load", slow)
+    monkeypatch.setattr(PoolCopies, "start_async_load", slow)
 
 
 def cancel_and_retry_rounds(ex: Any, rounds: int, first_id: int) -> list[int]:

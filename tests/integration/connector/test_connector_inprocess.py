@@ -10,7 +10,7 @@ import pytest
 
 from hack.ports import free_port
 from kvoffload import contract
-from kvoffload.connector.metrics import flush_all
+from kvoffload.connector.runtime import engine_process
 from tests.support.trtllm_executor import CHUNK, PromptRequest, StandinExecutor, connector_llm_args, make_prompt
 
 pytestmark = pytest.mark.connector
@@ -22,9 +22,7 @@ def inprocess_env(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(contract.ENV_CHUNK_SIZE, str(CHUNK))
     monkeypatch.setenv(contract.ENV_L1_SIZE, "128Mi")
     yield
-    from kvoffload.connector.runtime import ENGINE_PROCESS
-
-    ENGINE_PROCESS.inprocess.stop()
+    engine_process().inprocess.stop()
 
 
 @pytest.mark.usefixtures("inprocess_env")
@@ -45,7 +43,7 @@ def test_inprocess_store_evict_load_bit_exact(monkeypatch: pytest.MonkeyPatch) -
         assert r2.connector_matched_tokens == expected
         assert r2.computed_prompt_tokens == len(p2) - expected
         assert ex.kv_mismatches == 0
-        flush_all()
+        engine_process().metrics.flush_all()
         served = _endpoint_port()
         with urllib.request.urlopen(f"http://127.0.0.1:{served}{contract.PATH_METRICS}", timeout=5) as resp:
             text = resp.read().decode()
@@ -61,10 +59,9 @@ def test_inprocess_store_evict_load_bit_exact(monkeypatch: pytest.MonkeyPatch) -
 
 def _endpoint_port() -> int:
     """The port this process serves on (the first test to set one bound it for the process)."""
-    from kvoffload.connector import metrics
-
-    assert metrics._ENDPOINT and metrics._ENDPOINT[0].serving, "the connector serves /metrics without a sidecar"
-    return metrics._ENDPOINT[0].port
+    endpoint = engine_process().metrics.endpoint
+    assert endpoint is not None and endpoint.serving, "the connector serves /metrics without a sidecar"
+    return endpoint.port
 
 
 def test_inprocess_rejects_tensor_parallel(connector_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

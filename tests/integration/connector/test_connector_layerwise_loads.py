@@ -17,7 +17,7 @@ pytestmark = pytest.mark.connector
 
 
 def _copies_by_path(backend: Any) -> dict[str, int]:
-    """Count the loads the worker's backend copies whole and layer-wise (wrapping both entry points)."""
+    """Count the loads the worker's copies (``WorkerBackend.copies``) move whole and layer-wise (wrapping both entry points)."""
     counts = {"whole": 0, "layerwise": 0}
     whole, by_layer = backend.load_secured, backend.load_secured_by_layer
 
@@ -45,7 +45,7 @@ def test_a_synchronous_hit_is_copied_layer_wise_once_the_engine_waited_for_every
     monkeypatch.setenv(contract.ENV_LAYERWISE_LOADS, layerwise)
     monkeypatch.setenv(contract.ENV_LOAD_COST_GUARD, "false")
     ex = executor_factory(f"layerwise-{layerwise}-model", lmcache_server.url)
-    copies = _copies_by_path(ex.rank0.worker.backend)
+    copies = _copies_by_path(ex.rank0.worker.backend.copies)
     prompts = [make_prompt(70 + i, 300 + 40 * i) for i in range(2)]
     first = ex.run([PromptRequest(1 + i, p, 3) for i, p in enumerate(prompts)])
     ex.evict_device_cache()
@@ -63,7 +63,7 @@ def test_a_layer_run_without_its_hook_during_a_layer_wise_load_fails_the_batch_t
 ) -> None:
     monkeypatch.setenv(contract.ENV_LOAD_COST_GUARD, "false")
     ex = executor_factory("layerwise-unhooked-model", lmcache_server.url)
-    copies = _copies_by_path(ex.rank0.worker.backend)
+    copies = _copies_by_path(ex.rank0.worker.backend.copies)
     p, q = make_prompt(80, 300), make_prompt(81, 300)
     ex.run([PromptRequest(1, p, 2), PromptRequest(2, q, 2)])  # every layer's hook seen: layer-wise from now on
     ex.evict_device_cache()
@@ -86,7 +86,7 @@ def test_a_layer_wise_load_that_failed_leaves_nothing_for_the_next_iteration(
     ``wait_for_save``; the engine's next iterations (no load, then a hit) run as usual."""
     monkeypatch.setenv(contract.ENV_LOAD_COST_GUARD, "false")
     ex = executor_factory("layerwise-failed-model", lmcache_server.url)
-    backend = ex.rank0.worker.backend
+    backend = ex.rank0.worker.backend.copies
     original = backend.load_secured_by_layer
 
     def failing(ops: Any) -> Any:

@@ -31,7 +31,7 @@ def test_a_lookup_waits_for_its_own_chains_commit_and_not_for_another_requests(
     stored, other = tuple(make_prompt(41, tokens)), tuple(make_prompt(42, tokens))
     try:
         assert worker.is_up() and scheduler.is_up()
-        worker.store(TransferOp(0, "stored", stored, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "stored", stored, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert held.wait(10.0), "the store's COMMIT never reached the committer"
 
         answers: dict[str, int] = {}

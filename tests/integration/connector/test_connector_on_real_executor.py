@@ -67,7 +67,7 @@ def outputs_of_stream(ex: Any, seed: int, rounds: int, cancel_share: float) -> d
 
 def make_server_busy(ex: Any, seconds: float) -> None:
     """Every store of ``ex``'s worker answers ``seconds`` late, so saves queue up behind it."""
-    backend = ex.rank0.worker.backend
+    backend = ex.rank0.worker.backend.copies
     store = backend.store
 
     def busy_server_store(op: Any) -> int:

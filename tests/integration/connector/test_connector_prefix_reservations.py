@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvoffload import contract
-from kvoffload.connector.backends.cache_server import CacheServerBackend
+from kvoffload.connector.backends.pool_copies import PoolCopies
 from kvoffload.connector.backends.securing import Securing
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import CHUNK, PromptRequest, make_prompt
@@ -92,13 +92,13 @@ def test_a_reservation_trimmed_by_a_failed_grow_releases_its_tail_at_once_and_lo
 def parked_loads(monkeypatch: pytest.MonkeyPatch, connector_env: dict[str, str]) -> None:
     """Loads of a chunk or more run asynchronously (the request parks), each 0.3 s long."""
     monkeypatch.setenv(contract.ENV_ASYNC_LOAD_MIN_TOKENS, str(CHUNK))
-    start = CacheServerBackend.start_async_load
+    start = PoolCopies.start_async_load
 
-    def slow(self: CacheServerBackend, op: Any) -> Any:
+    def slow(self: PoolCopies, op: Any) -> Any:
         time.sleep(0.3)
         return start(self, op)
 
-    monkeypatch.setattr(CacheServerBackend, "start_async_load", slow)
+    monkeypatch.setattr(PoolCopies, "start_async_load", slow)
 
 
 @pytest.mark.usefixtures("parked_loads")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.connector.wire import TransferOp
-from tests.support.direct_backend import backend_pair, direct_backend, hold_store_commits, pool_for, stop_heartbeat
+from tests.support.direct_backend import backend_pair, direct_worker, hold_store_commits, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -36,7 +36,7 @@ def test_a_store_prepared_before_a_reconnect_to_the_same_server_is_still_committ
     stop_heartbeat(worker)  # the test reconnects by hand
     prompt = tuple(make_prompt(61, tokens))
     try:
-        worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert held.wait(10)
         segment = worker.segment
         worker.connection.fail("heartbeat", "unavailable", "a reconnect with the server still there")
@@ -55,7 +55,7 @@ def test_a_store_prepared_before_a_reconnect_to_the_same_server_is_still_committ
 def test_a_late_failure_on_the_replaced_connection_does_not_take_the_new_one_down(
     lmcache_server: LMCacheServer,
 ) -> None:
-    worker = direct_backend(lmcache_server, "late-failure", "worker", ENV, pool_for(CHUNK // BLOCK + 1))
+    worker = direct_worker(lmcache_server, "late-failure", ENV, pool_for(CHUNK // BLOCK + 1))
     stop_heartbeat(worker)  # the test reconnects by hand
     try:
         dead = worker.connection.client

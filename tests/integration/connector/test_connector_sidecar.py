@@ -300,7 +300,7 @@ def test_several_hits_in_one_iteration_load_together_bit_exact(
     prompts = [make_prompt(40 + i, 200 + 30 * i) for i in range(3)]
     first = ex.run([PromptRequest(1 + i, p, 2) for i, p in enumerate(prompts)])
     ex.evict_device_cache()
-    backend = ex.rank0.worker.backend
+    backend = ex.rank0.worker.backend.copies
     batches: list[int] = []
     whole, by_layer = backend.load_secured, backend.load_secured_by_layer
 

@@ -11,7 +11,7 @@ import pytest
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.wire import TransferOp
 from tests.support.connector_env import SHARED_CORES_LOOKUP_TIMEOUT_MS
-from tests.support.direct_backend import backend_pair, direct_backend, pool_for, stop_heartbeat
+from tests.support.direct_backend import backend_pair, direct_scheduler, direct_worker, pool_for, stop_heartbeat
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -36,7 +36,7 @@ def test_a_lookup_that_outlives_its_deadline_on_a_stalled_server_misses_once_and
     worker, scheduler = backend_pair(lmcache_server, "slow-server", ENV, blocks)
     prompt = tuple(make_prompt(51, tokens))
     try:
-        worker.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "stored", prompt, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0)
         connection, segment, stalled = scheduler.connection_generation, worker.segment, threading.Event()
         with lmcache_server.paused():
@@ -62,7 +62,7 @@ def test_a_transfer_that_waits_out_its_deadline_behind_another_leaves_the_backen
 ) -> None:
     """Another transfer holding the transfer context is local contention, not a sick server."""
     env = {**ENV, "KVOFFLOAD_STORE_TIMEOUT_MS": "200"}
-    worker = direct_backend(lmcache_server, "busy-context", "worker", env, pool_for(CHUNK // BLOCK + 1))
+    worker = direct_worker(lmcache_server, "busy-context", env, pool_for(CHUNK // BLOCK + 1))
     prompt = tuple(make_prompt(52, CHUNK))
     holding, release = threading.Event(), threading.Event()
 
@@ -76,7 +76,7 @@ def test_a_transfer_that_waits_out_its_deadline_behind_another_leaves_the_backen
     try:
         assert holding.wait(5.0)
         with pytest.raises(BackendError) as busy:
-            worker.store(TransferOp(0, "busy", prompt, 0, CHUNK, tuple(range(CHUNK // BLOCK)), 0, "t"))
+            worker.copies.store(TransferOp(0, "busy", prompt, 0, CHUNK, tuple(range(CHUNK // BLOCK)), 0, "t"))
         assert busy.value.reason == "timeout"
         assert worker.is_up(), "waiting behind another transfer took the backend down"
     finally:
@@ -116,7 +116,7 @@ def test_a_server_that_answers_no_ping_either_is_marked_down_and_found_again_onc
 def test_one_missed_ping_of_a_live_connection_is_not_down_and_two_in_a_row_are(lmcache_server: LMCacheServer) -> None:
     """A server too busy to answer one PING in time is not declared dead (that would drop the
     connection and register the pool again); one that misses the next PING too is."""
-    scheduler = direct_backend(lmcache_server, "missed-ping", "scheduler", ENV)
+    scheduler = direct_scheduler(lmcache_server, "missed-ping", ENV)
     stop_heartbeat(scheduler)  # this test PINGs by hand
     scheduler.connection.ping_timeout_s = 0.5
     connection = scheduler.connection_generation

@@ -9,12 +9,10 @@ import time
 from typing import Any
 
 import pytest
-import torch
 
-from kvoffload.connector.backends.cache_server import CacheServerBackend
 from kvoffload.connector.backends.engine_process import EngineProcess
 from kvoffload.connector.wire import TransferOp
-from tests.support.direct_backend import direct_backend, pool_for
+from tests.support.direct_backend import direct_scheduler, direct_worker, pool_for
 from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import BLOCK, CHUNK, make_prompt
 
@@ -30,8 +28,7 @@ PROCESS = EngineProcess()
 """The test's engine process: its scheduler looks up with the layout of the pool its worker registered."""
 
 
-def _backend(server: LMCacheServer, role: str, pool: torch.Tensor | None = None) -> CacheServerBackend:
-    return direct_backend(server, "store-across-restart", role, ENV, pool, PROCESS)
+MODEL = "store-across-restart"
 
 
 def _wait(condition: Any, what: str, timeout_s: float = 30.0) -> None:
@@ -47,7 +44,7 @@ def test_a_store_whose_server_restarted_before_its_commit_is_dropped_not_committ
     tokens = 4 * CHUNK
     blocks = tokens // BLOCK
     pool = pool_for(2 * blocks + 1)
-    worker = _backend(doomed_server, "worker", pool)
+    worker = direct_worker(doomed_server, MODEL, ENV, pool, PROCESS)
     assert worker.is_up()
     assert worker.transfers is not None
     prepared_on = worker.registration_generation
@@ -64,12 +61,12 @@ def test_a_store_whose_server_restarted_before_its_commit_is_dropped_not_committ
     token_ids = tuple(make_prompt(7, tokens))
     caplog.set_level(logging.WARNING, logger="kvoffload.connector")
     try:
-        worker.store(TransferOp(0, "restarted-store", token_ids, 0, tokens, tuple(range(blocks)), 0, "t"))
+        worker.copies.store(TransferOp(0, "restarted-store", token_ids, 0, tokens, tuple(range(blocks)), 0, "t"))
         assert worker.wait_commits(10.0), "the store's COMMITs were never sent or dropped"
         logged = caplog.text
         assert "event=commit_dropped operation=store" in logged
         assert "commit_refused" not in logged and "operation=store reason=" not in logged, logged
-        scheduler = _backend(doomed_server, "scheduler")
+        scheduler = direct_scheduler(doomed_server, MODEL, ENV, PROCESS)
         try:
             _wait(scheduler.is_up, "the scheduler's connection")
             assert scheduler.lookup("after-restart", token_ids, tokens, "t") == 0  # the new server holds none of it

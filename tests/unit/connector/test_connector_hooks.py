@@ -21,6 +21,8 @@ if STANDIN not in sys.path:
 
 
 class FakeBackend:
+    """Both sides' backend at once: the scheduler's client and the worker's backend (its own ``copies``)."""
+
     chunk_size = 64
 
     def __init__(self) -> None:
@@ -32,6 +34,7 @@ class FakeBackend:
         self.secured: list[tuple[int, int]] = []
         self.released: list[tuple[int, int]] = []
         self.publishing: set[str] = set()  # sessions whose COMMITs are still queued
+        self.copies = self
 
     def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
         if self.fail:
@@ -126,8 +129,11 @@ def trtllm() -> Any:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, trtllm: Any) -> FakeBackend:
     backend = FakeBackend()
-    # where both hook classes build their backend (ConnectorRole)
-    monkeypatch.setattr(importlib.import_module("kvoffload.connector.runtime"), "make_backend", lambda *a, **k: backend)
+    # where each hook class builds its backend
+    monkeypatch.setattr(importlib.import_module("kvoffload.connector.scheduler"), "start_scheduler_client",
+                        lambda *a, **k: backend)  # fmt: skip
+    monkeypatch.setattr(importlib.import_module("kvoffload.connector.worker"), "start_worker_backend",
+                        lambda *a, **k: backend)  # fmt: skip
     monkeypatch.setenv(contract.ENV_METRICS_ENABLED, "false")
     monkeypatch.setenv(contract.ENV_ASYNC_SAVE, "false")
     return backend

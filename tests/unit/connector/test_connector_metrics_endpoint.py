@@ -69,11 +69,12 @@ def test_a_failing_render_answers_500_and_keeps_serving() -> None:
 WRITER = textwrap.dedent(
     """
     import os, sys
-    from kvoffload.connector.metrics import get_metrics, flush_all
-    m = get_metrics("model-a", "inprocess", True, directory=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    from kvoffload.connector.metrics import ProcessMetrics
+    process = ProcessMetrics()
+    m = process.get("model-a", "inprocess", True, directory=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     m.record_lookup(0.001, 256, 128)
     m.backend_up.set(1)
-    flush_all()
+    process.flush_all()
     if sys.argv[1] == "hold":
         print("ready", flush=True)
         sys.stdin.readline()
@@ -82,7 +83,8 @@ WRITER = textwrap.dedent(
 
 
 def test_every_writers_series_are_served_and_a_dead_writers_live_gauges_dropped(tmp_path: Path) -> None:
-    env = {**os.environ, contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path), "PYTHONPATH": str(REPO)}
+    pythonpath = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # the caller's tree too
+    env = {**os.environ, contract.ENV_PROMETHEUS_MULTIPROC_DIR: str(tmp_path), "PYTHONPATH": pythonpath}
     subprocess.run([sys.executable, "-c", WRITER, "exit"], env=env, check=True, timeout=60)
     alive = subprocess.Popen([sys.executable, "-c", WRITER, "hold"], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip

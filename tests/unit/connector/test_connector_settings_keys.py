@@ -189,13 +189,14 @@ def test_kv_geometry_from_hf_config_and_fallback() -> None:
 
 
 def test_metrics_bound_once_and_errors_bounded() -> None:
-    from kvoffload.connector.metrics import ConnectorMetrics, get_metrics
+    from kvoffload.connector.metrics import ConnectorMetrics, ProcessMetrics
 
     m = ConnectorMetrics("unit-model", contract.BACKEND_SIDECAR)
     m.error("lookup", "timeout")
     m.error("store", "never-heard-of")
     m.lookup_requests.inc()
-    assert get_metrics("unit-model-2", "sidecar", True) is get_metrics("unit-model-2", "sidecar", True)
+    process = ProcessMetrics()
+    assert process.get("unit-model-2", "sidecar", True) is process.get("unit-model-2", "sidecar", True)
     names = {mf.name for mf in m.registry.collect()}
     assert contract.M_LOOKUP_REQUESTS in names and contract.M_CONNECTOR_ERRORS in names
     errors = {

@@ -215,72 +215,77 @@ class ConnectorMetrics:
             child.inc()
 
 
-_LOCK = threading.Lock()
-_INSTANCES: dict[tuple[str, str, bool], ConnectorMetrics] = {}
-
-
-_FLUSHER: list[threading.Thread] = []
-
-
-def flush_all() -> None:
-    """Flush every live ``ConnectorMetrics`` of this process."""
-    with _LOCK:
-        instances = list(_INSTANCES.values())
-    for metrics in instances:
-        metrics.flush()
-
-
-_ENDPOINT: list[MetricsEndpoint] = []
 ENDPOINT_RETRY_S = 10.0
 """How often a process that could not bind the metrics port tries again (to take over)."""
 
 
-def _flush_loop(stop: threading.Event) -> None:
-    ticks_per_retry = max(1, round(ENDPOINT_RETRY_S / FLUSH_INTERVAL_S))
-    tick = 0
-    while not stop.wait(FLUSH_INTERVAL_S):
-        flush_all()
-        tick += 1
-        if _ENDPOINT and not _ENDPOINT[0].serving and tick % ticks_per_retry == 0:
-            _ENDPOINT[0].try_serve()
+class ProcessMetrics:
+    """This engine process's metrics: one ``ConnectorMetrics`` per (model, backend, enabled) that its
+    scheduler and workers share, the pod's ``/metrics`` endpoint if this process serves it, and the
+    thread that flushes them (``EngineProcess.metrics``)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._instances: dict[tuple[str, str, bool], ConnectorMetrics] = {}
+        self._endpoint: MetricsEndpoint | None = None
+        self._flusher: threading.Thread | None = None
 
-def _registries() -> list[Any]:
-    with _LOCK:
-        return [m.registry for m in _INSTANCES.values() if m.enabled]
+    @property
+    def endpoint(self) -> MetricsEndpoint | None:
+        """The metrics endpoint this process started (serving, or trying to bind); None without a port."""
+        return self._endpoint
 
+    def for_settings(self, settings: ConnectorSettings) -> ConnectorMetrics:
+        """The metrics the connector's settings ask for."""
+        return self.get(settings.model_name, settings.backend, settings.metrics_enabled, settings.metrics_port,
+                        settings.metrics_dir)  # fmt: skip
 
-def metrics_for(settings: ConnectorSettings) -> ConnectorMetrics:
-    """The process-wide metrics the connector's settings ask for."""
-    return get_metrics(settings.model_name, settings.backend, settings.metrics_enabled, settings.metrics_port,
-                       settings.metrics_dir)  # fmt: skip
+    def get(
+        self, model: str, backend: str, enabled: bool, port: int | None = None, directory: str | None = None
+    ) -> ConnectorMetrics:
+        """The metrics for (model, backend); created once (scheduler and worker share it).
 
+        With a multiprocess ``directory`` (``PROMETHEUS_MULTIPROC_DIR``) this process takes its
+        liveness lock before writing any series; with ``port`` it serves the pod's connector metrics
+        there if it can bind it first.
+        """
+        key = (model, backend, enabled)
+        with self._lock:
+            metrics = self._instances.get(key)
+            if metrics is None:
+                if enabled and directory:
+                    from kvoffload.multiproc import hold_liveness_lock
 
-def get_metrics(
-    model: str, backend: str, enabled: bool, port: int | None = None, directory: str | None = None
-) -> ConnectorMetrics:
-    """The process-wide metrics for (model, backend); created once (scheduler and worker share it).
+                    hold_liveness_lock(directory)
+                metrics = self._instances[key] = ConnectorMetrics(model, backend, enabled)
+            if enabled and port and self._endpoint is None:
+                self._endpoint = MetricsEndpoint(port, lambda: render_connector_metrics(directory, self._registries()))
+                self._endpoint.try_serve()
+            if enabled and self._flusher is None:
+                stop = threading.Event()
+                self._flusher = threading.Thread(target=self._flush_loop, args=(stop,), name="kvoffload-metrics",
+                                                 daemon=True)  # fmt: skip
+                self._flusher.start()
+                atexit.register(self.flush_all)
+            return metrics
 
-    With a multiprocess ``directory`` (``PROMETHEUS_MULTIPROC_DIR``) this process takes its
-    liveness lock before writing any series; with ``port`` it serves the pod's connector metrics
-    there if it can bind it first.
-    """
-    key = (model, backend, enabled)
-    with _LOCK:
-        metrics = _INSTANCES.get(key)
-        if metrics is None:
-            if enabled and directory:
-                from kvoffload.multiproc import hold_liveness_lock
+    def flush_all(self) -> None:
+        """Flush every ``ConnectorMetrics`` of this process."""
+        with self._lock:
+            instances = list(self._instances.values())
+        for metrics in instances:
+            metrics.flush()
 
-                hold_liveness_lock(directory)
-            metrics = _INSTANCES[key] = ConnectorMetrics(model, backend, enabled)
-        if enabled and port and not _ENDPOINT:
-            _ENDPOINT.append(MetricsEndpoint(port, lambda: render_connector_metrics(directory, _registries())))
-            _ENDPOINT[0].try_serve()
-        if enabled and not _FLUSHER:
-            stop = threading.Event()
-            thread = threading.Thread(target=_flush_loop, args=(stop,), name="kvoffload-metrics", daemon=True)
-            thread.start()
-            _FLUSHER.append(thread)
-            atexit.register(flush_all)
-        return metrics
+    def _flush_loop(self, stop: threading.Event) -> None:
+        ticks_per_retry = max(1, round(ENDPOINT_RETRY_S / FLUSH_INTERVAL_S))
+        tick = 0
+        while not stop.wait(FLUSH_INTERVAL_S):
+            self.flush_all()
+            tick += 1
+            endpoint = self._endpoint
+            if endpoint is not None and not endpoint.serving and tick % ticks_per_retry == 0:
+                endpoint.try_serve()
+
+    def _registries(self) -> list[Any]:
+        with self._lock:
+            return [m.registry for m in self._instances.values() if m.enabled]

@@ -1,20 +1,23 @@
-"""What the scheduler and worker hooks share: TensorRT-LLM's connector API, this process's rank,
-the backend they act through, and the error a failed promised load raises."""
+"""What the scheduler and worker hooks share: TensorRT-LLM's connector API, this engine process
+(``engine_process``), this process's rank, the settings their backends start with, and the error a
+failed promised load raises. Each side builds its own backend (``scheduler``: the scheduler's
+client; ``worker``: the worker's backend); neither imports the other's."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from kvoffload import contract
 from kvoffload.connector import bundle
-from kvoffload.connector.backends.base import BackendError, KVBackend
+from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.backends.engine_process import EngineProcess
 from kvoffload.connector.load_cost import LoadCosts
-from kvoffload.connector.metrics import ConnectorMetrics, metrics_for
+from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings, parse_settings
 
 try:
@@ -36,9 +39,10 @@ __all__ = [
     "KvCacheConnectorWorker",
     "KvoffloadLoadError",
     "SchedulerOutput",
+    "backend_settings",
     "count_skip",
+    "engine_process",
     "kv_rank",
-    "make_backend",
     "on_stream",
     "prompt_tokens",
     "stream_event",
@@ -66,32 +70,50 @@ def kv_rank(settings: ConnectorSettings) -> int:
         return 0
 
 
-ENGINE_PROCESS = EngineProcess()
-"""This engine process's meeting point of the connector's scheduler and workers (TensorRT-LLM builds
-them apart): every backend ``make_backend`` builds is handed it."""
+_PROCESS: EngineProcess | None = None
+_PROCESS_LOCK = threading.Lock()
 
 
-def make_backend(settings: ConnectorSettings, role: str, rank: int, metrics: ConnectorMetrics) -> KVBackend:
-    """The backend of one scheduler or worker, over the pod's sidecar or this process's own server."""
+def engine_process() -> EngineProcess:
+    """This engine process's ``EngineProcess``, made on first use: the one module-level accessor.
+
+    TensorRT-LLM builds the connector's scheduler and workers from its entry points with no
+    arguments, and apart, so they cannot be handed their process; they (and only they, and tests
+    standing in for TensorRT-LLM) reach it here. Everything below them is passed it explicitly.
+    """
+    global _PROCESS
+    with _PROCESS_LOCK:
+        if _PROCESS is None:
+            _PROCESS = EngineProcess()
+        return _PROCESS
+
+
+def backend_settings(process: EngineProcess, settings: ConnectorSettings) -> ConnectorSettings:
+    """The settings a backend starts with: the pod's sidecar, or ``process``'s own cache server
+    (started here) for the in-process backend. Makes the bundle's LMCache loadable first."""
     bundle.prepare()  # the bundle's deps on sys.path, lmcache loadable here, or one clear error
-    from kvoffload.connector.backends.cache_server import CacheServerBackend
-
     if settings.backend == contract.BACKEND_INPROCESS:
-        settings = ENGINE_PROCESS.inprocess.settings_for(settings)
-    return CacheServerBackend(settings, rank=rank, role=role, metrics=metrics, process=ENGINE_PROCESS)
+        return process.inprocess.settings_for(settings)
+    return settings
 
 
 class ConnectorRole:
     """What the scheduler and each worker start with: settings from the env and ``llm_args``, this
-    process's KV rank, the metrics, and a backend of their own; read through the properties."""
+    engine process, this process's KV rank and the metrics; read through the properties. Each side
+    starts its own backend after ``_start_role``."""
 
     def _start_role(self, llm_args: Any, role: str) -> None:
         self._settings = parse_settings(os.environ, llm_args)
         self._rank = kv_rank(self._settings) if role == "worker" else 0
-        self._metrics = metrics_for(self._settings)
-        self._backend = make_backend(self._settings, role, self._rank, self._metrics)
+        self._process = engine_process()
+        self._metrics = self._process.metrics.for_settings(self._settings)
         self._block = self._settings.tokens_per_block
-        self._costs = ENGINE_PROCESS.load_costs(self._settings.server_url)
+        self._costs = self._process.load_costs(self._settings.server_url)
+
+    @property
+    def process(self) -> EngineProcess:
+        """The engine process this role runs in (what its scheduler and workers share)."""
+        return self._process
 
     @property
     def settings(self) -> ConnectorSettings:
@@ -107,11 +129,6 @@ class ConnectorRole:
     def metrics(self) -> ConnectorMetrics:
         """This role's metrics (the same families every role of the process shares)."""
         return self._metrics
-
-    @property
-    def backend(self) -> KVBackend:
-        """The backend this role looks up, secures and copies KV through."""
-        return self._backend
 
     @property
     def load_costs(self) -> LoadCosts:

@@ -8,17 +8,19 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.connector import planning, wire
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.identities import AdapterIdentities, prompt_table_digest
 from kvoffload.connector.keys import key_salt, lora_scope
 from kvoffload.connector.layout import GroupedLayout, page_key
+from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.runtime import (
     ConnectorRole,
     KvCacheConnectorScheduler,
     SchedulerOutput,
+    backend_settings,
     count_skip,
     prompt_tokens,
 )
@@ -31,7 +33,21 @@ from kvoffload.connector.scheduler_state import (
     StepPlan,
 )
 
+if TYPE_CHECKING:  # built after the bundle made LMCache loadable (``start_scheduler_client``)
+    from kvoffload.connector.backends.engine_process import EngineProcess
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.settings import ConnectorSettings
+
 logger = logging.getLogger("kvoffload.connector")
+
+
+def start_scheduler_client(settings: ConnectorSettings, metrics: ConnectorMetrics,
+                           process: EngineProcess) -> SchedulerClient:  # fmt: skip
+    """The scheduler's client of the pod's sidecar or of ``process``'s own cache server."""
+    settings = backend_settings(process, settings)
+    from kvoffload.connector.backends.scheduler_client import SchedulerClient
+
+    return SchedulerClient(settings, metrics=metrics, process=process)
 
 
 class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
@@ -44,6 +60,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._start_role(llm_args, "scheduler")
+        self._backend = start_scheduler_client(self._settings, self._metrics, self._process)
         self._chunk = self._backend.chunk_size
         self._adapters = AdapterIdentities()
         """The LoRA adapters requests run under, identified by their weights (``identities``)."""
@@ -69,6 +86,11 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             self._chunk,
             self._block,
         )
+
+    @property
+    def backend(self) -> SchedulerClient:
+        """The client this scheduler looks up, secures and releases loads through."""
+        return self._backend
 
     def session_id(self, request_id: int) -> str:
         """The LMCache session a request's loads and stores run in (unique per engine start)."""

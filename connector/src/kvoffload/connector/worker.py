@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.connector import wire
 from kvoffload.connector.backends.base import BackendError, KvGeometry, LoadResult, kv_geometry, read_hf_config
@@ -14,11 +14,13 @@ from kvoffload.connector.backends.layer_copies import LayerwiseLoad
 from kvoffload.connector.layer_hooks import LayerHooks
 from kvoffload.connector.layout import PoolLayoutError, describe_layer_groups, describe_pool
 from kvoffload.connector.load_cost import MIN_PREFILL_SAMPLE_TOKENS
+from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.pipeline import OpPipeline
 from kvoffload.connector.runtime import (
     ConnectorRole,
     KvCacheConnectorWorker,
     KvoffloadLoadError,
+    backend_settings,
     count_skip,
     on_stream,
     order_after,
@@ -27,7 +29,21 @@ from kvoffload.connector.runtime import (
     use_private_stream,
 )
 
+if TYPE_CHECKING:  # built after the bundle made LMCache loadable (``start_worker_backend``)
+    from kvoffload.connector.backends.engine_process import EngineProcess
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
+    from kvoffload.connector.settings import ConnectorSettings
+
 logger = logging.getLogger("kvoffload.connector")
+
+
+def start_worker_backend(settings: ConnectorSettings, rank: int, metrics: ConnectorMetrics,
+                         process: EngineProcess) -> WorkerBackend:  # fmt: skip
+    """Rank ``rank``'s worker backend over the pod's sidecar or ``process``'s own cache server."""
+    settings = backend_settings(process, settings)
+    from kvoffload.connector.backends.worker_backend import WorkerBackend
+
+    return WorkerBackend(settings, rank=rank, metrics=metrics, process=process)
 
 
 class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
@@ -40,6 +56,8 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self._start_role(llm_args, "worker")
+        self._backend = start_worker_backend(self._settings, self._rank, self._metrics, self._process)
+        self._copies = self._backend.copies
         # Async saves: one saver thread; a request is done once its stores ran and were COMMITted.
         self._saves = OpPipeline("save", self._save_async)
         self._saver_on_private_stream = False  # touched by the saver thread alone
@@ -71,6 +89,11 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         group's pages behind its window go back to the pool right after this forward."""
         if self._settings.async_save:
             self._saves.start()
+
+    @property
+    def backend(self) -> WorkerBackend:
+        """The backend this worker registers its pool with; it copies through ``backend.copies``."""
+        return self._backend
 
     @property
     def loading_request_ids(self) -> frozenset[int]:
@@ -171,11 +194,11 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
             if meta.fresh_blocks or meta.reused_blocks:
                 self._fence_async_loads(meta.fresh_blocks | meta.reused_blocks)
             if meta.loads and self._layerwise_allowed(meta.loads):
-                self._layerwise = self._backend.load_secured_by_layer(meta.loads)
+                self._layerwise = self._copies.load_secured_by_layer(meta.loads)
             if self._layerwise is not None:
                 self._issued_layerwise(meta.loads, self._layerwise)
             elif meta.loads:
-                results = self._backend.load_secured(meta.loads)
+                results = self._copies.load_secured(meta.loads)
                 for op, result in zip(meta.loads, results, strict=True):
                     self._loaded(op, result)
                 copied = [(op.num_tokens, r.seconds) for op, r in zip(meta.loads, results, strict=True) if not r.error]
@@ -272,7 +295,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         it freed the block (the overlap scheduler's extra step)."""
         self._loads.start()
         for _ in ops:
-            self._backend.expect_async_load()
+            self._copies.expect_async_load()
         self._loads.submit((op, event) for op in ops)
 
     def _loader_stream(self) -> None:
@@ -284,7 +307,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         try:
             if event is not None:
                 order_after(event)
-            error = self._backend.start_async_load(op)
+            error = self._copies.start_async_load(op)
         except Exception as exc:  # the loader must survive anything, or parked requests would wait forever
             logger.exception("event=load_error request=%d", op.request_id)
             error = BackendError("retrieve", "error", repr(exc))
@@ -306,7 +329,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._loads.fence(touched, lambda op, event: now.append((op, event)))
         for op, _event in now:  # the engine's stream is current: these copies follow its earlier work
             self._issue_async_load(op, None)
-        self._backend.order_after_async_loads(touched)
+        self._copies.order_after_async_loads(touched)
 
     def _land_abandoned_loads(self, blocks: frozenset[int]) -> None:
         """Loads of parked requests TensorRT-LLM finished (cancelled) while they ran land now, before
@@ -317,7 +340,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         (``planning.load_is_async``), whose worker shares this process with the scheduler that knows
         of the cancel."""
         self._fence_async_loads(blocks)
-        self._backend.wait_async_loads(blocks)
+        self._copies.wait_async_loads(blocks)
 
     def _loaded(self, op: wire.TransferOp, result: LoadResult) -> None:
         if result.error is not None:
@@ -384,7 +407,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
     def _store(self, op: wire.TransferOp) -> None:
         t0 = time.perf_counter()
         try:
-            nbytes = self._backend.store(op)
+            nbytes = self._copies.store(op)
         except BackendError as exc:
             count_skip(self._metrics, exc)
             logger.warning("event=store_failed request=%d reason=%s", op.request_id, exc.reason)
@@ -407,10 +430,10 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         """Step 6: requests whose saves are done (copied and COMMITted), and parked requests whose
         KV is in the pool (each id only after TensorRT-LLM passed it in)."""
         self._land_layerwise_loads()
-        self._backend.release_loaded()
+        self._copies.release_loaded()
         self._record_forwards()
         self._record_layerwise_copies()
-        abandoned = self._backend.abandoned_load_blocks()
+        abandoned = self._copies.abandoned_load_blocks()
         if abandoned:
             self._land_abandoned_loads(abandoned)
         with self._failures_lock:
@@ -418,7 +441,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         for op, error in failures:  # reported as loaded: the request's first forward then fails it
             self._loaded(op, LoadResult(0, 0.0, error))
             self._landed(op)
-        for op, result in self._backend.finished_async_loads():
+        for op, result in self._copies.finished_async_loads():
             self._loaded(op, result)
             self.load_costs.copied(op.num_tokens, result.seconds)
             self._landed(op)
@@ -433,7 +456,7 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         self._session_of = {
             rid: session
             for rid, session in self._session_of.items()
-            if rid in saving or self._backend.commits_pending(session)
+            if rid in saving or self._copies.commits_pending(session)
         }
         self._finished_waiting.update(finished_gen_req_ids)
         done = [rid for rid in self._finished_waiting if rid not in self._session_of]

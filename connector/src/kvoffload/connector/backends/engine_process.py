@@ -1,11 +1,13 @@
-"""What the scheduler and the workers of one engine process share.
+"""What the scheduler and the workers of one engine process share: every per-process thing.
 
 TensorRT-LLM builds the connector's scheduler and its workers apart, with no handle on each other,
 and runs the scheduler in rank 0's process. The scheduler secures loads through rank 0's worker
 backend (PREPARE_RETRIEVE must come from a registered worker instance) and keys its lookups with the
 chunk layout of the pool that worker registered; its lookups wait for the store COMMITs this
-process has pending on their chain. The in-process backend's cache server is one per process too. The connector's entry point (``runtime``) makes one
-:class:`EngineProcess` and hands it to every backend it builds.
+process has pending on their chain. The in-process backend's cache server is one per process too,
+and so are the metrics (their instances, the pod's endpoint and the flusher). The connector's entry
+point (``runtime.engine_process``) makes one :class:`EngineProcess` and hands it to every role and
+backend it builds.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from kvoffload.connector.backends.commits import PendingCommits
 from kvoffload.connector.backends.inprocess import InProcessServer
 from kvoffload.connector.layout import GroupedLayout
 from kvoffload.connector.load_cost import LoadCosts
+from kvoffload.connector.metrics import ProcessMetrics
 from kvoffload.connector.wire import SecuredLoad
 
 if TYPE_CHECKING:
-    from kvoffload.connector.backends.server_keys import ServerKeys
+    from kvoffload.connector.backends.chunk_keys import ChunkKeys
 
 
 class LocalWorker(Protocol):
@@ -30,7 +33,7 @@ class LocalWorker(Protocol):
     def cache_model(self) -> str | None: ...
 
     @property
-    def server_keys(self) -> ServerKeys: ...
+    def chunk_keys(self) -> ChunkKeys: ...
 
     @property
     def grouped_layout(self) -> GroupedLayout | None: ...
@@ -74,11 +77,15 @@ class ParkedLoads:
 
 class EngineProcess:
     """Rank 0's worker backend, parked requests' loads and the load costs per server URL, the COMMITs
-    pending in this process, and the cache server the in-process backend hosts here."""
+    pending in this process, the cache server the in-process backend hosts here, and the metrics."""
 
     def __init__(self) -> None:
         self.pending = PendingCommits()
+        """The store and release COMMITs queued in this process, by session and chain."""
         self.inprocess = InProcessServer()
+        """The LMCache engine the in-process backend hosts here (started on first use)."""
+        self.metrics = ProcessMetrics()
+        """The metrics every role of this process records into, their endpoint and flusher."""
         self._workers: dict[str, LocalWorker] = {}
         self._parked: dict[str, ParkedLoads] = {}
         self._costs: dict[str, LoadCosts] = {}

@@ -1,5 +1,6 @@
-"""A worker's transfers between its registered KV pool and the server's L1: secured loads (sync and
-asynchronous), stores, and LMCache's own retrieve where our copies do not apply.
+"""A worker's transfers between its registered KV pool and the server's L1: secured loads (sync,
+layer-wise, and asynchronous through :mod:`.async_loads`), stores, and LMCache's own retrieve where
+our copies do not apply.
 
 Our copies (``blockcopy``) run inside LMCache's PREPARE/COMMIT on two streams: loads on one, stores
 on another (a store may wait for a forward pass). A store's chunks go in groups, each PREPAREd while
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.connector import planning
+from kvoffload.connector.backends.async_loads import AsyncLoads
 from kvoffload.connector.backends.base import BackendError, LoadResult
 from kvoffload.connector.backends.blockcopy import (
     CopyMark,
@@ -29,6 +30,7 @@ from kvoffload.connector.backends.blockcopy import (
     gather_chunks,
     scatter_chunks,
 )
+from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection, failure_reason
@@ -42,7 +44,6 @@ from kvoffload.connector.backends.layer_copies import (
 )
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import Segment, Segments
-from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.lmcache_seam import IPCCacheServerKey, slot_view
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.wire import TransferOp
@@ -52,16 +53,6 @@ logger = logging.getLogger("kvoffload.connector")
 KV_POOL_NAME = "trtllm_kv_pool"
 STORE_PIPELINE_GROUPS = 4
 """A store's chunks go in up to this many groups, each PREPAREd while the previous one copies."""
-
-
-@dataclasses.dataclass
-class AsyncLoad:
-    """One asynchronous load in flight: its op, when it was issued, and the mark after its copies."""
-
-    op: TransferOp
-    started: float
-    copied: CopyMark
-    nbytes: int
 
 
 @dataclasses.dataclass
@@ -91,7 +82,7 @@ class PoolTransfers:
 
     def __init__(self, kv_pool: Any, *, rank: int, instance_id: int, tokens_per_block: int, chunk_size: int,
                  timeouts: Timeouts, use_fast_copies: bool, connection: ServerConnection, segments: Segments,
-                 keys: ServerKeys, committer: Committer, securing: Securing | None,
+                 keys: ChunkKeys, committer: Committer, securing: Securing | None,
                  metrics: ConnectorMetrics, pages: GroupedPages | None = None,
                  catch_up: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.pool = kv_pool
@@ -120,9 +111,9 @@ class PoolTransfers:
         rank 0 secured in the new segment may reach this rank before its own heartbeat did that."""
         self._loaded: list[tuple[TransferOp, CopyMark | None]] = []
         """Rank 0's loads copied (or, layer-wise, copying: until the mark) whose chunks go back next."""
-        self._async_loads: list[AsyncLoad] = []
+        self.async_loads = AsyncLoads(self.load_copies, segments, scatter=self._scatter_secured,
+                                      give_back=self._give_back, loaded_bytes=self.loaded_bytes)  # fmt: skip
         """Asynchronous loads whose copies were issued and not yet reported finished."""
-        self._async_lock = threading.Lock()  # the loader thread issues, the engine thread polls
 
     # --- secured loads -------------------------------------------------------------------
     def load_secured(self, ops: Sequence[TransferOp]) -> list[LoadResult]:
@@ -221,54 +212,6 @@ class PoolTransfers:
         edc = transfer.engine_driven_context
         slots = secured.slots[self._keys.rank]  # a replicated pool's one copy (rank 0's) serves every rank
         return [slot_view(edc, slot.offset, slot.length, slot.shape, slot.dtype) for slot in slots]
-
-    def expect_async_load(self) -> None:
-        """An asynchronous load will be issued (or dropped): until then its segment stays mapped."""
-        self._segments.copies_started()
-
-    def start_async_load(self, op: TransferOp) -> BackendError | None:
-        """Issue an expected asynchronous load's copies without waiting for them (the loader thread):
-        the engine goes on computing while they run; ``finished_async_loads`` reports it once its KV
-        is in the pool."""
-        started = time.perf_counter()
-        with self.load_copies.after_caller():
-            error = self._scatter_secured(op)
-            copied = self.load_copies.mark()
-        if error is None:
-            with self._async_lock:
-                self._async_loads.append(AsyncLoad(op, started, copied, self.loaded_bytes(op)))
-        else:
-            self._segments.copies_finished()
-        return error
-
-    def finished_async_loads(self) -> list[tuple[TransferOp, LoadResult]]:
-        """The asynchronous loads whose copies finished since the last call; their chunks go back to
-        the server (one rank: nobody else copies them)."""
-        with self._async_lock:
-            done = [load for load in self._async_loads if load.copied.done()]
-            if not done:
-                return []
-            self._async_loads = [load for load in self._async_loads if load not in done]
-        self._segments.copies_finished(len(done))
-        now = time.perf_counter()
-        for load in done:
-            self._give_back(load.op)
-        return [(load.op, LoadResult(load.nbytes, now - load.started)) for load in done]
-
-    def order_after_async_loads(self, blocks: frozenset[int]) -> None:
-        """Before a forward that may write ``blocks``: it runs after any asynchronous load still
-        copying into one of them (a parked request that vanished); device-side, no CPU wait."""
-        with self._async_lock:
-            touching = [load for load in self._async_loads if not blocks.isdisjoint(load.op.pages())]
-        for load in touching:
-            load.copied.order_current_stream_after()
-
-    def wait_async_loads(self, blocks: frozenset[int]) -> None:
-        """Return once no asynchronous load copies into one of ``blocks`` any more (host-side wait)."""
-        with self._async_lock:
-            touching = [load.copied for load in self._async_loads if not blocks.isdisjoint(load.op.pages())]
-        for copied in touching:
-            copied.wait()
 
     def release_loaded(self) -> None:
         """After an iteration: rank 0 releases the chunks of the loads copied in it (a layer-wise

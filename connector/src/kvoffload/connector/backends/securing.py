@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection
 from kvoffload.connector.backends.segments import Segment, Segments
-from kvoffload.connector.backends.server_keys import ServerKeys
 from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.wire import SecuredLoad, SlotRef
@@ -43,7 +43,7 @@ class Securing:
     """PREPARE_RETRIEVE and COMMIT_RETRIEVE of secured loads, under one worker instance (rank 0's)."""
 
     def __init__(self, *, instance_id: int, chunk_size: int, retrieve_timeout_s: float,
-                 connection: ServerConnection, segments: Segments, keys: ServerKeys, committer: Committer,
+                 connection: ServerConnection, segments: Segments, keys: ChunkKeys, committer: Committer,
                  metrics: ConnectorMetrics) -> None:  # fmt: skip
         self._instance_id = instance_id
         self._chunk_size = chunk_size

@@ -1,4 +1,5 @@
-"""The keys a backend names chunks with on an LMCache server: the model tagged with the pool's chunk
+"""The keys a backend names chunks with on an LMCache server (not ``kvoffload.cache_keys``, the
+CURVE keys that authenticate the connection): the model tagged with the pool's chunk
 layout, the world size, and (for a worker's transfers) the rank: the deployment's, or one rank's
 worth for a pool every rank holds alike (``layout.key_ranks``: multi-head latent attention)."""
 
@@ -9,7 +10,7 @@ from kvoffload.connector.layout import KeyRanks
 from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 
-class ServerKeys:
+class ChunkKeys:
     """Key maker for one backend; ``model`` is set when a pool is registered (or adopted from rank 0's worker)."""
 
     def __init__(self, world_size: int, rank: int) -> None:
@@ -34,7 +35,7 @@ class ServerKeys:
         """Key as ``ranks`` says (set when a pool is registered, from its layout)."""
         self._world_size, self._rank, self.stores = ranks.world_size, ranks.rank, ranks.stores
 
-    def adopt(self, other: ServerKeys) -> None:
+    def adopt(self, other: ChunkKeys) -> None:
         """Key lookups as ``other`` (the local worker that registered the pool) keys its chunks."""
         self.model, self._world_size = other.model, other.world_size
 
