@@ -1,7 +1,9 @@
 """Lookup + secure of a stored chunk right after N other prompts' stores (COMMITs queued) vs none.
 
 A standalone copy of ``connector_overhead``'s ``lookup_beside_commits`` that runs on older trees too
-(their ``release_secured`` lacks the ``secured`` argument). Run from a tree's root:
+(their ``release_secured`` lacks the ``secured`` argument), up to the backend's split by role
+(issue 47); on later trees the same figure is ``benchmarks.connector_bench``'s
+``lookup_beside_commits`` (``make bench``). Run from a tree's root:
 
     python docs/results/cpu-lookup/lookup-beside-commits.py 60 8
 """
