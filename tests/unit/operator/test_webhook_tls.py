@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 
 from kvoffload import contract as c
-from kvoffload.operator.admission.webhook_tls import ensure_tls, issue
+from kvoffload.operator.admission.webhook_tls import ensure_tls
 from kvoffload.operator.api.kube import KubeApiError
 from kvoffload.operator.api.operator_deployment import OperatorDeployment
 
@@ -83,20 +83,6 @@ def test_new_hosts_renew_the_certificate_with_the_same_ca() -> None:
     renewed = ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, [*HOSTS, "other.svc"])  # type: ignore[arg-type]
     assert renewed.cert_pem != first.cert_pem and renewed.ca_pem == first.ca_pem
     assert c.WEBHOOK_CA_SECRET in store.reads
-
-
-def test_an_older_combined_secret_has_its_ca_key_moved_out_and_keeps_its_certificate() -> None:
-    store = SecretStore()
-    old = issue(HOSTS)
-    values = {"ca.crt": old.ca_pem, "ca.key": old.ca_key_pem, "tls.crt": old.cert_pem, "tls.key": old.key_pem}
-    store.objects[f"/api/v1/namespaces/{NS}/secrets/{c.WEBHOOK_TLS_SECRET}"] = {
-        "metadata": {"name": c.WEBHOOK_TLS_SECRET, "resourceVersion": "1"},
-        "data": {k: base64.b64encode(v).decode() for k, v in values.items()},
-    }
-    tls = ensure_tls(store, NS, c.WEBHOOK_TLS_SECRET, HOSTS)  # type: ignore[arg-type]
-    assert tls.cert_pem == old.cert_pem and tls.ca_pem == old.ca_pem, "pods keep being admitted by the same CA"
-    assert "ca.key" not in store.data(c.WEBHOOK_TLS_SECRET)
-    assert store.data(c.WEBHOOK_CA_SECRET) == {"ca.crt": old.ca_pem, "ca.key": old.ca_key_pem}
 
 
 OLD = OperatorDeployment("kvo-kvoffload-operator", "uid-old")

@@ -157,17 +157,16 @@ def _write(kube: Kube, namespace: str, name: str, data: Mapping[str, bytes],
     return body
 
 
-def _ensure_ca(kube: Kube, namespace: str, name: str, seed: tuple[bytes, bytes] | None,
-               owner: OperatorDeployment | None = None) -> tuple[bytes, bytes]:  # fmt: skip
-    """(CA certificate, CA key) from the CA's own Secret, created from ``seed`` or a new CA when missing
-    (and given ``owner`` when it names another)."""
+def _ensure_ca(kube: Kube, namespace: str, name: str, owner: OperatorDeployment | None = None) -> tuple[bytes, bytes]:
+    """(CA certificate, CA key) from the CA's own Secret, a new CA when missing (and given ``owner``
+    when it names another)."""
     secret = kube.get(namespaced_path("/api/v1", "secrets", namespace, name))
     found = _decoded(secret, _CA_KEYS)
     if found is not None and _owned(secret, owner):
         return found[0], found[1]
     if found is not None:
         seed = (found[0], found[1])  # an earlier install's CA: kept, owned by this operator from now on
-    elif seed is None:
+    else:
         fresh = issue(["kvoffload-webhook-ca"])
         seed = (fresh.ca_pem, fresh.ca_key_pem)
     data = dict(zip(_CA_KEYS, seed, strict=True))
@@ -186,13 +185,11 @@ def ensure_tls(kube: Kube, namespace: str, name: str, hosts: Sequence[str],
     path = namespaced_path("/api/v1", "secrets", namespace, name)
     secret = kube.get(path)
     current = _serving_from_secret(secret)
-    legacy_ca = _decoded(secret, _CA_KEYS)  # before 0.2 the CA key sat beside the serving certificate
-    if current is not None and still_good(current, hosts) and legacy_ca is None and _owned(secret, owner):
+    if current is not None and still_good(current, hosts) and _owned(secret, owner):
         return current
-    seed = (legacy_ca[0], legacy_ca[1]) if legacy_ca else None
-    ca_pem, ca_key_pem = _ensure_ca(kube, namespace, ca_name, seed, owner)
+    ca_pem, ca_key_pem = _ensure_ca(kube, namespace, ca_name, owner)
     if current is not None and still_good(current, hosts) and current.ca_pem == ca_pem:
-        material = current  # only the CA key moves out, or the owner changes
+        material = current  # only the owner changes
     else:
         material = issue(hosts, ca_pem, ca_key_pem)
         log.info("webhook certificate issued for %s", ", ".join(hosts))

@@ -33,7 +33,7 @@ class GpuNodeMemory:
                 return self._value
             try:
                 nodes = self.kube.request("GET", "/api/v1/nodes").get("items") or []
-            except KubeApiError as exc:  # no right to list nodes (an older chart): skip the check, say so once
+            except KubeApiError as exc:  # no right to list nodes (RBAC edited by hand): skip the check, say so once
                 if not self._unreadable_logged:
                     log.warning("node fit not checked: cannot list nodes (%s)", exc)
                     self._unreadable_logged = True
