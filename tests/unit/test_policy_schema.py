@@ -1,6 +1,6 @@
 """The CRD is checked against the one policy module (kvoffload.policy): the same fields, enums,
 ranges and patterns; and the shared rules (contract.REDIS_URL_PATTERN, contract.MIN_L1_SIZE) agree.
-The real apiserver's verdicts are compared in tests/integration/operator/test_policy_agreement.py."""
+The real apiserver's verdicts are compared in tests/integration/operator/test_operator_policy_agreement.py."""
 
 from __future__ import annotations
 

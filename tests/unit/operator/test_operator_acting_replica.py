@@ -19,7 +19,7 @@ from kvoffload.operator.admission.webhook import review_workload
 from kvoffload.operator.admission.workload_updates import label_value, record_value, review_update
 from kvoffload.operator.intent.settings import OperatorDefaults
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
-from tests.unit.operator.test_workload_updates import injected, patched, plan_with
+from tests.unit.operator.test_operator_workload_updates import injected, patched, plan_with
 
 pytestmark = pytest.mark.operator
 
