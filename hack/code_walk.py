@@ -5,8 +5,9 @@
 NODE is a pytest node id that drives the code (a project test); ENTRY is `module:qualname` of the
 function whose call is walked (the first call, or the Nth with --call). While that call runs, the
 innermost frame that belongs to the package decides the room, a room being a source file: each
-change of room starts a stay. A walk that keeps to its rooms reads in one pass; each return to a
-room already left is a place where a reader goes back. The counts printed are
+change of room starts a stay. A property's getter is read as an attribute where it is used, so its
+frame is transparent, as code outside the package is. A walk that keeps to its rooms reads in one
+pass; each return to a room already left is a place where a reader goes back. The counts printed are
 
     stays  rooms  returns (stays - rooms)  calls (package functions entered)
 
@@ -16,13 +17,15 @@ and with --rooms the stays in order, each with the functions entered during it.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -70,6 +73,20 @@ def room_of(filename: str, roots: list[Path]) -> str | None:
     return None
 
 
+def is_property_getter(frame: FrameType) -> bool:
+    """Whether the frame runs the getter of a property (or cached property) of a module-level class."""
+    owner_name, _, attr = getattr(frame.f_code, "co_qualname", "").rpartition(".")
+    if not owner_name or "<locals>" in owner_name:
+        return False
+    owner: Any = sys.modules.get(frame.f_globals.get("__name__", ""))
+    for part in owner_name.split("."):
+        owner = getattr(owner, part, None)
+    if not isinstance(owner, type):
+        return False
+    found = inspect.getattr_static(owner, attr, None)
+    return isinstance(found, (property, functools.cached_property))
+
+
 class Walker:
     """A profile hook recording the rooms of one call of `entry` (its Nth call)."""
 
@@ -84,10 +101,16 @@ class Walker:
         self._depth = 0  # frames of the walked call on the stack, itself included
         self._stack: list[str | None] = []
         self._rooms: dict[str, str | None] = {}
+        self._getters: dict[CodeType, bool] = {}
         self.walk = Walk()
 
     def _room(self, frame: FrameType) -> str | None:
-        filename = frame.f_code.co_filename
+        code = frame.f_code
+        if code not in self._getters:
+            self._getters[code] = is_property_getter(frame)
+        if self._getters[code]:
+            return None
+        filename = code.co_filename
         if filename not in self._rooms:
             self._rooms[filename] = room_of(filename, self._roots)
         return self._rooms[filename]

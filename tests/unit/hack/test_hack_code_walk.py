@@ -72,3 +72,22 @@ def test_a_bad_entry_is_named_in_a_one_line_exit(walkpkg: str) -> None:
         resolve_entry("walkpkg.front:nothing")
     with pytest.raises(SystemExit, match="module:qualname"):
         resolve_entry("walkpkg.front")
+
+
+def test_a_property_read_in_another_file_is_not_a_stay(tmp_path: Path) -> None:
+    pkg = tmp_path / "proppkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "shape.py").write_text("class Shape:\n    @property\n    def size(self):\n        return 3\n")
+    (pkg / "use.py").write_text("from proppkg.shape import Shape\n\ndef use():\n    return Shape().size\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        walker = Walker(resolve_entry("proppkg.use:use"), package_roots("proppkg"))
+        use = importlib.import_module("proppkg.use").use
+        with profiling(walker.hook):
+            use()
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.startswith("proppkg")]:
+            del sys.modules[name]
+    assert [s.room for s in walker.walk.stays] == ["proppkg/use.py"]

@@ -11,7 +11,7 @@ from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 
 class ChunkKeys:
-    """Key maker for one backend; ``model`` is set when a pool is registered (or adopted from rank 0's worker)."""
+    """Key maker for one backend; ``model`` is set when a pool is registered (the scheduler keys its lookups with rank 0's worker's)."""
 
     def __init__(self, world_size: int, rank: int) -> None:
         self._world_size = world_size
@@ -34,10 +34,6 @@ class ChunkKeys:
     def use(self, ranks: KeyRanks) -> None:
         """Key as ``ranks`` says (set when a pool is registered, from its layout)."""
         self._world_size, self._rank, self.stores = ranks.world_size, ranks.rank, ranks.stores
-
-    def adopt(self, other: ChunkKeys) -> None:
-        """Key lookups as ``other`` (the local worker that registered the pool) keys its chunks."""
-        self.model, self._world_size = other.model, other.world_size
 
     def key(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, worker: bool,
             rank: int | None = None) -> IPCCacheServerKey:  # fmt: skip

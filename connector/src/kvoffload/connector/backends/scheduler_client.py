@@ -37,7 +37,6 @@ class SchedulerClient:
         self.connection = self._link.connection
         """The request client, up or down, PINGs."""
         self.chunk_size = self._link.chunk_size
-        self._keys = ChunkKeys(settings.world_size, 0)
         self.abandoned_lookups = AbandonedLookups(self.connection, metrics)
         """Lookups answered too late, whose server prefetch is settled before the session's next lookup and at its end."""
         self._link.start_heartbeat(lambda: self.heartbeat_once())  # looked up at each beat, as the worker does
@@ -84,8 +83,7 @@ class SchedulerClient:
         """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
         if not self.connection.is_up():
             raise BackendError("lookup", "unavailable")
-        self._key_as_local_worker()
-        key = self._keys.key(session_id, token_ids, 0, end, salt, worker=False)
+        key = self._lookup_keys().key(session_id, token_ids, 0, end, salt, worker=False)
         # Read this process's own stores on this prompt's chain: wait (at most one lookup timeout)
         # for their COMMITs; other requests' COMMITs cannot change this answer.
         self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
@@ -117,14 +115,14 @@ class SchedulerClient:
             raise self.connection.slow("lookup", "prefetch outlived the lookup timeout")
         return int(chunks) * self.chunk_size
 
-    def _key_as_local_worker(self) -> None:
-        """Key lookups with the chunk layout of the pool rank 0's worker in this process registered
-        (TensorRT-LLM runs the scheduler in rank 0's process); without one nothing is looked up,
-        as nothing could be loaded."""
+    def _lookup_keys(self) -> ChunkKeys:
+        """The chunk keys of rank 0's worker in this process (TensorRT-LLM runs the scheduler there):
+        lookups are keyed with the layout of the pool it registered; without one nothing is looked
+        up, as nothing could be loaded."""
         local = self._local_worker()
-        if local is None or local.cache_model is None:
+        if local is None or local.chunk_keys.model is None:
             raise BackendError("lookup", "unavailable", "no worker in this process registered its KV pool")
-        self._keys.adopt(local.chunk_keys)
+        return local.chunk_keys
 
     def free_lookup_locks(
         self, session_id: str, token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...], salt: str
@@ -134,8 +132,9 @@ class SchedulerClient:
         self._process.pending.wait_session(session_id, self._lookup_timeout_s)
         if not self.connection.is_up():
             return
+        keys = self._lookup_keys()
         for start, end in ranges:
-            key = self._keys.key(session_id, token_ids, start, end, salt, worker=False)
+            key = keys.key(session_id, token_ids, start, end, salt, worker=False)
             self.connection.client.free_lookup_locks(key, 1)
 
     def end_session(self, session_id: str) -> None:
