@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvoffload.lmcache_guard import AllowedClients
+from kvoffload.lmcache_guard.curve import AllowedClients
 from kvoffload.log_budget import LINES_PER_INTERVAL, LogBudget
 
 LOGGER = "kvoffload.test_log_budget"

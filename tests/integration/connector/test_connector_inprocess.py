@@ -50,7 +50,7 @@ def test_inprocess_store_evict_load_bit_exact(monkeypatch: pytest.MonkeyPatch) -
         labels = f'{{backend="{contract.BACKEND_INPROCESS}",model="inproc-model"}}'
         assert f"{contract.M_LOOKUP_HIT_TOKENS}_total{labels} {float(expected)}" in text
         assert f"{contract.M_RETRIEVE_REQUESTS}_total{labels} 1.0" in text
-        from kvoffload.lmcache_guard import unpickler_is_restricted
+        from kvoffload.lmcache_guard.unpickling import unpickler_is_restricted
 
         assert unpickler_is_restricted(), "the engine's own LMCache server unpickles through kvoffload's guard"
     finally:

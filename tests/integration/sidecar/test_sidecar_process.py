@@ -118,7 +118,7 @@ def test_without_a_warm_standby_a_killed_server_is_started_cold(make_sidecar: Ca
 
 STANDBY_PROBE = """
 import contextlib, io, sys
-from kvoffload.lmcache_guard import preload_lmcache_server
+from kvoffload.lmcache_guard.server_cli import preload_lmcache_server
 preload_lmcache_server()
 import lmcache.cli.main as cli
 before = set(sys.modules)

@@ -47,8 +47,8 @@ def test_the_pickle_transport_of_a_server_without_shared_memory_still_stores_thr
 
 
 WARM_STANDBY_PROBE = """
-from kvoffload.lmcache_guard import preload_lmcache_server
-from kvoffload.lmcache_guard import unpickler_is_restricted
+from kvoffload.lmcache_guard.server_cli import preload_lmcache_server
+from kvoffload.lmcache_guard.unpickling import unpickler_is_restricted
 preload_lmcache_server()
 print(unpickler_is_restricted())
 """

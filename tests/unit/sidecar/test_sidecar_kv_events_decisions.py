@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload import chunk_report
-from kvoffload.lmcache_guard import CacheKeysChanged
+from kvoffload.lmcache_guard.cache_key_events import CacheKeysChanged
 from kvoffload.sidecar.kv_event_wire import Event, Tier, wire_event
 from kvoffload.sidecar.kv_events import NEAREST_FIRST, ChunkTracker, StoredChunk, batches, block_ids, l2_tier
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.lmcache_guard import CacheKeysChanged
+from kvoffload.lmcache_guard.cache_key_events import CacheKeysChanged
 from kvoffload.sidecar.kv_event_wire import (
     FORMATS,
     AllBlocksCleared,

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvoffload import lmcache_guard
-from kvoffload.lmcache_guard import LMCacheVersionError, restricted_loads
+from kvoffload.lmcache_guard import LMCacheVersionError, transfer_guard, unpickling
+from kvoffload.lmcache_guard.unpickling import restricted_loads
 
 pytestmark = pytest.mark.sidecar
 
@@ -70,12 +71,12 @@ def test_code_hidden_in_a_tensor_storage_is_refused(tmp_path: Path) -> None:
 def test_an_lmcache_version_it_was_not_written_for_stops_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.5.7")
     with pytest.raises(LMCacheVersionError, match=r"LMCache 0\.5\.7 is installed.*0\.5\.6"):
-        lmcache_guard.install_restricted_unpickler()
+        unpickling.install_restricted_unpickler()
 
 
 def test_lmcache_server_unpickles_request_data_through_the_guard_once_installed() -> None:
-    lmcache_guard.install_restricted_unpickler()
-    assert lmcache_guard.unpickler_is_restricted()
+    unpickling.install_restricted_unpickler()
+    assert unpickling.unpickler_is_restricted()
     import lmcache.v1.multiprocess.modules.server_transfer as site
 
     assert site.pickle.loads is restricted_loads
@@ -85,14 +86,14 @@ def test_lmcache_server_unpickles_request_data_through_the_guard_once_installed(
 def test_an_lmcache_version_it_was_not_written_for_gets_no_transfer_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.5.7")
     with pytest.raises(LMCacheVersionError, match=r"LMCache 0\.5\.7 is installed"):
-        lmcache_guard.install_transfer_guard()
+        transfer_guard.install_transfer_guard()
 
 
 def test_the_transfer_guard_replaces_the_release_that_publishes_pending_reservations_once() -> None:
     from lmcache.v1.multiprocess.modules.engine_driven_transfer import EngineDrivenTransferModule
 
-    lmcache_guard.install_transfer_guard()
+    transfer_guard.install_transfer_guard()
     release = EngineDrivenTransferModule._release_entry
-    lmcache_guard.install_transfer_guard()  # a second install (the in-process server's) changes nothing
-    assert release.__module__ == lmcache_guard.__name__, "LMCache's release is replaced by the guard's"
+    transfer_guard.install_transfer_guard()  # a second install (the in-process server's) changes nothing
+    assert release.__module__ == transfer_guard.__name__, "LMCache's release is replaced by the guard's"
     assert EngineDrivenTransferModule._release_entry is release

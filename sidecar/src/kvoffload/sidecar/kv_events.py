@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.chunk_report import LoraScope
-from kvoffload.lmcache_guard import KeyTriple
+from kvoffload.lmcache_guard.cache_key_events import KeyTriple
 
 from .kv_event_wire import FORMAT_VLLM, AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier, WireFormat, medium
 

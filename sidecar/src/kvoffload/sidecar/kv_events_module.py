@@ -48,13 +48,13 @@ from typing import Any
 import zmq
 
 from kvoffload import chunk_report
-from kvoffload.lmcache_guard import (
+from kvoffload.lmcache_guard import check_lmcache_version
+from kvoffload.lmcache_guard.cache_key_events import (
     CacheKeysChanged,
-    check_lmcache_version,
     resolve_chunk_hashes,
-    server_module_handler,
     subscribe_cache_key_events,
 )
+from kvoffload.lmcache_guard.server_cli import server_module_handler
 
 from .kv_event_wire import (
     FORMAT_VLLM,

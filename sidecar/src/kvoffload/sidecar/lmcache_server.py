@@ -15,13 +15,11 @@ from collections.abc import Mapping, Sequence
 
 from kvoffload import contract
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
-from kvoffload.lmcache_guard import (
-    LMCacheVersionError,
-    install_restricted_unpickler,
-    install_transfer_guard,
-    require_curve_clients,
-    run_lmcache_cli,
-)
+from kvoffload.lmcache_guard import LMCacheVersionError
+from kvoffload.lmcache_guard.curve import require_curve_clients
+from kvoffload.lmcache_guard.server_cli import run_lmcache_cli
+from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
+from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
 
 
 def guard_server(env: Mapping[str, str]) -> None:

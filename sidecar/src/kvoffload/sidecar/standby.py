@@ -24,7 +24,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from kvoffload.lmcache_guard import preload_lmcache_server
+from kvoffload.lmcache_guard.server_cli import preload_lmcache_server
 
 from .lmcache_server import run_server
 from .parent_death import die_with_parent

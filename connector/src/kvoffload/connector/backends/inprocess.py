@@ -72,7 +72,8 @@ class InProcessServer:
             if self._running is not None:
                 return self._running[0]
             from kvoffload.connector.lmcache_seam import run_inprocess_server
-            from kvoffload.lmcache_guard import install_restricted_unpickler, install_transfer_guard
+            from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
+            from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
 
             install_restricted_unpickler()  # the engine's own server unpickles no stranger's code either
             install_transfer_guard()  # and admits no store its worker did not finish

@@ -1,0 +1,65 @@
+"""The seam to the internals of LMCache's cache server wherever kvoffload runs one (the sidecar's
+``kvoffload.sidecar.lmcache_server``, the connector's in-process backend). The connector's client side
+has its own seam, ``kvoffload.connector.lmcache_seam``.
+
+This package is the seam: here, the LMCache version it was written for (``check_lmcache_version``,
+which every install below calls first); in its modules, each part of LMCache's server it replaces
+or reads:
+
+- ``unpickling``: the restricted unpickler in place of LMCache's ``pickle.loads``;
+- ``curve``: node mode's request port, admitting only the policy's client key;
+- ``transfer_guard``: unfinished stores dropped, never admitted;
+- ``cache_key_events``: what KV events for routers read (the event bus's cache-key events, the
+  server's own chunk hashes);
+- ``server_cli``: LMCache's own ``lmcache server`` command line, run warm in this process.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
+"""LMCache releases kvoffload was checked against: the server internals this package replaces or reads,
+and the private client names ``kvoffload.connector.lmcache_seam`` uses."""
+
+
+class LMCacheVersionError(RuntimeError):
+    """The installed LMCache is not one kvoffload was written for (or no longer has what it replaces)."""
+
+
+def installed_lmcache_version() -> str:
+    """The installed LMCache's version; raises ``LMCacheVersionError`` when none is installed."""
+    try:
+        return importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise LMCacheVersionError("LMCache is not installed") from exc
+
+
+def check_lmcache_version(
+    who: str = "server guard",
+    what_to_do: str = "check where it unpickles before allowing it",
+    version: str | None = None,
+) -> str:
+    """kvoffload's one LMCache version check: ``version`` (default: the installed one) when it is in
+    ``SUPPORTED_LMCACHE_VERSIONS``, else ``LMCacheVersionError`` in one line naming both, ``who``
+    refuses it and ``what_to_do``. The server guard, the KV-event module and the connector's seam call it."""
+    version = installed_lmcache_version() if version is None else version
+    if version not in SUPPORTED_LMCACHE_VERSIONS:
+        raise LMCacheVersionError(
+            f"LMCache {version} is installed; kvoffload's {who} was written for LMCache "
+            f"{', '.join(SUPPORTED_LMCACHE_VERSIONS)} ({what_to_do})"
+        )
+    return version
+
+
+def is_guard(value: object) -> bool:
+    """Whether ``value`` is one of this package's replacements (marked by ``guarded``)."""
+    return bool(getattr(value, "kvoffload_guard", False))
+
+
+def guarded(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, marked as this package's replacement of an LMCache callable."""
+    function.kvoffload_guard = True  # type: ignore[attr-defined]
+    return function
