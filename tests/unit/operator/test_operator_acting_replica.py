@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -42,6 +42,13 @@ def planner_for(defaults: OperatorDefaults, _cluster: ClusterInfo) -> Planner:
     return plan_with(defaults.l1_bytes // 2**30)
 
 
+OWN = "this replica's own inputs"
+
+
+def never(_workload: Mapping[str, Any]) -> InjectionPlan | str:
+    raise AssertionError("planned with this replica's own inputs, not the holder's")
+
+
 def holder(inputs: str | None) -> Callable[[], str | None]:
     return lambda: inputs
 
@@ -59,7 +66,9 @@ def test_a_replica_without_the_lease_plans_a_users_write_with_the_holders_inputs
     the acting one (4 GiB) injected: the write keeps the 4 GiB record and label."""
     current = injected(4)
     new = users_set_env(current)
-    answer = review_update(current, new, "kubectl-client-side-apply", plan_as_holder(planner_for, holder(published(4))))
+    answer = review_update(
+        current, new, "kubectl-client-side-apply", plan_as_holder(never, OWN, planner_for, holder(published(4)))
+    )
     after = patched(new, answer.patch)
     assert (record_value(after), label_value(after)) == (record_value(current), label_value(current))
 
@@ -67,7 +76,9 @@ def test_a_replica_without_the_lease_plans_a_users_write_with_the_holders_inputs
 def test_the_holders_next_settings_reach_a_users_write_through_any_replica() -> None:
     current = injected(4)
     new = users_set_env(current)
-    answer = review_update(current, new, "kubectl-client-side-apply", plan_as_holder(planner_for, holder(published(5))))
+    answer = review_update(
+        current, new, "kubectl-client-side-apply", plan_as_holder(never, OWN, planner_for, holder(published(5)))
+    )
     after = patched(new, answer.patch)
     assert (record_value(after), label_value(after)) == (record_value(injected(5)), label_value(injected(5)))
 
@@ -77,26 +88,31 @@ def test_a_new_workload_answered_by_any_replica_gets_the_holders_label_and_witho
     one the holder's apply keeps: one rollout); while nobody holds the Lease it is admitted as written."""
     workload = trtllm_deployment("llm", "ns", replicas=2, annotations={c.ANN_ENABLED: "true"})
     review = WorkloadReview(uid="u", namespace="ns", kind="Deployment", workload=workload)
-    assert review_workload(review, plan_as_holder(planner_for, holder(None)), lambda *_: None).patch == []
+    assert review_workload(review, plan_as_holder(never, OWN, planner_for, holder(None)), lambda *_: None).patch == []
     by_holder = review_workload(review, plan_with(4), lambda *_: None)
-    by_other = review_workload(review, plan_as_holder(planner_for, holder(published(4))), lambda *_: None)
+    by_other = review_workload(review, plan_as_holder(never, OWN, planner_for, holder(published(4))), lambda *_: None)
     assert by_other.result == "injected" and by_other.patch == by_holder.patch
 
 
 def test_a_holder_of_another_version_or_unreadable_inputs_means_no_plan() -> None:
     other_version = dataclasses.replace(CLUSTER, operator_version="0.0.1")
     for inputs in (published(4, other_version), "a digest of an earlier release", '{"defaults": {"no_such": 1}}'):
-        planned = plan_as_holder(planner_for, holder(inputs))(injected(4))
+        planned = plan_as_holder(never, OWN, planner_for, holder(inputs))(injected(4))
         assert isinstance(planned, str) and planned.startswith(NOT_ACTING), planned
 
 
 def test_the_lease_is_asked_at_each_review_not_once() -> None:
     inputs: list[str | None] = [None]
-    plan = plan_as_holder(planner_for, lambda: inputs[0])
+    plan = plan_as_holder(never, OWN, planner_for, lambda: inputs[0])
     workload = injected(4)
     assert plan(workload) == NOT_ACTING
     inputs[0] = published(5)
     assert isinstance(plan(workload), InjectionPlan)
+
+
+def test_the_holder_and_a_standby_of_its_release_plan_with_their_own_planner() -> None:
+    plan = plan_as_holder(plan_with(4), OWN, planner_for, holder(OWN))
+    assert isinstance(plan(injected(4)), InjectionPlan)
 
 
 def test_published_inputs_read_back_as_they_were_and_name_the_version() -> None:

@@ -97,7 +97,8 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
         handlers.register_admission_handlers()
         plan = planner(kube, run.defaults, reconciler.cluster)
         if leadership is not None:  # every replica plans as the Lease's holder does, or not at all
-            plan = plan_as_holder(lambda defaults, cluster: planner(kube, defaults, cluster), leadership.holders_inputs)
+            plan = plan_as_holder(plan, leadership.planning, lambda defaults, cluster: planner(kube, defaults, cluster),
+                                  leadership.holders_inputs)  # fmt: skip
         _serve_webhook(kube, metrics, run.namespaces, run.webhook, plan, owner)  # on every replica, the standby too
     kubeconfig = run.kubeconfig
 

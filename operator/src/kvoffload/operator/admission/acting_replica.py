@@ -58,13 +58,17 @@ def read_planning_inputs(text: str) -> tuple[OperatorDefaults, ClusterInfo] | st
     return defaults, cluster
 
 
-def plan_as_holder(planner_for: Callable[[OperatorDefaults, ClusterInfo], Planner],
+def plan_as_holder(own: Planner, own_inputs: str, planner_for: Callable[[OperatorDefaults, ClusterInfo], Planner],
                    holders_inputs: Callable[[], str | None]) -> Planner:  # fmt: skip
     """A planner with the inputs ``holders_inputs()`` gives now (the Lease holder's published ones,
-    this replica's own while it holds it; None: nobody's), else no plan."""
+    this replica's own while it holds it; None: nobody's): ``own`` when they are this replica's
+    own (``own_inputs``: the holder itself, a hot standby of its release), else ``planner_for``
+    them, else no plan."""
 
     def planned(workload: Mapping[str, Any]) -> InjectionPlan | str:
         published = holders_inputs()
+        if published is not None and published == own_inputs:
+            return own(workload)
         inputs = read_planning_inputs(published) if published else NOT_ACTING
         if isinstance(inputs, str):
             return inputs if inputs == NOT_ACTING else f"{NOT_ACTING} ({inputs})"
