@@ -324,9 +324,9 @@ CACHE_KEYS_SECRET_SUFFIX: Final = "-cache-keys"
 OPERATOR_LEASE_NAME: Final = "kvoffload-operator"
 """The coordination.k8s.io Lease the acting operator holds (in its own namespace)."""
 ANN_LEASE_PLANNING: Final = "kvoffload.io/planning"
-"""On that Lease, written by its holder: the digest of what its admission plans depend on besides
-the API (version, defaults, cluster facts). A replica not holding the Lease plans at admission
-only while the holder's digest equals its own."""
+"""On that Lease, written by its holder: what its admission plans depend on besides the API
+(version, defaults, cluster facts) as JSON. A replica not holding the Lease plans at admission with
+these inputs, and only while the holder runs its own operator version."""
 
 # --- Injection at pod admission (the operator's mutating webhook) ------------
 LABEL_INJECT: Final = "kvoffload.io/inject"

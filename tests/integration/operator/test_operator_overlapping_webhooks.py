@@ -5,7 +5,10 @@ serving the webhook, while users change their opted-in Deployments with ``kubect
 workload goes to the new settings once and never back; the user's writes roll it, and the
 upgrade at most once more. Before, both replicas planned at admission with their own defaults: a
 user's write answered by the new one took a workload to its settings, the old one's reconcile
-took it back. A hot standby of the same release still plans as the holder would."""
+took it back. A hot standby of the same release still plans as the holder would.
+
+Apps created opted in during that overlap (a GitOps tool syncing while the upgrade runs) roll once,
+with the holder's settings, whichever replica answers their CREATE and their pods' reviews."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 
 from hack.localcluster import LocalCluster
 from hack.ports import free_port
-from hack.workloads import get, wait_for
+from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
 from kvoffload.operator.plan.injection_record import InjectionRecord
 from kvoffload.quantity import format_bytes
@@ -170,3 +173,61 @@ def test_a_new_opted_in_app_answered_by_a_hot_standby_of_the_same_release_rolls_
         register_webhook_as_the_chart_does(cluster, webhook_port(admission_operator))
     assert answered >= 2 * len(names), "the standby's webhook labelled the apps and injected their pods"
     assert revisions == dict.fromkeys(names, 1), revisions
+
+
+def test_apps_created_opted_in_while_two_operators_overlap_roll_once_with_the_holders_settings(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """The old operator holds the Lease, the new one (other defaults) waits; both answer reviews.
+    Apps created while only the new one's webhook is reached (the old pod's endpoint not ready for
+    a moment), then while the Service spreads reviews over both: each gets its first template from
+    its CREATE, one ReplicaSet, revision 1, and every pod it ever runs is injected with the old
+    (holding) operator's settings, the same the record it ends with names."""
+    service = RoundRobinService([webhook_port(admission_operator)]).start()
+    register_webhook_as_the_chart_does(cluster, service.port)
+    (tmp_path / "upgraded").mkdir()
+    upgraded = OperatorProcess(kubeconfig=admission_operator.kubeconfig, workdir=tmp_path / "upgraded",
+                               overlap_allowed=True,
+                               extra_args=[*admission_args(free_port()), "--default-l1-size", NEW_L1])  # fmt: skip
+    only_new, both = [f"early-{i}" for i in range(2)], [f"spread-{i}" for i in range(4)]
+    names = [*only_new, *both]
+    pods = WatchLog(cluster, "pods", namespace, tmp_path / "pods.json")
+    try:
+        upgraded.start()
+        service.backends[:] = [webhook_port(upgraded)]
+        for name in only_new:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", True)))
+        for name in only_new:
+            settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+        service.backends[:] = [webhook_port(admission_operator), webhook_port(upgraded)]
+        for name in both:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(name, namespace, "trtllm:1.2.0", True)))
+        for name in names:
+            wait_for(lambda n=name: record_l1(get(cluster, "deployment", n, namespace)) == OLD_L1, 60,
+                     what=f"{name}'s record written by the holder")  # fmt: skip
+        for name in both:
+            settled(cluster, name, namespace, injected=True, image="trtllm:1.2.0")
+        time.sleep(SETTLE_S)
+        revisions = {n: revision(cluster, n, namespace) for n in names}
+        records = {n: record_l1(get(cluster, "deployment", n, namespace)) for n in names}
+        replica_sets = Counter(str(rs["metadata"]["ownerReferences"][0]["name"])
+                               for rs in list_objects(cluster, "replicaset", namespace))  # fmt: skip
+    finally:
+        pods.stop()
+        upgraded.stop()
+        service.stop()
+        register_webhook_as_the_chart_does(cluster, webhook_port(admission_operator))
+    pod_l1s: dict[str, list[str | None]] = {n: [] for n in names}
+    seen: set[str] = set()
+    for event in pods.events():
+        pod = event["object"]
+        if pod["metadata"]["uid"] not in seen and owner_of(pod) in pod_l1s:
+            seen.add(pod["metadata"]["uid"])
+            pod_l1s[owner_of(pod)].append(pod_l1(pod))  # as admitted: the first time the watch saw it
+    print(f"apps created during the overlap: revisions {revisions}, replica sets {dict(replica_sets)}, "
+          f"records {records}, pods by L1 {({n: dict(Counter(v)) for n, v in pod_l1s.items()})}")  # fmt: skip
+    assert revisions == dict.fromkeys(names, 1), revisions
+    assert {n: replica_sets[n] for n in names} == dict.fromkeys(names, 1), replica_sets
+    assert records == dict.fromkeys(names, OLD_L1), records
+    otherwise = {n: dict(Counter(v)) for n, v in pod_l1s.items() if set(v) != {OLD_L1}}
+    assert not otherwise, f"pods admitted without the holder's injection: {otherwise}"

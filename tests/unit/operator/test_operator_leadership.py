@@ -20,10 +20,10 @@ from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
     Leadership,
+    holders_inputs,
     keep_renewing,
     lease_body,
     lease_state,
-    plans_alike,
     serve_health_while_waiting,
     still_held,
 )
@@ -201,11 +201,11 @@ def test_a_process_holds_the_lease_from_taking_it_until_it_releases_it() -> None
     assert not other.acquire(stop) and not other.holds_lease(), "a standby waiting for a held Lease plans nothing"
 
 
-def test_the_holder_publishes_its_planning_digest_and_the_uninstall_hook_takes_it_away() -> None:
-    held = lease_body("kvoffload-operator", "ns", "old-pod", NOW, None, planning="digest-a")
-    assert held["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-a"}
-    taken = lease_body("kvoffload-operator", "ns", "new-pod", NOW, held, planning="digest-b")
-    assert taken["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "digest-b"}
+def test_the_holder_publishes_its_planning_inputs_and_the_uninstall_hook_takes_them_away() -> None:
+    held = lease_body("kvoffload-operator", "ns", "old-pod", NOW, None, planning="inputs-a")
+    assert held["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "inputs-a"}
+    taken = lease_body("kvoffload-operator", "ns", "new-pod", NOW, held, planning="inputs-b")
+    assert taken["metadata"]["annotations"] == {c.ANN_LEASE_PLANNING: "inputs-b"}
     seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, taken, 120)
     assert c.ANN_LEASE_PLANNING not in (seized["metadata"].get("annotations") or {})
 
@@ -217,31 +217,30 @@ def published(holder: str, seconds_ago: float, planning: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("lease", "alike"),
+    ("lease", "inputs"),
     [
-        (published("leader", 3, "mine"), True),  # a hot standby of the same release
-        (published("leader", 3, "other"), False),  # the old operator of a helm upgrade, or the new one
-        (held_by("leader", 3), False),  # a holder that publishes none (an earlier version, the uninstall hook)
-        (published("leader", LEASE_DURATION_S + 1, "mine"), False),  # nobody holds it now
-        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: "mine"}}}, False),
-        (None, False),
+        (published("leader", 3, "theirs"), "theirs"),  # a running holder: a standby or an upgrade's new pod plans so
+        (held_by("leader", 3), None),  # a holder that publishes none (an earlier version, the uninstall hook)
+        (published("leader", LEASE_DURATION_S + 1, "theirs"), None),  # nobody holds it now
+        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: "theirs"}}}, None),
+        (None, None),
     ],
 )
-def test_a_replica_without_the_lease_plans_only_as_a_running_holder_with_its_own_digest(
-    lease: dict[str, Any] | None, alike: bool
+def test_a_replica_without_the_lease_plans_with_the_inputs_a_running_holder_published(
+    lease: dict[str, Any] | None, inputs: str | None
 ) -> None:
-    assert plans_alike(lease, "me", NOW, "mine") is alike
+    assert holders_inputs(lease, "me", NOW) == inputs
 
 
-def test_a_standby_plans_while_the_holder_publishes_its_digest_and_stops_when_another_takes_over() -> None:
+def test_every_replica_plans_with_the_holders_inputs_and_with_the_next_holders_once_it_takes_over() -> None:
     store = LeaseStore()
     leader = Leadership(store, "ns", "kvoffload-operator", "leader", planning="v1")  # type: ignore[arg-type]
     standby = Leadership(store, "ns", "kvoffload-operator", "standby", planning="v1")  # type: ignore[arg-type]
     upgraded = Leadership(store, "ns", "kvoffload-operator", "upgraded", planning="v2")  # type: ignore[arg-type]
-    assert not standby.may_plan(), "nobody holds the Lease"
-    assert leader.acquire(threading.Event()) and leader.may_plan()
-    assert standby.may_plan() and not upgraded.may_plan()
+    assert standby.holders_inputs() is None, "nobody holds the Lease"
+    assert leader.acquire(threading.Event()) and leader.holders_inputs() == "v1"
+    assert standby.holders_inputs() == "v1" and upgraded.holders_inputs() == "v1"
     leader.release()
-    assert not leader.may_plan() and not standby.may_plan(), "released: nobody plans until it is taken"
-    assert upgraded.acquire(threading.Event()) and upgraded.may_plan()
-    assert not standby.may_plan() and not leader.may_plan()
+    assert leader.holders_inputs() is None and standby.holders_inputs() is None, "released: nobody plans until taken"
+    assert upgraded.acquire(threading.Event()) and upgraded.holders_inputs() == "v2"
+    assert standby.holders_inputs() == "v2" and leader.holders_inputs() == "v2"

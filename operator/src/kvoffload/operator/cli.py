@@ -19,7 +19,7 @@ import yaml
 
 from kvoffload import contract as c
 from kvoffload.operator import PROG, __version__
-from kvoffload.operator.admission.new_workloads import planning_digest
+from kvoffload.operator.admission.acting_replica import planning_inputs
 from kvoffload.operator.admission.webhook_tls import ReviewScope, WebhookRegistrationMissing
 from kvoffload.operator.api.kube import Kube, load_configuration
 from kvoffload.operator.api.operator_deployment import OperatorDeployment, read_operator_deployment
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.remove_all:
         return remove_all(kube, namespaces, admission, _uninstall_lease(args, kube, owner))
     cluster = _cluster_info(args, native)
-    leadership = _leadership(args, kube, owner, planning_digest(defaults, cluster))
+    leadership = _leadership(args, kube, owner, planning_inputs(defaults, cluster))
     run = RunSettings(
         defaults=defaults, cluster=cluster, namespaces=namespaces, node_mode=args.node_mode == "true",
         kubeconfig=kubeconfig, metrics_port=int(args.metrics_port), health_port=int(args.health_port),

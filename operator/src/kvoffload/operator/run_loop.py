@@ -16,7 +16,7 @@ import kopf
 
 from kvoffload import contract as c
 from kvoffload.operator import __version__
-from kvoffload.operator.admission.acting_replica import plan_while_acting
+from kvoffload.operator.admission.acting_replica import plan_as_holder
 from kvoffload.operator.admission.new_workloads import Planner, planner
 from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.webhook import WebhookServer
@@ -96,8 +96,9 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
     if run.webhook is not None:
         handlers.register_admission_handlers()
         plan = planner(kube, run.defaults, reconciler.cluster)
-        if leadership is not None:  # a replica of another version or defaults answers no plan of its own
-            plan = plan_while_acting(plan, leadership.may_plan)
+        if leadership is not None:  # every replica plans as the Lease's holder does, or not at all
+            plan = plan_as_holder(plan, leadership.planning, lambda defaults, cluster: planner(kube, defaults, cluster),
+                                  leadership.holders_inputs)  # fmt: skip
         _serve_webhook(kube, metrics, run.namespaces, run.webhook, plan, owner)  # on every replica, the standby too
     kubeconfig = run.kubeconfig
 

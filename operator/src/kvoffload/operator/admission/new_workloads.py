@@ -10,9 +10,6 @@ before, at the cost of the second rollout.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,14 +55,6 @@ def planner(kube: Kube, defaults: OperatorDefaults, cluster: ClusterInfo) -> Pla
         return planned.message if isinstance(planned, PolicyError) else planned
 
     return plan
-
-
-def planning_digest(defaults: OperatorDefaults, cluster: ClusterInfo) -> str:
-    """What ``planner``'s plans depend on besides the API, as a short digest: two operators with
-    the same digest plan every workload alike (the operator's version is in ``cluster``)."""
-    document = {"defaults": dataclasses.asdict(defaults), "cluster": dataclasses.asdict(cluster)}
-    text = json.dumps(document, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, frozenset) else str(v))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def label_for_new_workload(workload: Mapping[str, Any], plan: InjectionPlan) -> list[dict[str, Any]]:

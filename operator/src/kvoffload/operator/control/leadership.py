@@ -15,12 +15,13 @@ The Lease names the operator's Deployment as its owner (``api.operator_deploymen
 it with the Deployment, and an operator of a later install (another Deployment uid) finds a Lease
 still there (the collector not done yet) free at once, whatever term its holder wrote.
 
-Every replica serves the admission webhook, and plans there only like the holder (``may_plan``):
-the holder writes the digest of what its plans depend on into the Lease (``c.ANN_LEASE_PLANNING``),
-and a replica that does not hold the Lease plans only while a running holder's digest is its own.
-A replica of another version or other defaults (the old one of a ``helm upgrade``, the new one
-waiting) would answer a user's write with its own settings, and the two would take each workload
-back and forth; a hot standby of the same release plans as the holder would.
+Every replica serves the admission webhook, and plans there only as the holder does
+(``holders_inputs``): the holder writes what its plans depend on into the Lease
+(``c.ANN_LEASE_PLANNING``, ``admission.acting_replica.planning_inputs``), and a replica that does not
+hold the Lease plans with a running holder's published inputs. Had each replica planned with its
+own (the old one of a ``helm upgrade`` and the new one waiting, with other defaults), a user's
+write answered by one and the other's reconcile would take a workload back and forth, and an app
+created opted in would roll once more for the holder's label.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def lease_body(
 ) -> dict[str, Any]:
     """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a
     transition), owned by ``owner`` (None: the owners it had stay), naming ``planning`` as the
-    holder's planning digest (empty: none, as the uninstall hook holds it)."""
+    holder's planning inputs (empty: none, as the uninstall hook holds it)."""
     spec = dict((previous or {}).get("spec") or {})
     taking_over = spec.get("holderIdentity") != identity
     stamp = now.strftime(MICROTIME)
@@ -147,11 +148,11 @@ def still_held(renewed_at: float | None, now: float, stopped: bool) -> bool:
     return not stopped and renewed_at is not None and now - renewed_at < LEASE_DURATION_S
 
 
-def plans_alike(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime, planning: str) -> bool:
-    """Whether ``identity``, not holding the Lease, plans at admission as its holder would: another
-    holder's term is running and it published ``planning`` as its digest."""
+def holders_inputs(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime) -> str | None:
+    """The planning inputs another holder published in ``lease``, while its term runs (None: nobody
+    else holds it, or its holder published none, as the uninstall hook does)."""
     published = (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(c.ANN_LEASE_PLANNING)
-    return bool(planning) and published == planning and lease_state(lease, identity, now) == "held"
+    return published if isinstance(published, str) and lease_state(lease, identity, now) == "held" else None
 
 
 def _now() -> datetime.datetime:
@@ -176,7 +177,8 @@ class Leadership:
     owner: OperatorDeployment | None = None
     """The operator's Deployment: the Lease names it as its owner (None: the owners it has stay)."""
     planning: str = ""
-    """The digest of what this operator's admission plans depend on, published while it holds the Lease."""
+    """What this operator's admission plans depend on (``acting_replica.planning_inputs``), published
+    while it holds the Lease."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -190,18 +192,17 @@ class Leadership:
         """Whether this process holds the Lease now (``still_held``)."""
         return still_held(self._renewed_at, time.monotonic(), self.lost or self._stop.is_set())
 
-    def may_plan(self) -> bool:
-        """Whether the webhook may plan now: this process holds the Lease, or its holder plans alike
-        (``plans_alike``, the Lease read now; a failed read: no)."""
+    def holders_inputs(self) -> str | None:
+        """The planning inputs the webhook plans with now: this process's own while it holds the
+        Lease, else those a running holder published (``holders_inputs``, the Lease read now; a
+        failed read: None, no plan)."""
         if self.holds_lease():
-            return True
-        if not self.planning:
-            return False
+            return self.planning or None
         try:
             lease = self.kube.get(lease_path(self.namespace, self.name))
         except KubeApiError:
-            return False
-        return plans_alike(lease, self.identity, _now(), self.planning)
+            return None
+        return holders_inputs(lease, self.identity, _now())
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
