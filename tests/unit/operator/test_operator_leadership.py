@@ -24,6 +24,8 @@ from kvoffload.operator.control.leadership import (
     keep_renewing,
     lease_body,
     lease_state,
+    planning_seal_key,
+    sealed,
     serve_health_while_waiting,
     still_held,
 )
@@ -216,20 +218,40 @@ def published(holder: str, seconds_ago: float, planning: str) -> dict[str, Any]:
     return lease
 
 
+KEY = planning_seal_key(b"-----BEGIN PRIVATE KEY----- the webhook's serving key")
+THEIRS = sealed("theirs", KEY)
+
+
 @pytest.mark.parametrize(
     ("lease", "inputs"),
     [
-        (published("leader", 3, "theirs"), "theirs"),  # a running holder: a standby or an upgrade's new pod plans so
+        (published("leader", 3, THEIRS), "theirs"),  # a running holder: a standby or an upgrade's new pod plans so
         (held_by("leader", 3), None),  # a holder that publishes none (an earlier version, the uninstall hook)
-        (published("leader", LEASE_DURATION_S + 1, "theirs"), None),  # nobody holds it now
-        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: "theirs"}}}, None),
+        (published("leader", LEASE_DURATION_S + 1, THEIRS), None),  # nobody holds it now
+        ({"spec": {"holderIdentity": ""}, "metadata": {"annotations": {c.ANN_LEASE_PLANNING: THEIRS}}}, None),
         (None, None),
     ],
 )
 def test_a_replica_without_the_lease_plans_with_the_inputs_a_running_holder_published(
     lease: dict[str, Any] | None, inputs: str | None
 ) -> None:
-    assert holders_inputs(lease, "me", NOW) == inputs
+    assert holders_inputs(lease, "me", NOW, KEY) == inputs
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "theirs",  # unsealed (a digest or inputs of an earlier version, or written by hand)
+        sealed("theirs", planning_seal_key(b"another install's serving key")),
+        THEIRS.replace("theirs", "mine"),  # sealed inputs edited
+        THEIRS + "0",
+        "\n" + THEIRS.rpartition("\n")[2],
+    ],
+)
+def test_inputs_in_the_lease_that_are_not_sealed_with_the_webhooks_key_are_never_planned_with(forged: str) -> None:
+    """A writer of the Lease who cannot read the webhook's Secret cannot make the replicas plan with
+    inputs of its own (images, sizes): they make no plan."""
+    assert holders_inputs(published("leader", 3, forged), "me", NOW, KEY) is None
 
 
 def test_every_replica_plans_with_the_holders_inputs_and_with_the_next_holders_once_it_takes_over() -> None:

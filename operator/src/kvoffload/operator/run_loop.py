@@ -5,6 +5,7 @@ Everything it is handed was checked by ``cli``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from kvoffload.operator.admission.pod_alignment import PodAlignment
 from kvoffload.operator.admission.webhook import WebhookServer
 from kvoffload.operator.admission.webhook_tls import (
     ReviewScope,
+    TlsMaterial,
     WebhookRegistrationMissing,
     ensure_tls,
     patch_ca_bundle,
@@ -29,7 +31,7 @@ from kvoffload.operator.admission.webhook_tls import (
 from kvoffload.operator.api.events import EventRecorder
 from kvoffload.operator.api.kube import Kube
 from kvoffload.operator.api.operator_deployment import OperatorDeployment
-from kvoffload.operator.control.leadership import Leadership, serve_health_while_waiting
+from kvoffload.operator.control.leadership import Leadership, planning_seal_key, serve_health_while_waiting
 from kvoffload.operator.control.reconcile import Reconciler
 from kvoffload.operator.intent.settings import OperatorDefaults
 from kvoffload.operator.metrics import OperatorMetrics
@@ -95,11 +97,13 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
         handlers.register_node_mode_handlers()  # pods are watched only when node mode may use them
     if run.webhook is not None:
         handlers.register_admission_handlers()
+        tls = ensure_tls(kube, run.webhook.namespace, c.WEBHOOK_TLS_SECRET, list(run.webhook.hosts), owner=owner)
         plan = planner(kube, run.defaults, reconciler.cluster)
         if leadership is not None:  # every replica plans as the Lease's holder does, or not at all
+            leadership = dataclasses.replace(leadership, seal_key=planning_seal_key(tls.key_pem))
             plan = plan_as_holder(plan, leadership.planning, lambda defaults, cluster: planner(kube, defaults, cluster),
                                   leadership.holders_inputs)  # fmt: skip
-        _serve_webhook(kube, metrics, run.namespaces, run.webhook, plan, owner)  # on every replica, the standby too
+        _serve_webhook(kube, metrics, run.namespaces, run.webhook, tls, plan)  # on every replica, the standby too
     kubeconfig = run.kubeconfig
 
     @kopf.on.login()
@@ -129,11 +133,10 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
 
 
 def _serve_webhook(kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...], webhook: WebhookSettings,
-                   plan: Planner, owner: OperatorDeployment | None) -> WebhookServer:  # fmt: skip
-    """Start the webhook's HTTPS server, then put its CA into the chart's registration (the
+                   tls: TlsMaterial, plan: Planner) -> WebhookServer:  # fmt: skip
+    """Start the webhook's HTTPS server with ``tls``, then put its CA into the chart's registration (the
     registration itself, rules and client config, is the chart's: ``webhook_configuration``).
     Raises ``WebhookRegistrationMissing`` (the server stopped) when the chart's registration is not there."""
-    tls = ensure_tls(kube, webhook.namespace, c.WEBHOOK_TLS_SECRET, list(webhook.hosts), owner=owner)
     scope = ReviewScope.of_registration(webhook.namespace, namespaces)
     server = WebhookServer(kube, metrics, tls, webhook.port, plan=plan, scope=scope,
                            client_ca_pem=webhook.read_client_ca())  # fmt: skip

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import http.server
 import logging
 import threading
@@ -148,11 +150,34 @@ def still_held(renewed_at: float | None, now: float, stopped: bool) -> bool:
     return not stopped and renewed_at is not None and now - renewed_at < LEASE_DURATION_S
 
 
-def holders_inputs(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime) -> str | None:
-    """The planning inputs another holder published in ``lease``, while its term runs (None: nobody
-    else holds it, or its holder published none, as the uninstall hook does)."""
+def planning_seal_key(serving_key_pem: bytes) -> bytes:
+    """The key that seals the planning inputs a holder publishes, derived from the webhook's serving
+    key: every replica of one install reads it from the same Secret, and a writer of the Lease who
+    cannot read that Secret cannot seal inputs of its own (images, sizes) for the replicas to plan with."""
+    return hashlib.sha256(b"kvoffload planning inputs\0" + serving_key_pem).digest()
+
+
+def sealed(inputs: str, key: bytes) -> str:
+    """``inputs`` as the holder publishes them: the text, a newline, its HMAC-SHA256 under ``key``."""
+    return f"{inputs}\n{hmac.new(key, inputs.encode(), hashlib.sha256).hexdigest()}"
+
+
+def unsealed(published: str, key: bytes) -> str | None:
+    """The inputs ``published`` carries when sealed under ``key``, else None."""
+    inputs, _, seal = published.rpartition("\n")
+    expected = hmac.new(key, inputs.encode(), hashlib.sha256).hexdigest()
+    return inputs if inputs and hmac.compare_digest(seal, expected) else None
+
+
+def holders_inputs(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime,
+                   key: bytes = b"") -> str | None:  # fmt: skip
+    """The planning inputs another holder published in ``lease`` sealed under ``key``, while its
+    term runs (None: nobody else holds it, its holder published none, as the uninstall hook does,
+    or what it carries is not sealed under ``key``)."""
     published = (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(c.ANN_LEASE_PLANNING)
-    return published if isinstance(published, str) and lease_state(lease, identity, now) == "held" else None
+    if not isinstance(published, str) or lease_state(lease, identity, now) != "held":
+        return None
+    return unsealed(published, key)
 
 
 def _now() -> datetime.datetime:
@@ -178,7 +203,9 @@ class Leadership:
     """The operator's Deployment: the Lease names it as its owner (None: the owners it has stay)."""
     planning: str = ""
     """What this operator's admission plans depend on (``acting_replica.planning_inputs``), published
-    while it holds the Lease."""
+    while it holds the Lease, sealed under ``seal_key``."""
+    seal_key: bytes = b""
+    """``planning_seal_key`` of the webhook's serving key (admission mode)."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -202,7 +229,7 @@ class Leadership:
             lease = self.kube.get(lease_path(self.namespace, self.name))
         except KubeApiError:
             return None
-        return holders_inputs(lease, self.identity, _now())
+        return holders_inputs(lease, self.identity, _now(), self.seal_key)
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
@@ -222,7 +249,7 @@ class Leadership:
             log.info("leader election: lease %s/%s belongs to an earlier install's operator (held by %s): taking it",
                      self.namespace, self.name, holder_of(current))  # fmt: skip
         body = lease_body(self.name, self.namespace, self.identity, _now(), current, owner=self.owner,
-                          planning=self.planning)  # fmt: skip
+                          planning=sealed(self.planning, self.seal_key) if self.planning else "")  # fmt: skip
         return self._write(path, current, body)  # False: someone else wrote it first, look again
 
     def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
