@@ -20,7 +20,7 @@ also change the output tokens. TP=2 runs rank 1 as a separate process (heads spl
 Attention DP (``enable_attention_dp``, main only) runs each DP rank as a whole executor of its own
 (``StandinExecutor(attention_dp_rank=r)``, ``AttentionDpRank`` for another process): its own scheduler,
 worker and pool, whole KV heads, ``SchedulerOutput.attention_dp_rank``, no broadcast or allgather, and
-a dummy forward on a block from the free pool whenever the rank idles.
+a dummy forward on a page of every layer group, from the free pool, whenever the rank idles.
 
 CLI (what the end-to-end test starts with the env the operator injects)::
 
@@ -961,6 +961,8 @@ class StandinExecutor:
         self._other_ids = 0
         self.dummy_forwards = 0
         """Iterations an idle attention-DP rank ran with a dummy request (the others were busy)."""
+        self.dummy_pages_taken = [0 for _ in self.group_windows]
+        """Pages the dummy requests took, per layer group (in layer-group id order)."""
         self.parked: dict[int, StandinLlmRequest] = {}
         """Requests loading asynchronously (``(n, True)``): out of every batch until all ranks report the load."""
         self._loading_new: list[int] = []
@@ -1007,6 +1009,21 @@ class StandinExecutor:
         for pending, (_g, _w, pages) in zip(self._other_group_traffic, self.sliding, strict=True):
             pending.extend(pages.evict_all())
         return len(evicted)
+
+    def _dummy_pages(self) -> list[list[int]]:
+        """``_pad_attention_dp_dummy_request``: an idle DP rank joins the other ranks' forward with a
+        dummy generation request, which the connector never sees (``build_scheduler_output`` skips
+        ``is_dummy_request``). KVCacheManagerV2's ``add_dummy_requests`` (@1fe0b08f) gives it a whole
+        ``_KVCache``: one token of history plus the one it generates, so one page in every layer group
+        (a sliding group's too: nothing is behind its window yet), each taken as any allocation takes
+        it (a free page, else the least recently used reusable one, evicted) and written by the forward."""
+        self.dummy_forwards += 1
+        pages: list[list[int]] = [[] for _ in self.group_windows]
+        pages[self.primary_group] = self.blocks.allocate(1)
+        for g, _w, pool in self.sliding:
+            pages[g] = pool.allocate(1)
+        self.dummy_pages_taken = [taken + len(p) for taken, p in zip(self.dummy_pages_taken, pages, strict=True)]
+        return pages
 
     def _other_traffic_request(self, output: Any) -> StandinLlmRequest | None:
         """Give this iteration's still-free evicted blocks to a request of other traffic."""
@@ -1252,18 +1269,16 @@ class StandinExecutor:
         overwritten: list[list[int]] = [[] for _ in self.group_windows]
         if other is not None:
             overwritten = [[b for b in ids if b >= 0] for ids in self.pages_by_group(other)]
-        dummy: list[int] = []
-        if self.attention_dp and not active and not self.parked:
-            # _pad_attention_dp_dummy_request: an idle DP rank joins the other ranks' forward with a
-            # dummy generation request (add_dummy_requests: a block from the free pool), which the
-            # connector never sees (KvCacheConnectorSchedulerOutputManager skips is_dummy_request).
-            dummy = self.blocks.allocate(1)
-            self.dummy_forwards += 1
+        dummy = self._dummy_pages() if self.attention_dp and not active and not self.parked else None
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        overwritten[self.primary_group] += dummy
+        for group, pages in enumerate(dummy or []):
+            overwritten[group] += pages
         replies = self._step_all_ranks(meta, work, overwritten, block_copies)
-        self.blocks.release(dummy, {})
+        if dummy is not None:  # the dummy ends with the iteration: its pages go back, never committed
+            self.blocks.release(dummy[self.primary_group], {})
+            for g, _w, pages in self.sliding:
+                pages.release(dummy[g], {})
         self.blocks.release([src for src, _dst in block_copies], {})
         if other is not None:  # other traffic's request ends: its blocks go back to the pool
             self._request_finished(other)
