@@ -5,9 +5,16 @@ Read from NVIDIA/TensorRT-LLM through the code index: the 1.2 line's
 ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (@035ab91c) and
 ``connectors/kv_cache_layout.py`` (@ae7a7216, the version with ``valid_page_slots``, ``slot_tensor``,
 ``dtype`` and ``as_single_pool_tensor``: what KVCacheManagerV2 hands ``register_kv_cache_layout``).
-Main's prefix-reservation trio and ``PrefixLoad`` come from the example
-``examples/llm-api/llm_kv_cache_connector.py`` (its overrides' parameter names) and the tests that
-drive them; no stored version of ``kv_cache_connector.py`` carries them. A method maps to
+
+Main's prefix-reservation trio and ``PrefixLoad``: no stored version of ``kv_cache_connector.py``
+carries them (re-read 2026-12-07, docs/results/trtllm-main-repin.md: the index lists 48 versions of
+the file, @5a06f334 the one it names; no text of any version holds ``reserve_prefix``, ``PrefixLoad``
+or ``prefix_loads``, nor does any stored ``py_executor.py`` hold the executor's prefix-load path). So
+they come from the upstream code that uses them: ``connectors/prefix_load_completion.py`` @785b0128
+(the only stored version), the example ``examples/llm-api/llm_kv_cache_connector.py`` (its overrides'
+parameter names), the manager's reservation unit tests (index id 68375241723), KVCacheManagerV2's
+real-manager prefix tests (id 68652947412), and the connector docs' ``PrefixLoad`` table (ids
+68329737772, 70169266543: fields in the order below, ``is_async`` included). A method maps to
 ``(parameters, abstract)``; ``attention_dp`` says whether the version has the ``supports_attention_dp``
 opt-in (``KvCacheConnectorManager.validate_attention_dp``).
 """
@@ -52,7 +59,8 @@ UPSTREAM_API: dict[str, dict[str, Any]] = {
         ],
         "SchedulerOutput": ["new_requests", "cached_requests", "attention_dp_rank", "prefix_loads"],
         "PrefixLoad": [
-            *("reservation_id", "request_id", "start", "end", "block_ids_by_layer_group", "tokens", "cache_salt"),
+            *("reservation_id", "request_id", "start", "end", "is_async", "block_ids_by_layer_group"),
+            *("tokens", "cache_salt"),
         ],
         "KvCacheConnectorWorker": {
             **_WORKER_12,

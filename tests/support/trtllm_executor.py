@@ -20,7 +20,7 @@ also change the output tokens. TP=2 runs rank 1 as a separate process (heads spl
 Attention DP (``enable_attention_dp``, main only) runs each DP rank as a whole executor of its own
 (``StandinExecutor(attention_dp_rank=r)``, ``AttentionDpRank`` for another process): its own scheduler,
 worker and pool, whole KV heads, ``SchedulerOutput.attention_dp_rank``, no broadcast or allgather, and
-a dummy forward on a block from the free pool whenever the rank idles.
+a dummy forward on a page of every layer group, from the free pool, whenever the rank idles.
 
 CLI (what the end-to-end test starts with the env the operator injects)::
 
@@ -961,6 +961,8 @@ class StandinExecutor:
         self._other_ids = 0
         self.dummy_forwards = 0
         """Iterations an idle attention-DP rank ran with a dummy request (the others were busy)."""
+        self.dummy_pages_taken = [0 for _ in self.group_windows]
+        """Pages the dummy requests took, per layer group (in layer-group id order)."""
         self.parked: dict[int, StandinLlmRequest] = {}
         """Requests loading asynchronously (``(n, True)``): out of every batch until all ranks report the load."""
         self._loading_new: list[int] = []
@@ -969,7 +971,10 @@ class StandinExecutor:
         """Reservation ids only grow: a replayed allocation's stale completion names an old one."""
         self._reserved: dict[int, StandinLlmRequest] = {}
         """Accepted prefix loads not yet finished on every rank, by reservation id."""
-        self._prefix_votes: dict[int, int] = {}
+        self._prefix_workers: dict[int, set[int]] = {}
+        """Dispatched reservations not yet finished: the ranks that reported each finished."""
+        self.ignored_prefix_completions = 0
+        """Reports of reservation ids no dispatched load carried (upstream ignores them)."""
         self._terminating: dict[int, StandinLlmRequest] = {}
         """Cancelled requests whose prefix load still owns their allocation (``defer_load_termination``)."""
         self.reservations_asked: list[tuple[int, int, tuple[int, bool]]] = []
@@ -1004,6 +1009,21 @@ class StandinExecutor:
         for pending, (_g, _w, pages) in zip(self._other_group_traffic, self.sliding, strict=True):
             pending.extend(pages.evict_all())
         return len(evicted)
+
+    def _dummy_pages(self) -> list[list[int]]:
+        """``_pad_attention_dp_dummy_request``: an idle DP rank joins the other ranks' forward with a
+        dummy generation request, which the connector never sees (``build_scheduler_output`` skips
+        ``is_dummy_request``). KVCacheManagerV2's ``add_dummy_requests`` (@1fe0b08f) gives it a whole
+        ``_KVCache``: one token of history plus the one it generates, so one page in every layer group
+        (a sliding group's too: nothing is behind its window yet), each taken as any allocation takes
+        it (a free page, else the least recently used reusable one, evicted) and written by the forward."""
+        self.dummy_forwards += 1
+        pages: list[list[int]] = [[] for _ in self.group_windows]
+        pages[self.primary_group] = self.blocks.allocate(1)
+        for g, _w, pool in self.sliding:
+            pages[g] = pool.allocate(1)
+        self.dummy_pages_taken = [taken + len(p) for taken, p in zip(self.dummy_pages_taken, pages, strict=True)]
+        return pages
 
     def _other_traffic_request(self, output: Any) -> StandinLlmRequest | None:
         """Give this iteration's still-free evicted blocks to a request of other traffic."""
@@ -1249,18 +1269,16 @@ class StandinExecutor:
         overwritten: list[list[int]] = [[] for _ in self.group_windows]
         if other is not None:
             overwritten = [[b for b in ids if b >= 0] for ids in self.pages_by_group(other)]
-        dummy: list[int] = []
-        if self.attention_dp and not active and not self.parked:
-            # _pad_attention_dp_dummy_request: an idle DP rank joins the other ranks' forward with a
-            # dummy generation request (add_dummy_requests: a block from the free pool), which the
-            # connector never sees (KvCacheConnectorSchedulerOutputManager skips is_dummy_request).
-            dummy = self.blocks.allocate(1)
-            self.dummy_forwards += 1
+        dummy = self._dummy_pages() if self.attention_dp and not active and not self.parked else None
         # Step 3: metadata on rank 0, "broadcast" to all ranks; steps 3-4 and 6 on every rank.
         meta = self.scheduler.build_connector_meta(output)
-        overwritten[self.primary_group] += dummy
+        for group, pages in enumerate(dummy or []):
+            overwritten[group] += pages
         replies = self._step_all_ranks(meta, work, overwritten, block_copies)
-        self.blocks.release(dummy, {})
+        if dummy is not None:  # the dummy ends with the iteration: its pages go back, never committed
+            self.blocks.release(dummy[self.primary_group], {})
+            for g, _w, pages in self.sliding:
+                pages.release(dummy[g], {})
         self.blocks.release([src for src, _dst in block_copies], {})
         if other is not None:  # other traffic's request ends: its blocks go back to the pool
             self._request_finished(other)
@@ -1339,7 +1357,7 @@ class StandinExecutor:
         per_rank = [self.rank0.finish(newly_saving, newly_loading)] + [parent.recv() for parent, _ in self.followers]
         ranks = 1 + len(self.followers)
         saved = returned_by_every_rank(self._done_votes, [ids for ids, _, _ in per_rank], ranks)
-        self._finish_prefix_loads([prefix for _, _, prefix in per_rank], ranks, active)
+        self._finish_prefix_loads([prefix for _, _, prefix in per_rank], active)
         for rid in returned_by_every_rank(self._loading_votes, [loaded for _, loaded, _ in per_rank], ranks):
             req = self.parked.pop(rid, None)
             if req is None:  # cancelled while parked: freed at once, the late report is ignored
@@ -1364,18 +1382,22 @@ class StandinExecutor:
         partial_src, partial = self._match_partial(req, salt, len(reused))
         num_reused += partial
         first_chunk = min(req.prompt_len, num_reused + (self.chunk or req.prompt_len))
-        if self.kv_manager_v2 and -(-first_chunk // self.block) - len(reused) > self.blocks.available():
-            self.blocks.release(reused + ([partial_src] if partial_src is not None else []), {})
-            return None
-        reservation_id = 0
-        if self.reservations:  # KVCacheManagerV2's prefix path asks reserve_prefix, once per allocation
-            from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import check_reservation_answer
-
-            reservation_id, self._next_reservation_id = self._next_reservation_id, self._next_reservation_id + 1
-            matched, is_async = check_reservation_answer(self.scheduler.reserve_prefix(req, num_reused, reservation_id))
-            self.reservations_asked.append((reservation_id, num_reused, (matched, is_async)))
-        else:
+        short = self.kv_manager_v2 and -(-first_chunk // self.block) - len(reused) > self.blocks.available()
+        reservation_id, matched, is_async = 0, 0, False
+        if self.reservations:  # asked in the scheduling pass, once per allocation, before its pages fit
+            reservation_id, matched, is_async = self._reserve(req, num_reused)
+        elif not short:  # the binding query: only once the batch is final (prepare_resources)
             matched, is_async = self.scheduler.get_num_new_matched_tokens(req, num_reused)
+        if short:
+            # The candidate is not scheduled: release_unused_connector_reservations gives its whole
+            # range back and drops the allocation; a later pass asks again under a newer id.
+            if reservation_id and matched:
+                self._release_reservation(req, reservation_id, num_reused, num_reused + matched)
+            self.blocks.release(reused + ([partial_src] if partial_src is not None else []), {})
+            for (_g, _w, pages), ids in zip(self.sliding, req.group_pages, strict=True):
+                pages.release([page for page in ids if page >= 0], {})
+            req.group_pages = [[] for _ in self.sliding]
+            return None
         if is_async and matched == 0:
             raise RuntimeError("(0, True) is rejected by TensorRT-LLM")
         if is_async and self.sliding:
@@ -1400,8 +1422,11 @@ class StandinExecutor:
         if reservation_id and honoured:  # accept_prefix_load: the pages it writes, every layer group's
             from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import PrefixLoad
 
-            req.prefix_load = PrefixLoad(reservation_id, req.request_id, num_reused, num_reused + honoured,
-                                         self.pages_by_group(req), list(req.tokens), req.salt)  # fmt: skip
+            req.prefix_load = PrefixLoad(
+                reservation_id=reservation_id, request_id=req.request_id, start=num_reused,
+                end=num_reused + honoured, is_async=is_async, block_ids_by_layer_group=self.pages_by_group(req),
+                tokens=list(req.tokens), cache_salt=req.salt,
+            )  # fmt: skip
         elif self.reservations:  # not read from upstream: the reservation path is not known to call it
             pass
         elif self.sliding:
@@ -1412,6 +1437,16 @@ class StandinExecutor:
         req.result.device_reused_tokens = num_reused
         req.result.connector_matched_tokens = honoured
         return honoured, is_async
+
+    def _reserve(self, req: StandinLlmRequest, num_reused: int) -> tuple[int, int, bool]:
+        """``KvCacheConnectorManager.reserve_prefix``: a new id (ids only grow), the connector's answer
+        checked as the manager checks it: ``(reservation id, tokens, is_async)``."""
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import check_reservation_answer
+
+        reservation_id, self._next_reservation_id = self._next_reservation_id, self._next_reservation_id + 1
+        matched, is_async = check_reservation_answer(self.scheduler.reserve_prefix(req, num_reused, reservation_id))
+        self.reservations_asked.append((reservation_id, num_reused, (matched, is_async)))
+        return reservation_id, matched, is_async
 
     def _v2_serve(self, req: StandinLlmRequest, local: int, offer: int) -> tuple[int, int]:
         """KVCacheManagerV2's ``_apply_connector_matched_prefix`` (kv_cache_manager_v2.py @10b8fbd9 and
@@ -1492,6 +1527,7 @@ class StandinExecutor:
         if req.prefix_load is not None:  # build_scheduler_output: the accepted load, with the batch
             output.prefix_loads.append(req.prefix_load)
             self._reserved[req.prefix_load.reservation_id] = req
+            self._prefix_workers[req.prefix_load.reservation_id] = set()  # the tracker's track()
         if is_async and self.reservations:  # take_scheduled_requests_pending_load: out until it finishes
             self.parked[req.request_id] = req
             self.async_loads += 1
@@ -1523,16 +1559,23 @@ class StandinExecutor:
         if load is not None:
             self._release_reservation(req, load.reservation_id, load.start, load.end)
 
-    def _finish_prefix_loads(self, per_rank: list[list[int]], ranks: int, active: list[StandinLlmRequest]) -> None:
-        """``PrefixLoadCompletionTracker`` + ``finish_prefix_loads``: a reservation every rank reported
-        finished releases its range; its request resumes, or ends if it was cancelled meanwhile.
-        Upstream ignores ids of no accepted load (a replayed allocation's stale completion); the
-        stand-in fails on them instead: a connector reports only loads it was handed."""
-        for ids in per_rank:
+    def _finish_prefix_loads(self, per_rank: list[list[int]], active: list[StandinLlmRequest]) -> None:
+        """``PrefixLoadCompletionTracker`` (prefix_load_completion.py @785b0128) + ``finish_prefix_loads``:
+        a dispatched reservation every rank reported finished releases its range; its request resumes,
+        or ends if it was cancelled meanwhile. A rank's report counts once however often it repeats it;
+        an id no dispatched load carries (a replayed allocation's stale completion, a repeat after the
+        load finished) is ignored, as ``_record`` skips untracked ids: counted in
+        ``ignored_prefix_completions``."""
+        for rank, ids in enumerate(per_rank):
             for rid in ids:
-                if rid not in self._reserved:
-                    raise AssertionError(f"get_finished_prefix_loads reported reservation {rid}, not dispatched")
-        for rid in returned_by_every_rank(self._prefix_votes, [sorted(set(ids)) for ids in per_rank], ranks):
+                workers = self._prefix_workers.get(rid)
+                if workers is None:
+                    self.ignored_prefix_completions += 1
+                    continue
+                workers.add(rank)
+        done = sorted(rid for rid, workers in self._prefix_workers.items() if len(workers) == len(per_rank))
+        for rid in done:
+            del self._prefix_workers[rid]
             req = self._reserved.pop(rid)
             load, req.prefix_load = req.prefix_load, None
             self._release_reservation(req, rid, load.start, load.end)

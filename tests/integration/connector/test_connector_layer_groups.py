@@ -216,3 +216,27 @@ def test_two_attention_dp_ranks_load_each_others_vswa_chunks(
         rank1.close()
     assert again.connector_matched_tokens == 4 * CHUNK and again.output_tokens == first.output_tokens
     assert rank0.kv_mismatches == 0 and report["kv_mismatches"] == 0
+
+
+def test_an_idle_attention_dp_ranks_dummy_takes_a_page_in_every_layer_group_and_the_rank_still_loads_bit_exact(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """KVCacheManagerV2's ``add_dummy_requests`` gives an idle DP rank's dummy request a whole KV
+    cache: a page in every layer group (the sliding one's too), written by its forward. A rank whose
+    request was cancelled mid-prefill idles (its connector forgets the request and fences its pages
+    in both groups), then serves the prompt again: what the cancelled request stored loads bit-exact."""
+    adp = {"tp": 2, "attention_dp": True}
+    ex = vswa(executor_factory, "vswa-adp-idle-model", lmcache_server.url, GPT_OSS, llm_args=adp,
+              attention_dp_rank=0, context_chunk_size=2 * CHUNK)  # fmt: skip
+    cancelled = ex.run([PromptRequest(1, PROMPT, 2, cancel_after=1)])[0]
+    ex.idle(2)
+    assert ex.dummy_forwards == 2 and ex.dummy_pages_taken == [2, 2], "one page per layer group per dummy"
+    assert ex.scheduler.tracked_request_ids == frozenset()
+    ex.evict_device_cache()
+    assert settle_commits()
+    later = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    clean = vswa(executor_factory, "vswa-adp-idle-clean-model", lmcache_server.url, GPT_OSS)
+    expected = clean.run([PromptRequest(3, PROMPT, 2)])[0]
+    assert cancelled.cancelled and not later.failed
+    assert later.connector_matched_tokens == 2 * CHUNK and later.output_tokens == expected.output_tokens
+    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()

@@ -36,7 +36,9 @@ def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 20.0
 
 def released_once_each(ex: Any) -> dict[int, list[tuple[int, int]]]:
     """Each reservation that offered tokens was released range by range, exactly covering what it
-    reserved, no range twice; nothing was released that was never reserved. Returns the releases."""
+    reserved, no range twice; nothing was released that was never reserved; and no rank reported a
+    reservation it was not loading (TensorRT-LLM ignores those). Returns the releases."""
+    assert ex.ignored_prefix_completions == 0, "a rank reported a reservation no dispatched load carried"
     reserved = {rid: (start, start + n) for rid, start, (n, _is_async) in ex.reservations_asked if n}
     releases: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for rid, start, end in ex.reservation_releases:
@@ -86,6 +88,34 @@ def test_a_reservation_trimmed_by_a_failed_grow_releases_its_tail_at_once_and_lo
     trimmed = next(rid for rid, _start, (n, _a) in ex.reservations_asked if n == 4 * CHUNK)
     assert releases[trimmed] == [(48, 4 * CHUNK), (0, 48)], "the tail first, the loaded range after the load"
     eventually(lambda: lmcache_server.held() == before, "every read lock released")
+
+
+def test_a_candidate_whose_pages_do_not_fit_is_reserved_released_whole_and_reserved_again(
+    lmcache_server: LMCacheServer, executor_factory: Any
+) -> None:
+    """Main asks ``reserve_prefix`` in the scheduling pass, before the candidate's pages are known to
+    fit: one that does not fit is not scheduled, its whole range goes back
+    (``release_unused_connector_reservations``) and a later pass asks again under a newer id. Here a
+    holder takes most of the pool; the hit is reserved and released while it waits, then loaded."""
+    ex = executor_factory("reservation-unfit-model", lmcache_server.url, num_blocks=32, llm_args=V2)
+    prompt = make_prompt(50, 4 * CHUNK + 20)
+    first = ex.run([PromptRequest(1, prompt, 3)])[0]
+    ex.evict_device_cache()
+    before = lmcache_server.held()
+    asked_before = len(ex.reservations_asked)
+    holder = PromptRequest(2, make_prompt(51, 300), 3)
+    results = ex.run([holder, PromptRequest(3, prompt, 3, arrive_after=1)])
+    served = results[1]
+    assert served.connector_matched_tokens == 4 * CHUNK and served.output_tokens == first.output_tokens
+    assert ex.kv_mismatches == 0
+    offers = [(rid, n) for rid, _start, (n, _a) in ex.reservations_asked[asked_before:] if n]
+    assert len(offers) >= 2, "reserved while its pages did not fit, then again once they did"
+    assert [rid for rid, _n in offers] == sorted(rid for rid, _n in offers), "each time under a newer id"
+    releases = released_once_each(ex)
+    for rid, n in offers[:-1]:
+        assert releases[rid] == [(0, n)], "a candidate that was not scheduled gives its whole range back"
+    eventually(lambda: lmcache_server.held() == before, "every read lock released")
+    assert ex.scheduler.tracked_request_ids == frozenset()
 
 
 @pytest.fixture

@@ -357,3 +357,28 @@ def test_a_layer_group_report_for_a_request_whose_other_pages_were_never_reporte
         by_group = [[10 + o for o in ordinals], list(ordinals)]
         cached = RequestData(1, [], [], 0, scheduled, new_block_ids_by_layer_group=by_group)
         assert sched.build_connector_meta(SchedulerOutput(cached_requests=[cached])).saves == ()
+
+
+def test_an_idle_attention_dp_rank_fences_every_layer_groups_pages_of_requests_that_vanished(
+    fake: FakeBackend, trtllm: Any
+) -> None:
+    """Under attention DP a rank with no request joins the others' forward with a dummy request that
+    KVCacheManagerV2 gives a page in every layer group: the pages of a request that ended unseen
+    (cancelled: no ``request_finished``) are fenced in the sliding group too, not only the anchor's."""
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
+    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs
+
+    from kvoffload.connector.layout import describe_layer_groups, page_key
+
+    args = TorchLlmArgs(model="hooks", enable_attention_dp=True, kv_cache_config=KvCacheConfig(tokens_per_block=16))
+    fake.layer_groups = lambda: describe_layer_groups([(0, 48, 1, [512], [1, 1]), (1, None, 1, [512], [1, 1])])
+    sched = trtllm.KvoffloadConnectorScheduler(args)
+    tokens = list(range(70))
+    assert sched.get_num_new_matched_tokens(Req(1, tokens), 0) == (0, False)
+    by_group = [[20, 21, 22, 23, 24], [0, 1, 2, 3, 4]]  # group 0 slides, group 1 (the anchor) is full
+    sched.update_state_after_alloc_by_layer_group(Req(1, tokens), by_group)
+    first = RequestData(1, tokens, [], 0, 70, new_block_ids_by_layer_group=by_group)
+    sched.build_connector_meta(SchedulerOutput(new_requests=[first], attention_dp_rank=0))
+    idle = sched.build_connector_meta(SchedulerOutput(attention_dp_rank=0))  # cancelled: the rank idles
+    assert idle.fresh_blocks == frozenset([0, 1, 2, 3, 4, *(page_key(1, page) for page in by_group[0])])
+    assert sched.tracked_request_ids == frozenset()

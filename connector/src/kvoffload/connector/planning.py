@@ -270,9 +270,9 @@ def reused_blocks(new_block_ids: list[int], computed_position: int, tokens_per_b
 def unseen_forward_may_write(attention_dp: bool, num_reported: int) -> bool:
     """Whether this iteration's forward may write a free block the connector is not told of: under
     attention DP a rank with no request of its own joins the others' forward with a dummy request
-    (``_pad_attention_dp_dummy_request``), on a block from the free pool, and the connector never sees
-    it. With no request on the rank, every request the connector still tracks has ended without
-    ``request_finished``, so each of their blocks may be that one."""
+    (``_pad_attention_dp_dummy_request``), on a page from the free pool in every layer group, and the
+    connector never sees it. With no request on the rank, every request the connector still tracks
+    has ended without ``request_finished``, so each of their pages may be one of those."""
     return attention_dp and num_reported == 0
 
 

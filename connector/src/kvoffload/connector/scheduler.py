@@ -382,7 +382,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         for rid, state in list(self._requests.items()):
             if getattr(state.llm_request, "is_finished", False) is True:
                 self._forget(rid)
-                freed.extend(state.block_ids)
+                freed.extend(self._held_pages(state))
                 logger.debug("event=request_vanished request=%d reason=finished", rid)
         return freed
 
@@ -466,6 +466,11 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._step_computed(state, before, req.num_scheduled_tokens, step)
         self._plan_save(state, step.saves, before)
 
+    def _held_pages(self, state: RequestState) -> list[int]:
+        """Every page a request held, as page keys: the anchor group's blocks and the other groups'
+        pages (an idle attention-DP rank's dummy request takes a page in every layer group)."""
+        return [*state.block_ids, *self._fresh_pages(state.group_block_ids, 0, False)]
+
     def _fresh_pages(self, group_block_ids: list[list[int]], computed: int, first_report: bool) -> list[int]:
         """Other layer groups' pages of one report that were free before this iteration, as page keys."""
         return [
@@ -499,13 +504,14 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         self._plan_save(state, step.saves, before)
 
     def _forget_all_on_idle_rank(self) -> list[int]:
-        """An idle attention-DP rank's forward may write any free block unseen: every request still
-        tracked ended without ``request_finished``; forget them all and return their blocks."""
+        """An idle attention-DP rank's forward may write any free page unseen, in every layer group:
+        every request still tracked ended without ``request_finished``; forget them all and return
+        their pages."""
         freed: list[int] = []
         for rid in list(self._requests):
             vanished = self._forget(rid)
             if vanished is not None:
-                freed.extend(vanished.block_ids)
+                freed.extend(self._held_pages(vanished))
                 logger.debug("event=request_vanished request=%d reason=idle_dp_rank", rid)
         return freed
 

@@ -8,10 +8,11 @@ metadata helpers.
 
 The prefix reservations (``reserve_prefix`` / ``release_prefix_reservation`` on the scheduler,
 ``get_finished_prefix_loads`` on the worker, ``SchedulerOutput.prefix_loads``): no stored version of
-this file carries them; their contract is taken from upstream's own code and tests that use them
-(``connectors/prefix_load_completion.py`` @785b0128, the manager's reservation unit tests, the
-executor's connector-ownership tests, KVCacheManagerV2's real-manager prefix tests and
-``examples/llm-api/llm_kv_cache_connector.py``; docs/connector.md names them). ``tests/standin/upstream_api.py`` pins these per supported version; the executor
+this file carries them (re-read 2026-12-07: docs/results/trtllm-main-repin.md); their contract is
+taken from upstream's own code and tests that use them (``connectors/prefix_load_completion.py``
+@785b0128, the manager's reservation unit tests, the executor's connector-ownership tests,
+KVCacheManagerV2's real-manager prefix tests, ``examples/llm-api/llm_kv_cache_connector.py``, and the
+connector docs' ``PrefixLoad`` table, which adds ``is_async``; docs/connector.md names them). ``tests/standin/upstream_api.py`` pins these per supported version; the executor
 stand-in (``tests/support/trtllm_executor.py``) plays the ``KvCacheConnectorManager`` around them.
 """
 
@@ -40,12 +41,14 @@ class RequestData:
 
 @dataclass
 class PrefixLoad:
-    """A reservation's load as KVCacheManagerV2 accepted it: tokens ``[start, end)`` into these pages."""
+    """A reservation's load as KVCacheManagerV2 accepted it: tokens ``[start, end)`` into these pages;
+    ``is_async``: the request waits outside the compute batch until every rank finished it."""
 
     reservation_id: int
     request_id: int
     start: int
     end: int
+    is_async: bool
     block_ids_by_layer_group: list[list[int]]
     tokens: list[int]
     cache_salt: str | None = None
