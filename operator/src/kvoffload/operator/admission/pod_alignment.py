@@ -99,6 +99,46 @@ WorkloadKey = tuple[str, str, str]
 
 
 @dataclass
+class OwnersSeen:
+    """Each pod controller's workload, resolved through the API once per alignment pass (a pass
+    over a namespace of many workloads reads each ReplicaSet and workload once, not once per
+    workload it aligns)."""
+
+    kube: Kube
+    _resolved: dict[tuple[str, ControllerRef], Owner | str] = field(default_factory=dict)
+
+    def owner(self, pod: Mapping[str, Any], namespace: str) -> Owner | str:
+        ref = controller_ref(pod)
+        if ref is None:
+            return "the pod has no controller"
+        key = (namespace, ref)
+        if key not in self._resolved:
+            self._resolved[key] = resolve_owner(self.kube, pod, namespace)
+        return self._resolved[key]
+
+
+def by_workload(
+    pods: Sequence[dict[str, Any]], owners: OwnersSeen
+) -> dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]]:
+    """The pods grouped by the workload each belongs to; pods of anything else are left out, so
+    never evicted."""
+    groups: dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]] = {}
+    for pod in pods:
+        namespace = str(pod["metadata"].get("namespace"))
+        owner = owners.owner(pod, namespace)
+        if not isinstance(owner, str):
+            groups.setdefault((namespace, owner.kind, owner.name), (owner, []))[1].append(pod)
+    return groups
+
+
+def match_labels_selector(workload: Mapping[str, Any]) -> str:
+    """The workload's ``spec.selector.matchLabels`` as a label selector (its pods and maybe others';
+    empty when it has none): the pods a pass over it lists."""
+    labels = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if isinstance(v, str))
+
+
+@dataclass
 class PodAlignment:
     """Evicts pods created without the injection (see the module docstring)."""
 
@@ -114,8 +154,10 @@ class PodAlignment:
     _workload_locks: dict[WorkloadKey, threading.Lock] = field(default_factory=dict)
     """One pass at a time per workload: kopf's worker threads and the background thread all align."""
 
-    def _pods(self, namespace: str | None) -> list[dict[str, Any]]:
-        params = {"labelSelector": c.LABEL_INJECT}
+    def _pods(self, namespace: str | None, selector: str = "") -> list[dict[str, Any]]:
+        """The live pods that carry ``LABEL_INJECT`` (and match ``selector``, a label selector) in
+        ``namespace`` (None: every watched one)."""
+        params = {"labelSelector": ",".join(filter(None, (c.LABEL_INJECT, selector)))}
         spaces = [namespace] if namespace else list(self.namespaces) or [""]
         items: list[dict[str, Any]] = []
         for ns in spaces:
@@ -145,8 +187,18 @@ class PodAlignment:
         and evict the pod (or a sibling) if it was created uninjected or its namespace is behind."""
         namespace = str((pod.get("metadata") or {}).get("namespace"))
         self.report_start_failure(pod)
-        if uninjected(pod) or self.behind_in(namespace):
-            self.align(namespace)
+        if not (uninjected(pod) or self.behind_in(namespace)):
+            return
+        owner = resolve_owner(self.kube, pod, namespace)
+        if isinstance(owner, str):
+            return  # not a workload's pod: never evicted
+        key = (namespace, owner.kind, owner.name)
+        lock = self._workload_locks_for(key)
+        if lock.acquire(blocking=False):  # else another thread is aligning this workload now
+            try:
+                self._align_workload(key, owner)
+            finally:
+                lock.release()
 
     def behind_in(self, namespace: str) -> bool:
         """Whether a workload in ``namespace`` had a pod evicted and may have more to go (a pod event
@@ -154,7 +206,7 @@ class PodAlignment:
         with self._lock:
             return any(key[0] == namespace for key in self._evicted_at)
 
-    def _workload_lock(self, key: WorkloadKey) -> threading.Lock:
+    def _workload_locks_for(self, key: WorkloadKey) -> threading.Lock:
         with self._lock:
             return self._workload_locks.setdefault(key, threading.Lock())
 
@@ -170,35 +222,21 @@ class PodAlignment:
         if not any(uninjected(p) for p in pods):
             self._caught_up(set(), namespace)
             return 0
-        groups = self._by_workload(pods)
+        owners = OwnersSeen(self.kube)
+        groups = by_workload(pods, owners)
         self._caught_up({k for k, (_o, members) in groups.items() if any(uninjected(p) for p in members)}, namespace)
         evicted = 0
-        for key, (_owner, members) in sorted(groups.items()):
+        for key, (owner, members) in sorted(groups.items()):
             if not any(uninjected(p) for p in members):
                 continue
-            lock = self._workload_lock(key)
+            lock = self._workload_locks_for(key)
             if not lock.acquire(blocking=False):
                 continue  # another thread is aligning this workload now
             try:
-                evicted += self._align_workload(key)
+                evicted += self._align_workload(key, owner)
             finally:
                 lock.release()
         return evicted
-
-    def _by_workload(self, pods: Sequence[dict[str, Any]]) -> dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]]:
-        """The pods grouped by the workload each belongs to (each controller resolved once through
-        the API); pods of anything else are left out, so never evicted."""
-        by_controller: dict[tuple[str, ControllerRef], list[dict[str, Any]]] = {}
-        for pod in pods:
-            ref = controller_ref(pod)
-            if ref is not None:
-                by_controller.setdefault((str(pod["metadata"].get("namespace")), ref), []).append(pod)
-        groups: dict[WorkloadKey, tuple[Owner, list[dict[str, Any]]]] = {}
-        for (ns, _ref), members in by_controller.items():
-            owner = resolve_owner(self.kube, members[0], ns)
-            if not isinstance(owner, str):
-                groups.setdefault((ns, owner.kind, owner.name), (owner, []))[1].extend(members)
-        return groups
 
     def _caught_up(self, behind: set[WorkloadKey], namespace: str | None) -> None:
         with self._lock:
@@ -207,11 +245,13 @@ class PodAlignment:
                     for table in (self._evicted_at, self._delay, self._next):
                         table.pop(key, None)
 
-    def _align_workload(self, key: WorkloadKey) -> int:
-        """One workload's pass under its lock, from a fresh list: an eviction another pass just made
+    def _align_workload(self, key: WorkloadKey, owner: Owner) -> int:
+        """One workload's pass under its lock, from a fresh read of its pods (those ``owner``'s
+        selector matches whose controller resolves to it now): an eviction another pass just made
         shows as a terminating pod, so no second one follows it."""
         namespace = key[0]
-        group = self._by_workload(self._pods(namespace)).get(key)
+        pods = self._pods(namespace, match_labels_selector(owner.workload))
+        group = by_workload(pods, OwnersSeen(self.kube)).get(key)
         if group is None:
             return 0
         owner, pods = group
