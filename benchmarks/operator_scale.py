@@ -117,6 +117,23 @@ def summarize_writes(writes: list[Any], operator_user: str, n: int) -> dict[str,
     }
 
 
+def _pods_injected(api: Any, wanted: int, t0: float, timeout: float) -> dict[str, Any]:
+    """Wait until the fleet's ``wanted`` pods all run with the injection (pods admitted while the
+    operator was down are caught up by evictions); when that was, and how many were left without it."""
+    from kvoffload import contract as c
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pods = api.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        plain = [p for p in live if p["metadata"].get("labels", {}).get(c.LABEL_INJECTED) != "true"]
+        if (len(live) >= wanted and not plain) or time.monotonic() > deadline:
+            print(f"[scale] {len(live) - len(plain)}/{wanted} pods injected", flush=True)
+            return {"pods_injected_s": time.monotonic() - t0, "pods_left_uninjected": len(plain),
+                    "pods_live": len(live)}  # fmt: skip
+        time.sleep(1.0)
+
+
 def scale_benchmark(
     n: int, replicas: int, kill_halfway: bool, threads: int, quiet_s: float, keep_audit: Path | None = None
 ) -> dict[str, Any]:
@@ -159,6 +176,8 @@ def scale_benchmark(
                 raise TimeoutError(f"only {len(converged.names)}/{n} converged in 1800 s")
             result["converged_s"] = time.monotonic() - t0
             print(f"[scale] all {n} converged after {result['converged_s']:.1f} s", flush=True)
+            if replicas:
+                result.update(_pods_injected(api, n * replicas, t0, timeout=600))
             result["quiet_wait_s"] = _wait_quiet(audit, OPERATOR_USER, quiet_s, timeout=600)
             result.update(summarize_writes(audit.writes(), OPERATOR_USER, n))
             result["operator_reconciles"] = {
