@@ -61,6 +61,18 @@ def pod_l1(pod: dict[str, Any]) -> str | None:
     return next((e["value"] for e in sidecar["env"] if e["name"] == c.ENV_L1_SIZE), None) if sidecar else None
 
 
+def l1_of_pods_as_admitted(events: list[dict[str, Any]], names: list[str]) -> dict[str, list[str | None]]:
+    """Each named workload's pods' L1 size as admitted: the first time the watch saw each pod."""
+    pod_l1s: dict[str, list[str | None]] = {n: [] for n in names}
+    seen: set[str] = set()
+    for event in events:
+        pod = event["object"]
+        if pod["metadata"]["uid"] not in seen and owner_of(pod) in pod_l1s:
+            seen.add(pod["metadata"]["uid"])
+            pod_l1s[owner_of(pod)].append(pod_l1(pod))
+    return pod_l1s
+
+
 def owner_of(pod: dict[str, Any]) -> str:
     """The Deployment a pod belongs to (its ReplicaSet's name less the template hash)."""
     return str(pod["metadata"]["ownerReferences"][0]["name"]).rsplit("-", 1)[0]
@@ -127,13 +139,7 @@ def test_user_writes_during_an_operator_upgrade_never_take_a_workload_back_to_th
         admission_operator.start()
     records = {n: l1_sequence([record_l1(e["object"]) for e in deployments.events()
                                if e["object"]["metadata"]["name"] == n]) for n in names}  # fmt: skip
-    pod_l1s: dict[str, list[str | None]] = {n: [] for n in names}
-    seen: set[str] = set()
-    for event in pods.events():
-        pod = event["object"]
-        if pod["metadata"]["uid"] not in seen and owner_of(pod) in pod_l1s:
-            seen.add(pod["metadata"]["uid"])
-            pod_l1s[owner_of(pod)].append(pod_l1(pod))
+    pod_l1s = l1_of_pods_as_admitted(pods.events(), names)
     extra = {n: after[n] - before[n] - user_writes[n] for n in names}
     patches = audit.counts(OPERATOR_USER, namespace)
     print(f"upgrade with user writes: records {records}, "
@@ -217,13 +223,7 @@ def test_apps_created_opted_in_while_two_operators_overlap_roll_once_with_the_ho
         upgraded.stop()
         service.stop()
         register_webhook_as_the_chart_does(cluster, webhook_port(admission_operator))
-    pod_l1s: dict[str, list[str | None]] = {n: [] for n in names}
-    seen: set[str] = set()
-    for event in pods.events():
-        pod = event["object"]
-        if pod["metadata"]["uid"] not in seen and owner_of(pod) in pod_l1s:
-            seen.add(pod["metadata"]["uid"])
-            pod_l1s[owner_of(pod)].append(pod_l1(pod))  # as admitted: the first time the watch saw it
+    pod_l1s = l1_of_pods_as_admitted(pods.events(), names)
     print(f"apps created during the overlap: revisions {revisions}, replica sets {dict(replica_sets)}, "
           f"records {records}, pods by L1 {({n: dict(Counter(v)) for n, v in pod_l1s.items()})}")  # fmt: skip
     assert revisions == dict.fromkeys(names, 1), revisions
