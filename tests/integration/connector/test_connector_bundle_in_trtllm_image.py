@@ -127,10 +127,15 @@ def test_bundle_stores_and_loads_bit_exact_in_a_trtllm_image(
     image_site = str(trtllm_image.IMAGE_ENV)
     for ours in ("kvoffload.connector", "kvoffload.contract", "lmcache"):
         assert origins[ours].startswith(str(bundle / c.BUNDLE_PYTHON_DIR)), (ours, origins[ours])
-    # The bundle is the connector's distribution and the floor: no operator, no sidecar.
+    # The bundle is the connector's distribution and the floor (common's packages): no operator, no sidecar.
+    floor = {
+        p.name
+        for p in (trtllm_image.REPO_ROOT / "common" / "src" / "kvoffload").iterdir()
+        if (p / "__init__.py").is_file()
+    }
     assert sorted(
         p.name for p in (bundle / c.BUNDLE_PYTHON_DIR / "kvoffload").iterdir() if p.is_dir() and p.name != "__pycache__"
-    ) == ["connector"]
+    ) == sorted({"connector", *floor})
     for missing_from_image in ("cachetools", "numba"):
         assert str(bundle / c.BUNDLE_DEPS_DIR) in origins[missing_from_image], origins[missing_from_image]
     for pinned_by_image in ("torch", "numpy", "zmq", "pydantic", "fastapi", "prometheus_client"):
