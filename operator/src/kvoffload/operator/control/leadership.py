@@ -17,8 +17,9 @@ still there (the collector not done yet) free at once, whatever term its holder 
 
 Every replica serves the admission webhook, and plans there only as the holder does
 (``holders_inputs``): the holder writes what its plans depend on into the Lease
-(``c.ANN_LEASE_PLANNING``, ``admission.acting_replica.planning_inputs``), and a replica that does not
-hold the Lease plans with a running holder's published inputs. Had each replica planned with its
+(``c.ANN_LEASE_PLANNING``, ``admission.acting_replica.planning_inputs``), sealed under a key derived
+from the webhook's serving key (``sealed``), and a replica that does not hold the Lease plans with a
+running holder's published inputs whose seal it checks. Had each replica planned with its
 own (the old one of a ``helm upgrade`` and the new one waiting, with other defaults), a user's
 write answered by one and the other's reconcile would take a workload back and forth, and an app
 created opted in would roll once more for the holder's label.
