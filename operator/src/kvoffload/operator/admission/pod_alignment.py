@@ -189,16 +189,10 @@ class PodAlignment:
         self.report_start_failure(pod)
         if not (uninjected(pod) or self.behind_in(namespace)):
             return
-        owner = resolve_owner(self.kube, pod, namespace)
-        if isinstance(owner, str):
-            return  # not a workload's pod: never evicted
-        key = (namespace, owner.kind, owner.name)
-        lock = self._workload_locks_for(key)
-        if lock.acquire(blocking=False):  # else another thread is aligning this workload now
-            try:
-                self._align_workload(key, owner)
-            finally:
-                lock.release()
+        owners = OwnersSeen(self.kube)  # read now: the pass below reads this workload's owners from it
+        owner = owners.owner(pod, namespace)
+        if not isinstance(owner, str):  # else not a workload's pod: never evicted
+            self._align_if_free((namespace, owner.kind, owner.name), owner, owners)
 
     def behind_in(self, namespace: str) -> bool:
         """Whether a workload in ``namespace`` had a pod evicted and may have more to go (a pod event
@@ -227,16 +221,20 @@ class PodAlignment:
         self._caught_up({k for k, (_o, members) in groups.items() if any(uninjected(p) for p in members)}, namespace)
         evicted = 0
         for key, (owner, members) in sorted(groups.items()):
-            if not any(uninjected(p) for p in members):
-                continue
-            lock = self._workload_locks_for(key)
-            if not lock.acquire(blocking=False):
-                continue  # another thread is aligning this workload now
-            try:
-                evicted += self._align_workload(key, owner)
-            finally:
-                lock.release()
+            if any(uninjected(p) for p in members):
+                # Its owners read again, fresh, just before deciding (this pass's may be seconds old).
+                evicted += self._align_if_free(key, owner, OwnersSeen(self.kube))
         return evicted
+
+    def _align_if_free(self, key: WorkloadKey, owner: Owner, owners: OwnersSeen) -> int:
+        """``_align_workload`` under the workload's lock; 0 when another thread is aligning it now."""
+        lock = self._workload_locks_for(key)
+        if not lock.acquire(blocking=False):
+            return 0
+        try:
+            return self._align_workload(key, owner, owners)
+        finally:
+            lock.release()
 
     def _caught_up(self, behind: set[WorkloadKey], namespace: str | None) -> None:
         with self._lock:
@@ -245,13 +243,13 @@ class PodAlignment:
                     for table in (self._evicted_at, self._delay, self._next):
                         table.pop(key, None)
 
-    def _align_workload(self, key: WorkloadKey, owner: Owner) -> int:
+    def _align_workload(self, key: WorkloadKey, owner: Owner, owners: OwnersSeen) -> int:
         """One workload's pass under its lock, from a fresh read of its pods (those ``owner``'s
-        selector matches whose controller resolves to it now): an eviction another pass just made
-        shows as a terminating pod, so no second one follows it."""
+        selector matches whose controller ``owners``, just read, resolves to it): an eviction another
+        pass just made shows as a terminating pod, so no second one follows it."""
         namespace = key[0]
         pods = self._pods(namespace, match_labels_selector(owner.workload))
-        group = by_workload(pods, OwnersSeen(self.kube)).get(key)
+        group = by_workload(pods, owners).get(key)
         if group is None:
             return 0
         owner, pods = group
