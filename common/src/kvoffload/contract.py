@@ -325,8 +325,9 @@ OPERATOR_LEASE_NAME: Final = "kvoffload-operator"
 """The coordination.k8s.io Lease the acting operator holds (in its own namespace)."""
 ANN_LEASE_PLANNING: Final = "kvoffload.io/planning"
 """On that Lease, written by its holder: what its admission plans depend on besides the API
-(version, defaults, cluster facts) as JSON. A replica not holding the Lease plans at admission with
-these inputs, and only while the holder runs its own operator version."""
+(version, defaults, cluster facts) as JSON, sealed with an HMAC under a key derived from the
+webhook's serving key. A replica not holding the Lease plans at admission with these inputs, only
+when their seal checks and the holder runs its own operator version."""
 
 # --- Injection at pod admission (the operator's mutating webhook) ------------
 LABEL_INJECT: Final = "kvoffload.io/inject"

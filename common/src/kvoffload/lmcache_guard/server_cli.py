@@ -1,4 +1,5 @@
-"""LMCache's own server command line, run in this process (warm, behind the restricted unpickler)."""
+"""LMCache's own server: its command line, run in this process (warm, behind the restricted
+unpickler), and the decorator its server modules register request handlers with."""
 
 from __future__ import annotations
 
