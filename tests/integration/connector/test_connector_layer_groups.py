@@ -184,6 +184,20 @@ def test_a_vswa_load_secured_before_a_server_kill_arrives_bit_exact(
     assert loaded.output_tokens == first.output_tokens and ex.kv_mismatches == 0
 
 
+def the_prompt_again_loads_what_the_cancelled_request_stored(
+    ex: Any, cancelled: Any, executor_factory: Any, url: str, clean_model: str
+) -> None:
+    """``PROMPT`` run again on ``ex`` after ``cancelled`` (cancelled after its first prefill chunk)
+    loads the chunk it stored and computes the rest: the outputs of a clean engine, bit-exact, and
+    nothing of either request still tracked."""
+    later = ex.run([PromptRequest(2, PROMPT, 2)])[0]
+    clean = vswa(executor_factory, clean_model, url, GPT_OSS)
+    expected = clean.run([PromptRequest(3, PROMPT, 2)])[0]
+    assert cancelled.cancelled and not later.failed
+    assert later.connector_matched_tokens == 2 * CHUNK and later.output_tokens == expected.output_tokens
+    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+
+
 def test_a_request_cancelled_mid_prefill_leaves_no_wrong_vswa_chunk_behind(
     lmcache_server: LMCacheServer, executor_factory: Any
 ) -> None:
@@ -192,12 +206,9 @@ def test_a_request_cancelled_mid_prefill_leaves_no_wrong_vswa_chunk_behind(
     ex = vswa(executor_factory, "vswa-cancel-model", lmcache_server.url, GPT_OSS, context_chunk_size=2 * CHUNK)
     cancelled = ex.run([PromptRequest(1, PROMPT, 2, cancel_after=1)])[0]
     ex.evict_device_cache()
-    later = ex.run([PromptRequest(2, PROMPT, 2)])[0]
-    clean = vswa(executor_factory, "vswa-cancel-clean-model", lmcache_server.url, GPT_OSS)
-    expected = clean.run([PromptRequest(3, PROMPT, 2)])[0]
-    assert cancelled.cancelled and not later.failed
-    assert later.connector_matched_tokens == 2 * CHUNK and later.output_tokens == expected.output_tokens
-    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+    the_prompt_again_loads_what_the_cancelled_request_stored(
+        ex, cancelled, executor_factory, lmcache_server.url, "vswa-cancel-clean-model"
+    )
 
 
 def test_two_attention_dp_ranks_load_each_others_vswa_chunks(
@@ -234,9 +245,6 @@ def test_an_idle_attention_dp_ranks_dummy_takes_a_page_in_every_layer_group_and_
     assert ex.scheduler.tracked_request_ids == frozenset()
     ex.evict_device_cache()
     assert settle_commits()
-    later = ex.run([PromptRequest(2, PROMPT, 2)])[0]
-    clean = vswa(executor_factory, "vswa-adp-idle-clean-model", lmcache_server.url, GPT_OSS)
-    expected = clean.run([PromptRequest(3, PROMPT, 2)])[0]
-    assert cancelled.cancelled and not later.failed
-    assert later.connector_matched_tokens == 2 * CHUNK and later.output_tokens == expected.output_tokens
-    assert ex.kv_mismatches == 0 and ex.scheduler.tracked_request_ids == frozenset()
+    the_prompt_again_loads_what_the_cancelled_request_stored(
+        ex, cancelled, executor_factory, lmcache_server.url, "vswa-adp-idle-clean-model"
+    )
