@@ -66,6 +66,26 @@ def test_scattering_every_span_writes_exactly_what_a_whole_block_load_writes(
     assert torch.equal(whole.view(torch.int16), by_layer.view(torch.int16))
 
 
+@pytest.mark.parametrize("contiguous_slots", [True, False])
+def test_runs_that_continue_each_other_in_the_slots_and_the_pool_are_one_copy_call_per_span(
+    contiguous_slots: bool,
+) -> None:
+    """Issuing cost is per call (host time before the forward pass is queued): chunks whose slots lie one
+    after the other, loaded into consecutive blocks, are one run; slots apart are one run each."""
+    bpc, layers, width, chunks = 4, 3, 8, 3
+    backing = _pool(chunks * (bpc + 1), layers, width)
+    slots = [backing[i * bpc + (0 if contiguous_slots else i) :][:bpc] for i in range(chunks)]  # views
+    pool = _pool(16, layers, width)
+    whole = pool.clone()
+    ids = list(range(2, 2 + chunks * bpc))
+    scatter_chunks(whole, ids, slots, 1, bpc)
+    runs = PoolRows.of(pool).runs(ids, slots, 1, bpc)
+    assert len(runs.runs) == (1 if contiguous_slots else chunks)
+    for span in layer_spans(layers, len(runs.runs), 2):
+        runs.copy_span(span)
+    assert torch.equal(whole.view(torch.int16), pool.view(torch.int16))
+
+
 def test_one_span_writes_its_layers_only() -> None:
     pool, chunk = _pool(4, 3, 8), _pool(4, 3, 8)
     before = pool.clone()

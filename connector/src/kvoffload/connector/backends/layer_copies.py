@@ -6,6 +6,11 @@ layers ``[first, end)`` of a run of consecutive blocks are rows of ``(end - firs
 bytes, one per block, ``block_bytes`` apart in the pool and in the chunk slot alike: one 2-D copy
 (``cudaMemcpy2DAsync``) per span and run. Spans are as many as keep the copy calls per load within
 ``MAX_COPY_CALLS`` (the host issues every call; a span of all layers is the whole-block copy).
+
+The runs are worked out once per load (``RowRuns``: addresses, a block apart on both sides, and
+runs whose slots and blocks both continue each other merged), and each span's calls are issued
+from those addresses alone. Issued through tensor views, each call cost about 57 us of host time
+(an H100, 2,048 calls for 16k tokens: 116 ms, all of it before the forward pass could be queued).
 """
 
 from __future__ import annotations
@@ -70,20 +75,19 @@ def rows_copy_available(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and _cudart() is not None)
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dst``: byte tensors of the same ``[rows, width]`` shape, each row contiguous,
-    rows ``stride(0)`` bytes apart; on a GPU one asynchronous 2-D copy on the current stream."""
-    if not (dst.is_cuda or src.is_cuda):
-        dst.copy_(src)
+def copy_rows_at(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: int | None
+                 ) -> None:  # fmt: skip
+    """Copy ``rows`` rows of ``width`` bytes from address ``src`` to ``dst``, rows ``src_pitch`` and
+    ``dst_pitch`` bytes apart: one asynchronous 2-D copy on CUDA stream ``stream``, or (None: both
+    sides in host memory) a copy per row now."""
+    if stream is None:
+        for row in range(rows):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
         return
     lib = _cudart()
     if lib is None:
         raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
-    rows, width = dst.shape
-    status = lib.cudaMemcpy2DAsync(
-        ctypes.c_void_p(dst.data_ptr()), dst.stride(0), ctypes.c_void_p(src.data_ptr()), src.stride(0),
-        width, rows, _CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-    )  # fmt: skip
+    status = lib.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, _CUDA_MEMCPY_DEFAULT, stream)
     if status != 0:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
 
@@ -105,6 +109,28 @@ class PoolRows:
     def num_layers(self) -> int:
         return int(self.blocks.shape[1])
 
+    def runs(
+        self, block_ids: Sequence[int], chunks: Sequence[torch.Tensor], skip_blocks: int, blocks_per_chunk: int
+    ) -> RowRuns:
+        """The runs of a load of ``chunks`` (consecutive, from the first) into ``block_ids``, leaving
+        the first ``skip_blocks`` untouched: what ``blockcopy.scatter_chunks`` writes, as addresses."""
+        num_layers, layer_bytes = int(self.blocks.shape[1]), int(self.blocks.shape[2])
+        block_bytes = num_layers * layer_bytes
+        pool, pitch = self.blocks.data_ptr(), int(self.blocks.stride(0))
+        runs: list[list[int]] = []  # [pool address, slot address, blocks]
+        for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
+            slot = slot_blocks(chunks[i], blocks_per_chunk, block_bytes)
+            base = slot.data_ptr()
+            for pos, first, n in block_runs(block_ids[start:end]):
+                dst, src = pool + first * pitch, base + (first_kept + pos) * block_bytes
+                last = runs[-1] if runs else None
+                if last and last[0] + last[2] * pitch == dst and last[1] + last[2] * block_bytes == src:
+                    last[2] += n  # this run continues the last on both sides: one copy
+                else:
+                    runs.append([dst, src, n])
+        stream = torch.cuda.current_stream(self.blocks.device).cuda_stream if self.blocks.is_cuda else None
+        return RowRuns(tuple((d, s, n) for d, s, n in runs), pitch, block_bytes, layer_bytes, stream)
+
     def scatter_span(
         self,
         block_ids: Sequence[int],
@@ -113,17 +139,28 @@ class PoolRows:
         blocks_per_chunk: int,
         span: tuple[int, int],
     ) -> None:
-        """Layers ``span`` of ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the
-        first ``skip_blocks`` untouched: what ``blockcopy.scatter_chunks`` writes, for these layers."""
+        """Layers ``span`` of ``chunks`` into ``block_ids`` (``runs``, then ``RowRuns.copy_span``)."""
+        self.runs(block_ids, chunks, skip_blocks, blocks_per_chunk).copy_span(span)
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """A load's runs of blocks as addresses: ``(pool address, slot address, blocks)``, blocks
+    ``pool_pitch`` bytes apart in the pool and ``slot_pitch`` in the slot."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    pool_pitch: int
+    slot_pitch: int
+    layer_bytes: int
+    stream: int | None
+    """The CUDA stream the copies go on (the current one when the runs were worked out); None: host."""
+
+    def copy_span(self, span: tuple[int, int]) -> None:
+        """Issue layers ``span`` of every run: one copy call per run."""
         first_layer, end_layer = span
-        num_layers, layer_bytes = self.blocks.shape[1], self.blocks.shape[2]
-        for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
-            slot = slot_blocks(chunks[i], blocks_per_chunk, num_layers * layer_bytes)
-            slot_rows = slot.view(blocks_per_chunk, num_layers, layer_bytes)
-            for pos, first, n in block_runs(block_ids[start:end]):
-                at = first_kept + pos
-                dst = self.blocks[first : first + n, first_layer:end_layer].flatten(1)
-                copy_rows(dst, slot_rows[at : at + n, first_layer:end_layer].flatten(1))
+        offset, width = first_layer * self.layer_bytes, (end_layer - first_layer) * self.layer_bytes
+        for dst, src, rows in self.runs:
+            copy_rows_at(dst + offset, self.pool_pitch, src + offset, self.slot_pitch, width, rows, self.stream)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kvoffload.connector.backends.layer_copies import (
     CopyTimer,
     LayerwiseLoad,
     PoolRows,
+    RowRuns,
     layer_spans,
     rows_copy_available,
     runs_of_load,
@@ -163,13 +164,20 @@ class PoolTransfers:
         marks = []
         with self.load_copies.after_caller():
             timer = CopyTimer(self.pool.device)
+            planned: list[RowRuns | None] = []
+            for i, op in enumerate(ops):
+                try:
+                    planned.append(None if errors[i] else rows.runs(op.block_ids, views[i], op.skip_tokens // tpb, bpc))
+                except ValueError as exc:
+                    errors[i] = self._retrieve_error(exc)
+                    planned.append(None)
             for span in spans:
-                for i, op in enumerate(ops):
-                    if errors[i] is not None:
+                for i, op_runs in enumerate(planned):
+                    if errors[i] is not None or op_runs is None:
                         continue
                     try:
-                        rows.scatter_span(op.block_ids, views[i], op.skip_tokens // tpb, bpc, span)
-                    except (ValueError, RuntimeError) as exc:
+                        op_runs.copy_span(span)
+                    except RuntimeError as exc:
                         errors[i] = self._retrieve_error(exc)
                 marks.append(self.load_copies.mark())
             timer.stop()
