@@ -129,6 +129,8 @@ class OperatorProcess:
     """Where its leader-election Lease lives; the identity is this object's workdir (a pod's name)."""
     overlap_allowed: bool = False
     """Start even while another operator runs (as a RollingUpdate does); leader election keeps one acting."""
+    version: str | None = None
+    """Run as this operator version (another image of an upgrade), not the checkout's."""
 
     @property
     def log_path(self) -> Path:
@@ -143,14 +145,19 @@ class OperatorProcess:
             _STARTED.append(self)
         self.starts += 1
         self.metrics_port, self.health_port = free_port(), free_port()
+        launch = ["-m", "kvoffload.operator"]
+        if self.version is not None:  # the package's version set before any module reads it
+            launch = ["-c", f"import runpy, kvoffload.operator as o; o.__version__ = {self.version!r}; "
+                            "runpy.run_module('kvoffload.operator', run_name='__main__', alter_sys=True)"]  # fmt: skip
         argv = [
-            sys.executable, "-m", "kvoffload.operator",
+            sys.executable, *launch,
             "--kubeconfig", str(self.kubeconfig),
             "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
             *DEFAULTS_FLAGS, "--resync-seconds", "0", "--log-level", "info",
             "--leader-election-namespace", self.lease_namespace, *self.extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "POD_NAME": f"operator-{self.workdir.name}"}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "POD_NAME": f"operator-{self.workdir.name}",
+               "POD_IP": "127.0.0.1"}  # fmt: skip
         env.pop("KUBERNETES_SERVICE_HOST", None)
         log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)

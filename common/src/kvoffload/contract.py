@@ -328,6 +328,13 @@ ANN_LEASE_PLANNING: Final = "kvoffload.io/planning"
 (version, defaults, cluster facts) as JSON, sealed with an HMAC under a key derived from the
 webhook's serving key. A replica not holding the Lease plans at admission with these inputs, only
 when their seal checks and the holder runs its own operator version."""
+ANN_LEASE_WEBHOOK: Final = "kvoffload.io/webhook"
+"""On that Lease, written by its holder beside its planning inputs: where its webhook listens
+(``<pod IP>:<port>``), sealed as they are. A replica that cannot plan with the holder's inputs (another
+operator version, during an upgrade) forwards the reviews it gets there, so the holder answers them."""
+HEADER_FORWARDED_REVIEW: Final = "X-Kvoffload-Forwarded"
+"""On a review one replica forwards to the Lease's holder: the receiver answers it itself, never
+forwarding it again."""
 
 # --- Injection at pod admission (the operator's mutating webhook) ------------
 LABEL_INJECT: Final = "kvoffload.io/inject"

@@ -210,7 +210,8 @@ def test_the_webhook_port_takes_only_the_allowed_peers_and_the_operators_other_p
     assert netpol["spec"]["policyTypes"] == ["Ingress"]
     webhook, others = netpol["spec"]["ingress"]
     assert webhook["ports"] == [{"port": 8443, "protocol": "TCP"}]
-    assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}]
+    operators = {"podSelector": {"matchLabels": netpol["spec"]["podSelector"]["matchLabels"]}}
+    assert webhook["from"] == [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}, operators]
     assert others == {"ports": [{"port": 8080, "protocol": "TCP"}, {"port": 8081, "protocol": "TCP"}]}
     declared = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
     assert declared == {8443, 8080, 8081}, "every port the operator listens on is named by the policy"
@@ -220,12 +221,13 @@ def test_the_webhook_port_takes_only_the_allowed_peers_and_the_operators_other_p
     assert pods_out["spec"]["ingress"][0]["from"] == [
         {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["10.244.0.0/16"]}},
         {"ipBlock": {"cidr": "::/0", "except": ["fd00:10:244::/56"]}},
+        operators,  # the replicas reach each other: reviews forwarded to the Lease holder
     ]
     control_plane = _operator_network_policy(
         render("injection.networkPolicy.webhookFrom[0].ipBlock.cidr=172.16.0.0/28")
     )
     assert control_plane is not None
-    assert control_plane["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "172.16.0.0/28"}}]
+    assert control_plane["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "172.16.0.0/28"}}, operators]
     assert _operator_network_policy(render("injection.networkPolicy.enabled=false")) is None
     assert _operator_network_policy(render("injection.mode=template")) is None
 

@@ -8,7 +8,9 @@ user's write answered by the new one took a workload to its settings, the old on
 took it back. A hot standby of the same release still plans as the holder would.
 
 Apps created opted in during that overlap (a GitOps tool syncing while the upgrade runs) roll once,
-with the holder's settings, whichever replica answers their CREATE and their pods' reviews."""
+with the holder's settings, whichever replica answers their CREATE and their pods' reviews: a new
+replica of the same operator version plans with the holder's published inputs, one of another version
+(a new image) forwards the reviews to the holder's webhook."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from hack.localcluster import LocalCluster
 from hack.ports import free_port
 from hack.workloads import get, list_objects, wait_for
 from kvoffload import contract as c
+from kvoffload.operator import __version__
 from kvoffload.operator.plan.injection_record import InjectionRecord
 from kvoffload.quantity import format_bytes
 from tests.integration.operator.test_operator_admission import revision, settled
@@ -181,19 +184,22 @@ def test_a_new_opted_in_app_answered_by_a_hot_standby_of_the_same_release_rolls_
     assert revisions == dict.fromkeys(names, 1), revisions
 
 
+@pytest.mark.parametrize("new_version", [None, "0.2.0"], ids=["same-version", "new-image"])
 def test_apps_created_opted_in_while_two_operators_overlap_roll_once_with_the_holders_settings(
-    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path
-) -> None:
-    """The old operator holds the Lease, the new one (other defaults) waits; both answer reviews.
-    Apps created while only the new one's webhook is reached (the old pod's endpoint not ready for
-    a moment), then while the Service spreads reviews over both: each gets its first template from
-    its CREATE, one ReplicaSet, revision 1, and every pod it ever runs is injected with the old
-    (holding) operator's settings, the same the record it ends with names."""
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path,
+    new_version: str | None,
+) -> None:  # fmt: skip
+    """The old operator holds the Lease, the new one (other defaults; the same operator version, or
+    another: a new image) waits; both answer reviews. Apps created while only the new one's webhook
+    is reached (the old pod's endpoint not ready for a moment), then while the Service spreads
+    reviews over both: each gets its first template from its CREATE, one ReplicaSet, revision 1, and
+    every pod it ever runs is injected with the old (holding) operator's settings, the same the
+    record it ends with names."""
     service = RoundRobinService([webhook_port(admission_operator)]).start()
     register_webhook_as_the_chart_does(cluster, service.port)
     (tmp_path / "upgraded").mkdir()
     upgraded = OperatorProcess(kubeconfig=admission_operator.kubeconfig, workdir=tmp_path / "upgraded",
-                               overlap_allowed=True,
+                               overlap_allowed=True, version=new_version,
                                extra_args=[*admission_args(free_port()), "--default-l1-size", NEW_L1])  # fmt: skip
     only_new, both = [f"early-{i}" for i in range(2)], [f"spread-{i}" for i in range(4)]
     names = [*only_new, *both]
@@ -231,3 +237,8 @@ def test_apps_created_opted_in_while_two_operators_overlap_roll_once_with_the_ho
     assert records == dict.fromkeys(names, OLD_L1), records
     otherwise = {n: dict(Counter(v)) for n, v in pod_l1s.items() if set(v) != {OLD_L1}}
     assert not otherwise, f"pods admitted without the holder's injection: {otherwise}"
+    new_log = upgraded.log_path.read_text()
+    assert f"starting version={new_version or __version__} " in new_log
+    forwarded = new_log.count("answered by the Lease's holder")
+    assert forwarded >= (len(only_new) if new_version else 0), f"{forwarded} reviews forwarded to the holder"
+    assert new_version or not forwarded, "a replica of the holder's version plans itself, it forwards nothing"

@@ -16,6 +16,7 @@ from hack.workloads import trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.admission.acting_replica import (
     NOT_ACTING,
+    forwarding_address,
     plan_as_holder,
     planning_inputs,
     read_planning_inputs,
@@ -120,3 +121,13 @@ def test_published_inputs_read_back_as_they_were_and_name_the_version() -> None:
     assert read_planning_inputs(planning_inputs(defaults, CLUSTER)) == (defaults, CLUSTER)
     assert planning_inputs(defaults, CLUSTER) == planning_inputs(defaults, copy.deepcopy(CLUSTER))
     assert planning_inputs(defaults, CLUSTER) != published(5), "a helm upgrade changing a default"
+
+
+def test_a_replica_of_another_version_forwards_to_the_holders_webhook_and_one_of_its_version_plans_itself() -> None:
+    other_version = published(4, dataclasses.replace(CLUSTER, operator_version="0.0.1"))
+    assert forwarding_address(other_version, "10.0.0.7:8443", OWN) == "10.0.0.7:8443"
+    assert forwarding_address("a digest of an earlier release", "10.0.0.7:8443", OWN) == "10.0.0.7:8443"
+    assert forwarding_address(published(5), "10.0.0.7:8443", OWN) is None, "same version: plans with them"
+    assert forwarding_address(OWN, "10.0.0.7:8443", OWN) is None, "a standby of the holder's release"
+    assert forwarding_address(other_version, None, OWN) is None, "no address published"
+    assert forwarding_address(None, "10.0.0.7:8443", OWN) is None, "nobody holds the Lease"

@@ -115,6 +115,8 @@ def test_any_json_in_any_field_is_either_a_pod_review_or_a_reason(value: Any) ->
     [
         (b"POST /mutate-pods HTTP/1.1\r\nHost: x\r\nContent-Length: 42", RequestHead("POST", "/mutate-pods", 42)),
         (b"GET /readyz HTTP/1.1\r\nHost: x", RequestHead("GET", "/readyz", 0)),
+        (b"POST /mutate-workloads HTTP/1.1\r\nContent-Length: 9\r\nx-kvoffload-forwarded: 1",
+         RequestHead("POST", "/mutate-workloads", 9, forwarded=True)),
         (b"POST /mutate-pods?timeout=5s HTTP/1.1\r\ncontent-length:  7 ", RequestHead("POST", "/mutate-pods?timeout=5s", 7)),
         (b"POST /mutate-pods HTTP/1.1\r\nHost: x", 411),
         (b"POST /mutate-pods HTTP/1.1\r\nTransfer-Encoding: chunked", 411),

@@ -19,8 +19,11 @@ from kvoffload.operator.api.operator_deployment import OperatorDeployment, earli
 from kvoffload.operator.control.leadership import (
     LEASE_DURATION_S,
     MICROTIME,
+    WEBHOOK_SEAL_PREFIX,
     Leadership,
+    Publication,
     holders_inputs,
+    holders_publication,
     keep_renewing,
     lease_body,
     lease_state,
@@ -266,3 +269,37 @@ def test_every_replica_plans_with_the_holders_inputs_and_with_the_next_holders_o
     assert leader.holders_inputs() is None and standby.holders_inputs() is None, "released: nobody plans until taken"
     assert upgraded.acquire(threading.Event()) and upgraded.holders_inputs() == "v2"
     assert standby.holders_inputs() == "v2" and leader.holders_inputs() == "v2"
+
+
+def test_the_holder_publishes_its_webhooks_address_sealed_and_a_planning_seal_never_reads_as_one() -> None:
+    """A replica of another version forwards reviews to the address the holder published: only one
+    sealed as an address under the install's key is read; the uninstall hook's seizure takes it away."""
+    address = sealed(WEBHOOK_SEAL_PREFIX + "10.0.0.7:8443", KEY)
+    held = lease_body("kvoffload-operator", "ns", "leader", NOW - datetime.timedelta(seconds=3), None,
+                      planning=THEIRS, webhook=address)  # fmt: skip
+    assert holders_publication(held, "me", NOW, KEY) == Publication("theirs", "10.0.0.7:8443")
+    assert holders_publication(held, "leader", NOW, KEY) == Publication(), "its own Lease: nothing to forward to"
+    for forged in (
+        "10.0.0.7:8443",
+        sealed("10.6.6.6:8443", KEY),
+        THEIRS,
+        sealed(WEBHOOK_SEAL_PREFIX + "10.6.6.6:8443", planning_seal_key(b"another install's key")),
+    ):
+        lease = copy.deepcopy(held)
+        lease["metadata"]["annotations"][c.ANN_LEASE_WEBHOOK] = forged
+        assert holders_publication(lease, "me", NOW, KEY).webhook is None, forged
+    seized = lease_body("kvoffload-operator", "ns", "kvoffload-uninstall", NOW, held, 120)
+    assert not set(seized["metadata"].get("annotations") or {}) & {c.ANN_LEASE_PLANNING, c.ANN_LEASE_WEBHOOK}
+
+
+def test_a_holder_publishes_where_its_webhook_listens_and_the_others_read_it_while_it_holds() -> None:
+    store = LeaseStore()
+    leader = Leadership(store, "ns", "kvoffload-operator", "leader", planning="v1", seal_key=KEY,  # type: ignore[arg-type]
+                        webhook_address="10.0.0.7:8443")  # fmt: skip
+    upgraded = Leadership(store, "ns", "kvoffload-operator", "upgraded", planning="v2", seal_key=KEY)  # type: ignore[arg-type]
+    assert upgraded.others_publication() == Publication()
+    assert leader.acquire(threading.Event())
+    assert upgraded.others_publication() == Publication("v1", "10.0.0.7:8443")
+    assert leader.others_publication() == Publication(), "the holder forwards nothing"
+    leader.release()
+    assert upgraded.others_publication() == Publication()

@@ -199,3 +199,16 @@ def test_two_listeners_on_one_port_stop_the_operator_with_one_line_before_any_re
     with pytest.raises(SystemExit) as stopped:
         main([*flags, "--kubeconfig", "/nonexistent/kubeconfig"])
     assert str(stopped.value) == f"kvoffload-operator: {message}: each needs a port of its own"
+
+
+def test_an_advertised_webhook_host_that_is_not_an_ip_stops_the_operator_with_one_line_before_any_request() -> None:
+    from kvoffload.operator.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--injection", "admission", "--webhook-url", "https://127.0.0.1:8443/mutate-pods",
+              "--leader-election-namespace", "kvoffload-system", "--webhook-advertise-host", "operator-pod",
+              "--kubeconfig", "/nonexistent/kubeconfig"])  # fmt: skip
+    assert (
+        str(stopped.value)
+        == "kvoffload-operator: --webhook-advertise-host (or POD_IP) 'operator-pod' is not an IP address"
+    )

@@ -7,6 +7,7 @@ run of the operator (``run_loop``).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import socket
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--webhook-client-ca", "KVOFFLOAD_WEBHOOK_CLIENT_CA", "",
         "admission mode: a PEM CA file; reviews are answered only for callers with a client certificate it "
         "signed (the apiserver's, from its AdmissionConfiguration kubeConfigFile); empty: any caller")  # fmt: skip
+    add("--webhook-advertise-host", "POD_IP", "",
+        "admission mode: this replica's address (the chart passes the pod's IP), published in the Lease while "
+        "it holds it so that a replica of another version forwards reviews to it during an upgrade; empty: "
+        "not published")  # fmt: skip
     add("--events", "KVOFFLOAD_EVENTS", c.EVENTS_WARNINGS,
         "Events on workloads: warnings (what needs attention) or all (also KvoffloadInjected and "
         "KvoffloadRemoved, one more write per injected workload)")  # fmt: skip
@@ -150,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.events not in c.EVENT_LEVELS:
         raise SystemExit(f"{PROG}: --events {args.events!r}: allowed " + ", ".join(c.EVENT_LEVELS))
     _check_listener_ports(args)
+    _advertised_host(args.webhook_advertise_host)
     kubeconfig = args.kubeconfig or None
     if kubeconfig:
         os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
@@ -256,7 +262,16 @@ def _webhook(args: argparse.Namespace) -> WebhookSettings:
         service, namespace = args.webhook_service, args.leader_election_namespace
         hosts = (f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local")
     return WebhookSettings(namespace=args.leader_election_namespace, hosts=hosts, port=int(args.webhook_port),
-                           read_client_ca=lambda: _client_ca(args.webhook_client_ca))  # fmt: skip
+                           read_client_ca=lambda: _client_ca(args.webhook_client_ca),
+                           advertise_host=_advertised_host(args.webhook_advertise_host))  # fmt: skip
+
+
+def _advertised_host(value: str) -> str:
+    """``--webhook-advertise-host`` as an IP address ("" when unset)."""
+    try:
+        return str(ipaddress.ip_address(value)) if value else ""
+    except ValueError:
+        raise SystemExit(f"{PROG}: --webhook-advertise-host (or POD_IP) {value[:60]!r} is not an IP address") from None
 
 
 def _client_ca(path: str) -> bytes | None:

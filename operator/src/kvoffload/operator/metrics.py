@@ -14,7 +14,7 @@ from kvoffload.httpreply import BoundedHTTPServer, send_reply
 RESULTS = ("applied", "unchanged", "removed", "skipped", "error", "conflict")
 """``result`` label of the reconcile counter."""
 KINDS = ("Deployment", "StatefulSet")
-ADMISSION_RESULTS = ("injected", "ignored", "not_injected", "error", "refused")
+ADMISSION_RESULTS = ("injected", "ignored", "not_injected", "error", "refused", "forwarded")
 ERROR_REASONS = (
     "invalid_settings", "policy_missing", "ambiguous_container", "unsupported", "conflict",
     "options_missing", "invalid_options", "api_error", "internal",
@@ -49,7 +49,7 @@ class OperatorMetrics:
         )  # fmt: skip
         self.admissions = Counter(
             c.M_OPERATOR_ADMISSIONS, "Reviews the injection webhook answered, by result (injected, ignored, "
-            "not_injected, error, refused: not a pod CREATE in admission.k8s.io/v1).", ["result"],
+            "not_injected, error, refused: not a pod CREATE in admission.k8s.io/v1; forwarded: answered by the Lease's holder).", ["result"],
             registry=self.registry,
         )  # fmt: skip
         self.evictions = Counter(

@@ -17,9 +17,10 @@ import kopf
 
 from kvoffload import contract as c
 from kvoffload.operator import __version__
-from kvoffload.operator.admission.acting_replica import plan_as_holder
+from kvoffload.operator.admission.acting_replica import forwarding_address, plan_as_holder
 from kvoffload.operator.admission.new_workloads import Planner, planner
 from kvoffload.operator.admission.pod_alignment import PodAlignment
+from kvoffload.operator.admission.review_forwarding import Forwarding, client_context, webhook_address
 from kvoffload.operator.admission.webhook import WebhookServer
 from kvoffload.operator.admission.webhook_tls import (
     ReviewScope,
@@ -51,6 +52,8 @@ class WebhookSettings:
     read_client_ca: Callable[[], bytes | None]
     """The CA whose signed client certificates alone get answers (None: any caller); read once the
     TLS Secret is in place, as the operator always did (an unreadable file stops it there)."""
+    advertise_host: str = ""
+    """This replica's IP, published in the Lease with the port while it holds it (empty: none)."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,18 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
         handlers.register_admission_handlers()
         tls = ensure_tls(kube, run.webhook.namespace, c.WEBHOOK_TLS_SECRET, list(run.webhook.hosts), owner=owner)
         plan = planner(kube, run.defaults, reconciler.cluster)
-        if leadership is not None:  # every replica plans as the Lease's holder does, or not at all
-            leadership = dataclasses.replace(leadership, seal_key=planning_seal_key(tls.key_pem))
+        forwarding = None
+        if leadership is not None:  # every replica plans as the Lease's holder does, or has the holder answer
+            address = (
+                webhook_address(run.webhook.advertise_host, run.webhook.port) if run.webhook.advertise_host else ""
+            )
+            leadership = dataclasses.replace(
+                leadership, seal_key=planning_seal_key(tls.key_pem), webhook_address=address
+            )
             plan = plan_as_holder(plan, leadership.planning, lambda defaults, cluster: planner(kube, defaults, cluster),
                                   leadership.holders_inputs)  # fmt: skip
-        _serve_webhook(kube, metrics, run.namespaces, run.webhook, tls, plan)  # on every replica, the standby too
+            forwarding = Forwarding(_holders_address(leadership), client_context(tls.ca_pem), run.webhook.hosts[0])
+        _serve_webhook(kube, metrics, run.namespaces, run.webhook, tls, plan, forwarding)  # every replica
     kubeconfig = run.kubeconfig
 
     @kopf.on.login()
@@ -132,14 +142,24 @@ def run_operator(kube: Kube, run: RunSettings, leadership: Leadership | None, ow
     return 1 if leadership is not None and leadership.lost else 0
 
 
+def _holders_address(leadership: Leadership) -> Callable[[], str | None]:
+    """Where this replica forwards a review now (``forwarding_address`` of the Lease read now)."""
+
+    def address() -> str | None:
+        published = leadership.others_publication()
+        return forwarding_address(published.planning, published.webhook, leadership.planning)
+
+    return address
+
+
 def _serve_webhook(kube: Kube, metrics: OperatorMetrics, namespaces: tuple[str, ...], webhook: WebhookSettings,
-                   tls: TlsMaterial, plan: Planner) -> WebhookServer:  # fmt: skip
+                   tls: TlsMaterial, plan: Planner, forwarding: Forwarding | None) -> WebhookServer:  # fmt: skip
     """Start the webhook's HTTPS server with ``tls``, then put its CA into the chart's registration (the
     registration itself, rules and client config, is the chart's: ``webhook_configuration``).
     Raises ``WebhookRegistrationMissing`` (the server stopped) when the chart's registration is not there."""
     scope = ReviewScope.of_registration(webhook.namespace, namespaces)
     server = WebhookServer(kube, metrics, tls, webhook.port, plan=plan, scope=scope,
-                           client_ca_pem=webhook.read_client_ca())  # fmt: skip
+                           client_ca_pem=webhook.read_client_ca(), forwarding=forwarding)  # fmt: skip
     server.start()
     try:
         patch_ca_bundle(kube, c.WEBHOOK_CONFIGURATION_NAME, tls.ca_pem)

@@ -11,10 +11,12 @@ it a second time. So the holder publishes its planning inputs (its defaults and 
 CREATE gets the holder's label, its first pods the holder's injection, an UPDATE the holder's record.
 
 A replica plans only with inputs its own code reads as the holder's code does: the same operator
-version. Otherwise (the new image of an upgrade waiting for the Lease), and while nobody holds the
-Lease, it makes no plan: an UPDATE keeps kvoffload's record and label as stored, a CREATE is admitted
-as written (the holder's label then rolls it once more), a pod is injected from its workload's
-record; the acting operator decides the rest.
+version. Otherwise (the new image of an upgrade waiting for the Lease) it forwards the review to the
+holder's webhook (``forwarding_address``, ``review_forwarding``), so the holder answers it. When that
+fails (the holder published no address, is gone, or does not answer in time), and while nobody holds
+the Lease, it makes no plan: an UPDATE keeps kvoffload's record and label as stored, a CREATE is
+admitted as written (the holder's label then rolls it once more), a pod is injected from its
+workload's record; the acting operator decides the rest.
 """
 
 from __future__ import annotations
@@ -75,3 +77,12 @@ def plan_as_holder(own: Planner, own_inputs: str, planner_for: Callable[[Operato
         return planner_for(*inputs)(workload)
 
     return planned
+
+
+def forwarding_address(holders_inputs: str | None, holders_webhook: str | None, own_inputs: str) -> str | None:
+    """Where to forward a review so the holder answers it: its webhook's address when it published
+    inputs this replica does not plan with (``read_planning_inputs`` refuses them: another operator
+    version); None when this replica plans as the holder or nobody published anything."""
+    if not holders_inputs or not holders_webhook or holders_inputs == own_inputs:
+        return None
+    return holders_webhook if isinstance(read_planning_inputs(holders_inputs), str) else None

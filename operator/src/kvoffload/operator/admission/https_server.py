@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvoffload import contract as c
+
 log = logging.getLogger("kvoffload.operator")
 
 REQUEST_DEADLINE_S = 5.0
@@ -52,6 +54,9 @@ class Request:
     body: bytes
     client_certified: bool = False
     """The peer presented a client certificate the server's context verified."""
+    forwarded: bool = False
+    """It carries ``HEADER_FORWARDED_REVIEW``: another replica forwarded it (anyone may set it; it only
+    keeps the receiver from forwarding it on)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class RequestHead:
     method: str
     path: str
     body_length: int
+    forwarded: bool = False
 
 
 def parse_head(head: bytes, max_body: int) -> RequestHead | Reply:
@@ -101,7 +107,7 @@ def parse_head(head: bytes, max_body: int) -> RequestHead | Reply:
         return refusal(400, "Content-Length is not a number")
     if len(length) > len(str(max_body)) or int(length) > max_body:  # int() of 5,000 digits raises
         return refusal(413, f"the body is {length[:20]} bytes; at most {max_body} are read")
-    return RequestHead(parts[0], parts[1], int(length))
+    return RequestHead(parts[0], parts[1], int(length), c.HEADER_FORWARDED_REVIEW.lower() in headers)
 
 
 class _Connection:
@@ -268,7 +274,8 @@ class HttpsServer:
             if head is not None and len(buffer) >= head.body_length:
                 certified = bool(connection.sock.getpeercert())
                 self._dispatch(
-                    connection, Request(head.method, head.path, bytes(buffer[: head.body_length]), certified)
+                    connection,
+                    Request(head.method, head.path, bytes(buffer[: head.body_length]), certified, head.forwarded),
                 )
                 return
             # up to the head's cap, then up to the body's length: nothing past a request is read

@@ -1,6 +1,7 @@
 """The pod-injection webhook: HTTPS on every operator replica (the acting one and any standby),
 each AdmissionReview answered from the pod and its workload's injection record. A replica plans
-here only as the Lease's holder would (``acting_replica``); otherwise it keeps what is stored."""
+here only as the Lease's holder would (``acting_replica``); a replica of another operator version
+forwards its reviews to the holder (``review_forwarding``); otherwise it keeps what is stored."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvoffload.operator.admission.https_server import HttpsServer, Reply, Reques
 from kvoffload.operator.admission.new_workloads import Planner, label_for_new_workload, record_before_the_operator
 from kvoffload.operator.admission.records import Admission, admission_response, admit, record_from_workload
 from kvoffload.operator.admission.review import PodReview, WorkloadReview, parse_pod_review, parse_workload_review
+from kvoffload.operator.admission.review_forwarding import Forwarding
 from kvoffload.operator.admission.webhook_tls import ReviewScope, TlsMaterial
 from kvoffload.operator.admission.workload_updates import kvoffload_injects, review_update
 from kvoffload.operator.api.kube import Kube, KubeApiError, workload_path
@@ -132,10 +134,12 @@ class WebhookServer:
         plan: Planner | None = None,
         scope: ReviewScope | None = None,
         client_ca_pem: bytes | None = None,
+        forwarding: Forwarding | None = None,
     ) -> None:
         """``client_ca_pem``: only callers with a client certificate of this CA get reviews answered
-        (the apiserver, given one through its ``AdmissionConfiguration``); None: any caller."""
-        self.kube, self.metrics, self.plan = kube, metrics, plan
+        (the apiserver, given one through its ``AdmissionConfiguration``); None: any caller.
+        ``forwarding``: where reviews go when the holder must answer them (None: answered here)."""
+        self.kube, self.metrics, self.plan, self.forwarding = kube, metrics, plan, forwarding
         self.certified_callers_only = client_ca_pem is not None
         self.scope = scope or ReviewScope.of_registration("")
         """Namespaces the webhook answers about; a review from any other is admitted untouched, unread."""
@@ -160,13 +164,17 @@ class WebhookServer:
         review = parse_pod_review(request.body)
         if isinstance(review, str):
             return self.refuse(review)
-        return Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
+        forwarded = self.forwarded(request, review.uid) if self.scope.covers(review.namespace) else None
+        return forwarded or Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
 
     def handle_workload(self, request: Request) -> Reply:
         """A Deployment or StatefulSet CREATE (``review_workload``); never refused for our bug."""
         review = parse_workload_review(request.body)
         if isinstance(review, str):
             return self.refuse(review)
+        forwarded = self.forwarded(request, review.uid) if self.scope.covers(review.namespace) else None
+        if forwarded:
+            return forwarded
         assert self.plan is not None
         try:
             if not self.scope.covers(review.namespace):
@@ -179,6 +187,22 @@ class WebhookServer:
         if admission.result != "ignored":
             log.info("webhook: workload %s: %s", review.uid, admission.result)
         return Reply(200, json.dumps(admission_response(review.uid, admission)).encode(), "application/json")
+
+    def forwarded(self, request: Request, uid: str) -> Reply | None:
+        """The holder's answer to a review it must answer (``forwarding``), or None: answer it here
+        (nothing to forward, already forwarded once, or the forward failed)."""
+        address = None if self.forwarding is None or request.forwarded else self.forwarding.address()
+        if address is None:
+            return None
+        assert self.forwarding is not None
+        answer = self.forwarding.forward(address, request.path.split("?")[0], request.body, uid)
+        if isinstance(answer, str):
+            self.failures.log(logging.WARNING, "webhook: review %s answered here, not by the Lease's holder: %s",
+                              uid, answer)  # fmt: skip
+            return None
+        self.metrics.admissions.labels(result="forwarded").inc()
+        log.info("webhook: review %s answered by the Lease's holder at %s", uid, address)
+        return Reply(200, answer, "application/json")
 
     def refuse(self, reason: str) -> Reply:
         """400 with the one-line ``reason`` for a body that is not a review this webhook answers."""

@@ -22,7 +22,9 @@ from the webhook's serving key (``sealed``), and a replica that does not hold th
 running holder's published inputs whose seal it checks. Had each replica planned with its
 own (the old one of a ``helm upgrade`` and the new one waiting, with other defaults), a user's
 write answered by one and the other's reconcile would take a workload back and forth, and an app
-created opted in would roll once more for the holder's label.
+created opted in would roll once more for the holder's label. The holder also publishes where its
+webhook listens (``c.ANN_LEASE_WEBHOOK``, sealed alike): a replica of another operator version, which
+cannot plan with the holder's inputs, forwards its reviews there (``admission.review_forwarding``).
 """
 
 from __future__ import annotations
@@ -95,10 +97,12 @@ def lease_body(
     duration_s: int = LEASE_DURATION_S,
     owner: OperatorDeployment | None = None,
     planning: str = "",
+    webhook: str = "",
 ) -> dict[str, Any]:
     """The Lease as ``identity`` holds it from ``now`` for ``duration_s`` (a takeover counts a
     transition), owned by ``owner`` (None: the owners it had stay), naming ``planning`` as the
-    holder's planning inputs (empty: none, as the uninstall hook holds it)."""
+    holder's planning inputs and ``webhook`` as its webhook's address (empty: none, as the uninstall
+    hook holds it)."""
     spec = dict((previous or {}).get("spec") or {})
     taking_over = spec.get("holderIdentity") != identity
     stamp = now.strftime(MICROTIME)
@@ -115,9 +119,9 @@ def lease_body(
         owners = owner.with_reference(owners)
     if owners:
         metadata["ownerReferences"] = owners
-    annotations = {k: v for k, v in (previous_meta.get("annotations") or {}).items() if k != c.ANN_LEASE_PLANNING}
-    if planning:
-        annotations[c.ANN_LEASE_PLANNING] = planning
+    published = {c.ANN_LEASE_PLANNING: planning, c.ANN_LEASE_WEBHOOK: webhook}
+    annotations = {k: v for k, v in (previous_meta.get("annotations") or {}).items() if k not in published}
+    annotations.update({k: v for k, v in published.items() if v})
     if annotations:
         metadata["annotations"] = annotations
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
@@ -170,15 +174,41 @@ def unsealed(published: str, key: bytes) -> str | None:
     return inputs if inputs and hmac.compare_digest(seal, expected) else None
 
 
+WEBHOOK_SEAL_PREFIX = "webhook "
+"""Sealed before the address, so that no sealed planning text reads as an address."""
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What another holder published in the Lease, sealed, while its term runs (each None: absent,
+    or not sealed under this install's key)."""
+
+    planning: str | None = None
+    webhook: str | None = None
+
+
+def holders_publication(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime,
+                        key: bytes = b"") -> Publication:  # fmt: skip
+    """The planning inputs and webhook address another holder published in ``lease`` sealed under
+    ``key``, while its term runs (nothing: nobody else holds it, its holder published none, as the
+    uninstall hook does, or what it carries is not sealed under ``key``)."""
+    if lease_state(lease, identity, now) != "held":
+        return Publication()
+    annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
+
+    def read(name: str) -> str | None:
+        value = annotations.get(name)
+        return unsealed(value, key) if isinstance(value, str) else None
+
+    webhook = read(c.ANN_LEASE_WEBHOOK)
+    address = webhook[len(WEBHOOK_SEAL_PREFIX) :] if webhook and webhook.startswith(WEBHOOK_SEAL_PREFIX) else None
+    return Publication(read(c.ANN_LEASE_PLANNING), address or None)
+
+
 def holders_inputs(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime,
                    key: bytes = b"") -> str | None:  # fmt: skip
-    """The planning inputs another holder published in ``lease`` sealed under ``key``, while its
-    term runs (None: nobody else holds it, its holder published none, as the uninstall hook does,
-    or what it carries is not sealed under ``key``)."""
-    published = (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(c.ANN_LEASE_PLANNING)
-    if not isinstance(published, str) or lease_state(lease, identity, now) != "held":
-        return None
-    return unsealed(published, key)
+    """The planning inputs of ``holders_publication``."""
+    return holders_publication(lease, identity, now, key).planning
 
 
 def _now() -> datetime.datetime:
@@ -207,6 +237,9 @@ class Leadership:
     while it holds the Lease, sealed under ``seal_key``."""
     seal_key: bytes = b""
     """``planning_seal_key`` of the webhook's serving key (admission mode)."""
+    webhook_address: str = ""
+    """Where this replica's webhook listens (``<pod IP>:<port>``), published beside ``planning`` (empty:
+    not known, nothing published; other replicas then answer every review themselves)."""
     lost: bool = False
     """The Lease could not be kept; the operator stopped acting."""
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -226,11 +259,18 @@ class Leadership:
         failed read: None, no plan)."""
         if self.holds_lease():
             return self.planning or None
+        return self.others_publication().planning
+
+    def others_publication(self) -> Publication:
+        """What another holder published (``holders_publication``, the Lease read now); nothing
+        while this process holds the Lease or when the read fails."""
+        if self.holds_lease():
+            return Publication()
         try:
             lease = self.kube.get(lease_path(self.namespace, self.name))
         except KubeApiError:
-            return None
-        return holders_inputs(lease, self.identity, _now(), self.seal_key)
+            return Publication()
+        return holders_publication(lease, self.identity, _now(), self.seal_key)
 
     def _try(self) -> bool:
         """One attempt to take or renew the Lease; True when this process holds it now."""
@@ -249,8 +289,10 @@ class Leadership:
         if stale and ((current or {}).get("spec") or {}).get("holderIdentity"):
             log.info("leader election: lease %s/%s belongs to an earlier install's operator (held by %s): taking it",
                      self.namespace, self.name, holder_of(current))  # fmt: skip
+        webhook = WEBHOOK_SEAL_PREFIX + self.webhook_address if self.webhook_address else ""
         body = lease_body(self.name, self.namespace, self.identity, _now(), current, owner=self.owner,
-                          planning=sealed(self.planning, self.seal_key) if self.planning else "")  # fmt: skip
+                          planning=sealed(self.planning, self.seal_key) if self.planning else "",
+                          webhook=sealed(webhook, self.seal_key) if webhook else "")  # fmt: skip
         return self._write(path, current, body)  # False: someone else wrote it first, look again
 
     def _write(self, path: str, current: dict[str, Any] | None, body: dict[str, Any]) -> bool:
