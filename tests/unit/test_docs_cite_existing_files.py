@@ -28,10 +28,6 @@ KNOWN_STALE: dict[str, dict[str, str]] = {
             "docs/results/gpu-async-loads/hit-iteration-vs-others-4k-32k.jsonl",
         "docs/results/gpu-batched-loads/run07-secured-at-lookup.*":
             "docs/results/gpu-batched-loads/8x4k-loads-secured-at-lookup.*",
-        "docs/results/gpu-hooks-check/run19-mla-pools.jsonl":
-            "docs/results/gpu-hooks-check/bit-exact-and-bandwidth-mla-and-llama-pools.jsonl",
-        "docs/results/gpu-hooks-check/run20-vswa-gpt-oss.jsonl":
-            "docs/results/gpu-hooks-check/bit-exact-and-bandwidth-vswa-gpt-oss-h100.jsonl",
         "docs/results/gpu-transfer/earlier/run02-pipelined-pieces.log":
             "docs/results/gpu-transfer/earlier/store-load-pipelined-pieces.log",
     },

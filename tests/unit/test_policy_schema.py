@@ -143,8 +143,9 @@ def test_the_crd_limits_are_the_policy_modules() -> None:
     l2 = crd_spec()["properties"]["l2"]["properties"]
     assert l2["fs"]["properties"]["size"]["pattern"] == QUANTITY_PATTERN
     assert tuple(v["rule"] for v in l2["fs"]["properties"]["path"]["x-kubernetes-validations"]) == polv.FS_PATH_RULES
-    secret = l2["redis"]["properties"]["passwordSecretRef"]["properties"]["name"]
-    assert (secret["pattern"], secret["maxLength"]) == (polv.SECRET_NAME_PATTERN, 253)
+    for ref in ("passwordSecretRef", "urlSecretRef"):
+        secret = l2["redis"]["properties"][ref]["properties"]["name"]
+        assert (secret["pattern"], secret["maxLength"]) == (polv.SECRET_NAME_PATTERN, 253), ref
     for path in ("sidecar.image", "connector.bundleImage"):
         assert (fields[path]["pattern"], fields[path]["maxLength"]) == (polv.IMAGE_PATTERN, polv.MAX_IMAGE_LENGTH)
 

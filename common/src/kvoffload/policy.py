@@ -115,7 +115,11 @@ class Policy:
         if self.fs_tier:
             l2["fs"] = {"path": self.fs_tier.path, "size": format_bytes(self.fs_tier.size_bytes)}
         if self.redis_tier:
-            redis: dict[str, Any] = {"url": self.redis_tier.url}
+            redis: dict[str, Any] = (
+                {"url": self.redis_tier.url}
+                if self.redis_tier.url is not None
+                else {"urlSecretRef": {"name": self.redis_tier.url_secret_name, "key": self.redis_tier.url_secret_key}}
+            )
             if self.redis_tier.password_secret_name:
                 redis["passwordSecretRef"] = {
                     "name": self.redis_tier.password_secret_name,

@@ -95,11 +95,16 @@ class FsTier:
 
 @dataclass(frozen=True)
 class RedisTier:
-    """Redis L2 tier; the password, if any, comes from a Secret."""
+    """Redis L2 tier: its URL inline or from a Secret (``url_secret_*``, exactly one of the two); the
+    password, if any, from a Secret."""
 
-    url: str
+    url: str | None = None
     password_secret_name: str | None = None
     password_secret_key: str | None = None
+    url_secret_name: str | None = None
+    url_secret_key: str | None = None
+    """Where the URL is when not inline: the cache server gets it by env ``valueFrom``, so neither the
+    operator's writes nor its webhook's answers ever carry it."""
 
 
 # --- field readers: (value, field name) -> value | PolicyError ----------------
@@ -302,22 +307,41 @@ def read_fs_tier(value: object, name: str) -> FsTier | PolicyError:
     return size if isinstance(size, PolicyError) else FsTier(path=path, size_bytes=size)
 
 
-def read_redis_tier(value: object, name: str) -> RedisTier | PolicyError:
-    redis = read_mapping(value, name)
-    if isinstance(redis, PolicyError):
-        return redis
-    url = read_redis_url(redis.get("url"), f"{name}.url")
-    if isinstance(url, PolicyError):
-        return url
-    ref = redis.get("passwordSecretRef")
-    if ref is None:
-        return RedisTier(url=url)
-    ref_map = read_mapping(ref, f"{name}.passwordSecretRef")
+def read_secret_key_ref(value: object, name: str) -> tuple[str, str] | PolicyError:
+    """``{name, key}`` of a Secret in the policy's namespace."""
+    ref_map = read_mapping(value, name)
     if isinstance(ref_map, PolicyError):
         return ref_map
     secret, key = ref_map.get("name"), ref_map.get("key")
     if not isinstance(secret, str) or len(secret) > 253 or not re.fullmatch(SECRET_NAME_PATTERN, secret):
-        return PolicyError(f"{name}.passwordSecretRef.name", secret, "a Secret name")
+        return PolicyError(f"{name}.name", secret, "a Secret name")
     if not isinstance(key, str) or not key or len(key) > 253:
-        return PolicyError(f"{name}.passwordSecretRef.key", key, "a key of that Secret")
-    return RedisTier(url=url, password_secret_name=secret, password_secret_key=key)
+        return PolicyError(f"{name}.key", key, "a key of that Secret")
+    return secret, key
+
+
+def read_redis_tier(value: object, name: str) -> RedisTier | PolicyError:
+    redis = read_mapping(value, name)
+    if isinstance(redis, PolicyError):
+        return redis
+    inline, from_secret = redis.get("url"), redis.get("urlSecretRef")
+    if (inline is None) == (from_secret is None):
+        return PolicyError(name, "url" if inline is not None else "<neither>",
+                           "set exactly one of url (inline) and urlSecretRef (a Secret holding the URL)")  # fmt: skip
+    url_fields: dict[str, str]
+    if from_secret is not None:
+        url_ref = read_secret_key_ref(from_secret, f"{name}.urlSecretRef")
+        if isinstance(url_ref, PolicyError):
+            return url_ref
+        url_fields = {"url_secret_name": url_ref[0], "url_secret_key": url_ref[1]}
+    else:
+        url = read_redis_url(inline, f"{name}.url")
+        if isinstance(url, PolicyError):
+            return url
+        url_fields = {"url": url}
+    if redis.get("passwordSecretRef") is None:
+        return RedisTier(**url_fields)
+    password = read_secret_key_ref(redis.get("passwordSecretRef"), f"{name}.passwordSecretRef")
+    if isinstance(password, PolicyError):
+        return password
+    return RedisTier(**url_fields, password_secret_name=password[0], password_secret_key=password[1])

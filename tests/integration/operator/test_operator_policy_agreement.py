@@ -114,6 +114,8 @@ def check_components_accept(resolved: InjectionSettings, rendered: RenderedInjec
         env = container_env(rendered, c.SIDECAR_CONTAINER)
         if resolved.redis_tier and resolved.redis_tier.password_secret_name:
             env[c.ENV_L2_REDIS_PASSWORD] = "from-the-secret"
+        if resolved.redis_tier and resolved.redis_tier.url_secret_name:
+            env[c.ENV_L2_REDIS_URL] = "redis://user@from-the-secret:6379"  # what kubelet resolves
         sidecar_settings.load_settings(env, resolved.policy_document())
     engine_env = container_env(rendered, rendered.engine_container)
     llm_args = SimpleNamespace(model="m", kv_cache_config=SimpleNamespace(tokens_per_block=None))
@@ -172,6 +174,17 @@ EDGES = [
     {"l2": {"fs": {"path": "/cache", "size": "2Pi"}}},
     {"l2": {"fs": {"path": "/a/../b", "size": "1Gi"}}},
     {"l2": {"redis": {"url": "redis://r:6379", "passwordSecretRef": {"name": "Bad_Name", "key": "k"}}}},
+    {
+        "l2": {
+            "redis": {
+                "urlSecretRef": {"name": "redis-url", "key": "url"},
+                "passwordSecretRef": {"name": "r", "key": "pw"},
+            }
+        }
+    },
+    {"l2": {"redis": {"urlSecretRef": {"name": "redis-url", "key": "url"}, "url": "redis://r:6379"}}},
+    {"l2": {"redis": {"urlSecretRef": {"name": "Bad_Name", "key": "url"}}}},
+    {"l2": {"redis": {}}},
     {"sidecar": {"image": "x\x01y"}},
     {"connector": {"lookupTimeoutMs": 6000, "retrieveTimeoutMs": 5000}},
     {"connector": {"lookupTimeoutMs": 6000}},

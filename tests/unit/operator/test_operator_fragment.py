@@ -21,6 +21,9 @@ from kvoffload.operator.plan.fragment import (
     render_injection_fragment,
     render_removal,
 )
+from kvoffload.operator.plan.fragment import render as fragment_render
+from kvoffload.operator.plan.injection_plan import RecordedOptions, plan_workload
+from kvoffload.operator.plan.injection_record import record_of
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.quantity import parse_bytes
 from tests.unit.operator.workload_builders import applied, container, deployment, live
@@ -305,6 +308,36 @@ def test_policy_tiers_and_runtime_class() -> None:
     assert env_of(sidecar)[c.ENV_NVIDIA_VISIBLE_DEVICES] == "all"  # opted in: sees the GPU without requesting one
     assert {"name": c.VOLUME_L2_FS, "mountPath": "/cache"} in sidecar["volumeMounts"]
     assert named(spec["volumes"], c.VOLUME_L2_FS)["emptyDir"] == {"sizeLimit": "5Gi"}
+
+
+@pytest.mark.parametrize("files_on_pod", [False, True], ids=["template", "admission"])
+def test_a_redis_url_from_a_secret_reaches_the_cache_server_by_reference_and_nothing_rendered_names_it(
+    files_on_pod: bool,
+) -> None:
+    """The URL (and its user) stay in the user's Secret: the pod, its files and the record name only
+    the Secret, so no write of the operator's and no answer of its webhook carries them."""
+    policy = {
+        "metadata": {"name": "p"},
+        "spec": {
+            "l2": {
+                "redis": {
+                    "urlSecretRef": {"name": "redis-url", "key": "url"},
+                    "passwordSecretRef": {"name": "redis", "key": "pw"},
+                }
+            }
+        },
+    }
+    s = resolve_settings({c.ANN_ENABLED: "true", c.ANN_POLICY: "p"}, policy, OperatorDefaults(), "ns")
+    assert isinstance(s, InjectionSettings)
+    plan = plan_workload(read_workload(deployment()), s, NATIVE, RecordedOptions(None), None)
+    assert not isinstance(plan, PolicyError)
+    r = fragment_render(plan, files_on_pod=files_on_pod)
+    sidecar = named(pod(r.workload_apply)["initContainers"], c.SIDECAR_CONTAINER)
+    assert env_of(sidecar)[c.ENV_L2_REDIS_URL] == {"secretKeyRef": {"name": "redis-url", "key": "url"}}
+    assert json.loads(r.files[c.POLICY_FILE])["l2"]["redis"]["urlSecretRef"] == {"name": "redis-url", "key": "url"}
+    everything = json.dumps([r.workload_apply, r.files, r.configmap_apply, record_of(plan).to_json()])
+    assert "redis://" not in everything
+    assert json.loads(record_of(plan).to_json())["settings"]["redis_tier"]["url"] is None
 
 
 def test_rendering_is_deterministic_and_the_hash_follows_the_config() -> None:

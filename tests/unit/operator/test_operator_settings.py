@@ -121,6 +121,10 @@ def test_missing_policy_is_an_error_with_its_own_reason() -> None:
         ({"l2": {"fs": {"path": "rel", "size": "1Gi"}}}, "l2.fs.path"),
         ({"l2": {"redis": {"url": "http://x"}}}, "l2.redis.url"),
         ({"l2": {"redis": {"url": "redis://x", "passwordSecretRef": {"name": "s"}}}}, "passwordSecretRef.key"),
+        ({"l2": {"redis": {"url": "redis://x", "urlSecretRef": {"name": "s", "key": "u"}}}}, "exactly one of url"),
+        ({"l2": {"redis": {}}}, "exactly one of url"),
+        ({"l2": {"redis": {"urlSecretRef": {"name": "Bad_Name", "key": "u"}}}}, "l2.redis.urlSecretRef.name"),
+        ({"l2": {"redis": {"urlSecretRef": {"name": "s"}}}}, "l2.redis.urlSecretRef.key"),
         ({"sidecar": {"gpuAccess": "all"}}, "sidecar.gpuAccess"),
         ({"sidecar": {"runtimeClassName": "Bad_Name"}}, "sidecar.runtimeClassName"),
         ({"connector": {"lookupTimeoutMs": 0}}, "connector.lookupTimeoutMs"),
@@ -212,3 +216,10 @@ def test_an_advertised_webhook_host_that_is_not_an_ip_stops_the_operator_with_on
         str(stopped.value)
         == "kvoffload-operator: --webhook-advertise-host (or POD_IP) 'operator-pod' is not an IP address"
     )
+
+
+def test_a_redis_url_from_a_secret_round_trips_into_the_policy_document_as_the_reference() -> None:
+    redis = {"urlSecretRef": {"name": "redis-url", "key": "url"}, "passwordSecretRef": {"name": "r", "key": "pw"}}
+    s = ok({c.ANN_POLICY: "p"}, {"metadata": {"name": "p"}, "spec": {"l2": {"redis": redis}}})
+    assert s.policy_document()["l2"] == {"redis": redis}
+    assert s.redis_tier is not None and s.redis_tier.url is None

@@ -310,3 +310,13 @@ def test_a_request_port_off_the_loopback_needs_the_policys_keys(tmp_path: Path) 
     node = load_settings({contract.ENV_REQUEST_HOST: "0.0.0.0", contract.ENV_CACHE_KEYS_DIR: str(server_dir)}, None)
     assert node.cache_keys_dir == str(server_dir)
     assert load_settings({}, None).cache_keys_dir is None  # sidecar mode: loopback, no keys
+
+
+def test_a_policy_whose_redis_url_is_in_a_secret_takes_it_from_the_env_and_stops_with_one_line_without_it() -> None:
+    spec = {"l2": {"redis": {"urlSecretRef": {"name": "redis-url", "key": "url"}}}}
+    s = load_settings({contract.ENV_L2_REDIS_URL: "redis://cache-user@redis.cache:6380"}, spec, "/p.json")
+    assert s.l2_redis == RedisTier(host="redis.cache", port=6380, username="cache-user", password="")
+    for env in ({}, {contract.ENV_L2_REDIS_URL: ""}):
+        with pytest.raises(SettingsError) as refused:
+            load_settings(env, spec, "/p.json")
+        assert "urlSecretRef (Secret redis-url, key url)" in str(refused.value) and "\n" not in str(refused.value)

@@ -199,9 +199,16 @@ def _fs_tier(env: Mapping[str, str], policy: Policy) -> FsTier | None:
 
 
 def _redis_tier(env: Mapping[str, str], policy: Policy) -> RedisTier | None:
-    """The env URL overrides the policy's (an empty value: no Redis tier)."""
-    raw = env.get(contract.ENV_L2_REDIS_URL, policy.redis_tier.url if policy.redis_tier else "")
+    """The env URL overrides the policy's inline one (an empty value: no Redis tier); a policy whose URL
+    is in a Secret (``urlSecretRef``) gets it only by env, which must then hold one."""
+    tier = policy.redis_tier
+    raw = env.get(contract.ENV_L2_REDIS_URL, (tier.url or "") if tier else "")
     password = env.get(contract.ENV_L2_REDIS_PASSWORD, "")
+    if not raw and tier is not None and tier.url is None:
+        raise SettingsError(
+            f"{contract.ENV_L2_REDIS_URL}: is empty, and policy l2.redis.urlSecretRef (Secret "
+            f"{tier.url_secret_name}, key {tier.url_secret_key}) names no URL anywhere else: put the URL in that key"
+        )
     if not raw:
         if password:
             raise SettingsError(

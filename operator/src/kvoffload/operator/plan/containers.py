@@ -14,7 +14,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.plan.pod_memory import sidecar_resources
-from kvoffload.policy_values import KV_EVENTS_FORMATS, PolicyError
+from kvoffload.policy_values import KV_EVENTS_FORMATS, PolicyError, RedisTier
 from kvoffload.quantity import format_bytes
 
 RUN_VOLUME_SIZE = "512Mi"
@@ -166,8 +166,19 @@ def _node_shared_env(settings: InjectionSettings) -> list[dict[str, Any]]:
             env_var(c.ENV_L2_FS_SIZE, format_bytes(settings.fs_tier.size_bytes)),
         ]
     if settings.redis_tier:
-        env.append(env_var(c.ENV_L2_REDIS_URL, settings.redis_tier.url))
+        env.append(redis_url_env(settings.redis_tier))
     return env
+
+
+def redis_url_env(redis: RedisTier) -> dict[str, Any]:
+    """The cache server's Redis URL: the value, or a reference to the Secret holding it."""
+    if redis.url is not None:
+        return env_var(c.ENV_L2_REDIS_URL, redis.url)
+    return secret_env(c.ENV_L2_REDIS_URL, redis.url_secret_name, redis.url_secret_key)
+
+
+def secret_env(name: str, secret: str | None, key: str | None) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
 def kv_events_env(settings: InjectionSettings) -> list[dict[str, Any]]:
@@ -204,13 +215,11 @@ def cache_server_container(
         env_var(c.ENV_NUMBA_CACHE_DIR, c.NUMBA_CACHE_PATH),
         *kv_events_env(settings),
     ]
-    if settings.redis_tier and settings.redis_tier.password_secret_name:
-        env.append({
-            "name": c.ENV_L2_REDIS_PASSWORD,
-            "valueFrom": {"secretKeyRef": {
-                "name": settings.redis_tier.password_secret_name, "key": settings.redis_tier.password_secret_key,
-            }},
-        })  # fmt: skip
+    redis = settings.redis_tier
+    if redis and redis.url is None and not node_shared:  # the URL from its Secret (node mode's env adds it)
+        env.append(redis_url_env(redis))
+    if redis and redis.password_secret_name:
+        env.append(secret_env(c.ENV_L2_REDIS_PASSWORD, redis.password_secret_name, redis.password_secret_key))
     if settings.gpu_access == "nvidia-runtime":
         # Sees the engine's GPU through the NVIDIA runtime without requesting one (CUDA IPC needs it).
         env += [
