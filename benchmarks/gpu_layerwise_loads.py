@@ -70,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-ms", type=float, default=2.5, help="device work per layer of the forward")
     parser.add_argument("--l1", default="24Gi")
     parser.add_argument("--scattered", action="store_true", help="shuffled block ids (default: consecutive)")
+    parser.add_argument("--max-copy-calls", type=int, default=None,
+                        help="copy calls one layer-wise load may issue (default: the connector's MAX_COPY_CALLS)")  # fmt: skip
     args = parser.parse_args(argv)
     from kvoffload import contract
+    from kvoffload.connector.backends import layer_copies
+
+    if args.max_copy_calls is not None:
+        layer_copies.MAX_COPY_CALLS = args.max_copy_calls
     from kvoffload.connector.wire import ConnectorMetadata, TransferOp
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
 
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 bound = max(timings["load"], forward_ms)
                 print(json.dumps({
                     "mode": mode, "round": rnd, "tokens": args.tokens, "scattered": args.scattered,
+                    "max_copy_calls": layer_copies.MAX_COPY_CALLS,
                     "layers": int(pool.shape[1]), "layer_ms": args.layer_ms, "forward_ms": round(forward_ms, 2),
                     "load_ms": round(timings["load"], 2), "ttft_ms": round(timings["ttft"], 2),
                     "ttft_over_max": round(timings["ttft"] / bound, 3),

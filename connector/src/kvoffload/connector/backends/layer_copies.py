@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,26 +30,30 @@ from kvoffload.connector.backends.base import LoadResult
 from kvoffload.connector.backends.blockcopy import CopyMark, block_runs, kept_chunk_blocks, pool_blocks, slot_blocks
 
 MAX_COPY_CALLS = 4096
-"""Copy calls one layer-wise load may issue (spans x runs of blocks): about 10 ms of host time."""
+"""Copy calls one layer-wise load may issue at most (spans x runs of blocks): about 45 ms of host time."""
+COPY_CALL_SECONDS = 11e-6
+"""Host time of one copy call as issued here (an H100 host, 2026-12-07: 44 ms for 4,096 calls)."""
+COPY_BYTES_PER_S = 45e9
+"""A pinned host-to-device copy (PCIe 5 on an H100 or H200: 45-55 GB/s), for the span count only."""
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 
 
-def layer_spans(num_layers: int, runs: int, max_calls: int = MAX_COPY_CALLS) -> list[tuple[int, int]]:
-    """``[first, end)`` of consecutive layer spans, as many as ``max_calls`` copy calls of ``runs``
-    runs each allow (at most one per layer, at least one), the layers spread evenly."""
-    spans = max(1, min(num_layers, max_calls // max(runs, 1)))
+def layer_spans(num_layers: int, runs: int, max_calls: int | None = None, load_bytes: int | None = None
+                ) -> list[tuple[int, int]]:  # fmt: skip
+    """``[first, end)`` of consecutive layer spans, the layers spread evenly: at most one per layer, at
+    least one, within ``max_calls`` (default ``MAX_COPY_CALLS``) copy calls of ``runs`` runs each, and,
+    given the ``load_bytes``, as many as balance the host's issuing of every call (the forward pass is
+    queued only after it) against the first span's copy (the first layer waits for it):
+    ``sqrt(copy time / (runs x call time))``. Many scattered runs get few spans, a load of a few
+    long runs one per layer."""
+    budget = MAX_COPY_CALLS if max_calls is None else max_calls
+    spans = max(1, min(num_layers, budget // max(runs, 1)))
+    if load_bytes is not None:
+        balanced = math.sqrt(load_bytes / COPY_BYTES_PER_S / (max(runs, 1) * COPY_CALL_SECONDS))
+        spans = max(1, min(spans, round(balanced)))
     bounds = [num_layers * i // spans for i in range(spans + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(spans)]
-
-
-def runs_of_load(block_ids: Sequence[int], num_chunks: int, blocks_per_chunk: int, skip_blocks: int) -> int:
-    """Runs of consecutive blocks a load of ``num_chunks`` chunks into ``block_ids`` copies (one chunk's
-    blocks never share a run with the next chunk's: each chunk is its own slot)."""
-    return sum(
-        sum(1 for _ in block_runs(block_ids[start:end]))
-        for _, _, start, end in kept_chunk_blocks(num_chunks, blocks_per_chunk, skip_blocks)
-    )
 
 
 @functools.cache
@@ -156,11 +161,24 @@ class RowRuns:
     """The CUDA stream the copies go on (the current one when the runs were worked out); None: host."""
 
     def copy_span(self, span: tuple[int, int]) -> None:
-        """Issue layers ``span`` of every run: one copy call per run."""
+        """Issue layers ``span`` of every run: one copy call per run (on a GPU the loop calls the
+        runtime and nothing else: its host time is what the forward pass waits behind)."""
         first_layer, end_layer = span
         offset, width = first_layer * self.layer_bytes, (end_layer - first_layer) * self.layer_bytes
+        pool_pitch, slot_pitch, stream = self.pool_pitch, self.slot_pitch, self.stream
+        if stream is None:
+            for dst, src, rows in self.runs:
+                copy_rows_at(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows, None)
+            return
+        lib = _cudart()
+        if lib is None:
+            raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
+        memcpy_2d = lib.cudaMemcpy2DAsync
         for dst, src, rows in self.runs:
-            copy_rows_at(dst + offset, self.pool_pitch, src + offset, self.slot_pitch, width, rows, self.stream)
+            status = memcpy_2d(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows, _CUDA_MEMCPY_DEFAULT,
+                               stream)  # fmt: skip
+            if status:
+                raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
 
 
 @dataclass

@@ -41,7 +41,6 @@ from kvoffload.connector.backends.layer_copies import (
     RowRuns,
     layer_spans,
     rows_copy_available,
-    runs_of_load,
 )
 from kvoffload.connector.backends.securing import Securing
 from kvoffload.connector.backends.segments import Segment, Segments
@@ -157,10 +156,6 @@ class PoolTransfers:
             except (BackendError, ValueError, RuntimeError) as exc:
                 errors.append(self._retrieve_error(exc))
                 views.append([])
-        runs = sum(
-            runs_of_load(op.block_ids, len(v), bpc, op.skip_tokens // tpb) for op, v in zip(ops, views, strict=True)
-        )
-        spans = layer_spans(rows.num_layers, runs)
         marks = []
         with self.load_copies.after_caller():
             timer = CopyTimer(self.pool.device)
@@ -171,6 +166,9 @@ class PoolTransfers:
                 except ValueError as exc:
                     errors[i] = self._retrieve_error(exc)
                     planned.append(None)
+            runs = sum(len(p.runs) for p in planned if p is not None)
+            load_bytes = sum(self.loaded_bytes(op) for op, p in zip(ops, planned, strict=True) if p is not None)
+            spans = layer_spans(rows.num_layers, runs, load_bytes=load_bytes)
             for span in spans:
                 for i, op_runs in enumerate(planned):
                     if errors[i] is not None or op_runs is None:
