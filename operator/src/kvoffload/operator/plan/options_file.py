@@ -28,6 +28,7 @@ from kvoffload.operator.intent.trtllm_options import (
 )
 from kvoffload.operator.intent.workload import Container
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.trtllm_options_merge import merge_options, options_yaml, parse_user_options
 
 
 def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
@@ -167,25 +168,15 @@ def user_options_problem(options: Mapping[str, Any]) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
-    """Our options merged over the user's; (YAML text, error message or None). Cached, as above."""
-    base: dict[str, Any] = {}
-    if user_yaml:
-        try:
-            loaded = yaml.safe_load(user_yaml)
-        except yaml.YAMLError as exc:
-            return "", f"the user's TensorRT-LLM options file is not valid YAML: {exc}"
-        if loaded is not None and not isinstance(loaded, dict):
-            return "", "the user's TensorRT-LLM options file is not a YAML mapping"
-        base = dict(loaded or {})
-        problem = user_options_problem(base)
-        if problem:
-            return "", problem
-    ours = connector_options()
-    merged = dict(base)
-    merged["kv_connector_config"] = ours["kv_connector_config"]
-    cache_config = merged.get("kv_cache_config")
-    merged["kv_cache_config"] = {**(cache_config if isinstance(cache_config, dict) else {}), "enable_block_reuse": True}
-    return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None
+    """Our options merged over the user's, checked; (YAML text, error message or None). The merge
+    is the one the pods' init step runs (:mod:`kvoffload.trtllm_options_merge`). Cached, as above."""
+    base = parse_user_options(user_yaml)
+    if isinstance(base, str):
+        return "", base
+    problem = user_options_problem(base) if user_yaml else None
+    if problem:
+        return "", problem
+    return options_yaml(merge_options(base, connector_options())), None
 
 
 @functools.lru_cache(maxsize=256)
