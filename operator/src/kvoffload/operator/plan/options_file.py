@@ -190,19 +190,28 @@ def forces_kv_cache_manager_v1(user_yaml: str | None) -> bool:
     return isinstance(loaded, dict) and _kv_cache_manager_v1(loaded)
 
 
-def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None
-                    ) -> tuple[list[str] | None, str] | PolicyError:  # fmt: skip
+def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None,
+                   merged_in_pod: bool = False) -> tuple[list[str] | None, str | None] | PolicyError:  # fmt: skip
     """The engine's TensorRT-LLM side: (its args to apply or None, the options file it gets), or why
-    its model or options cannot run with kvoffload's connector."""
-    v1 = isinstance(engine.options, MergeFromConfigMap) and forces_kv_cache_manager_v1(user_options_yaml)
+    its model or options cannot run with kvoffload's connector.
+
+    ``merged_in_pod``: the user's file is not at hand (the webhook's pods, planned from a record that
+    keeps only its digest); the operator checked it when it planned the record, and the pod's init
+    step merges it, so where the engine's options come from a ConfigMap the file is None and the
+    checks that read it (its own settings, its block size against the chunk size, a forced V1 KV
+    cache manager) are not made again."""
+    plan = engine.options
+    from_configmap = isinstance(plan, MergeFromConfigMap)
+    v1 = from_configmap and not merged_in_pod and forces_kv_cache_manager_v1(user_options_yaml)
     layout_problem = model_layout_problem(engine.model, v1) if engine.model else None
     if layout_problem:
         return PolicyError(f"container {engine.name} model", engine.model, layout_problem, reason="unsupported")
-    plan = engine.options
     args = desired_args(engine.spec.get("args") or [], plan)
     if args is None and engine.we_own_args:
         args = list(engine.spec.get("args") or [])  # keep the user's value while we still own the field
-    text, error = merged_options_yaml(user_options_yaml if isinstance(plan, MergeFromConfigMap) else None)
+    if from_configmap and merged_in_pod:
+        return args, None
+    text, error = merged_options_yaml(user_options_yaml if from_configmap else None)
     if error:
         assert isinstance(plan, MergeFromConfigMap)
         return PolicyError(f"ConfigMap {plan.configmap} key {plan.key}", "<file>", error, reason="invalid_options")
