@@ -43,6 +43,10 @@ PROMETHEUS_SCRAPE_ANNOTATIONS: Final = (
 # --- Names of what gets injected into the pod ---------------------------------
 SIDECAR_CONTAINER: Final = "kvoffload-cache"
 BUNDLE_INIT_CONTAINER: Final = "kvoffload-connector-bundle"
+OPTIONS_INIT_CONTAINER: Final = "kvoffload-trtllm-options"
+"""Admission mode: the init container (engine's image) that writes the engine's options file in the pod."""
+OPTIONS_INIT_COMMAND: Final = ("python3", "-m", "kvoffload.trtllm_options_init")
+"""Its command (the module ships in the connector bundle and in an image with kvoffload baked in)."""
 VOLUME_SHM: Final = "kvoffload-shm"
 VOLUME_RUN: Final = "kvoffload-run"
 VOLUME_BUNDLE: Final = "kvoffload-connector"
@@ -349,11 +353,11 @@ ANN_INJECTED_FROM: Final = "kvoffload.io/injected-from"
 ``LABEL_INJECT`` has on a template of that record). A pod of an older ReplicaSet created during a
 rollout carries its template's old label and the current record's hash here."""
 FILE_ANNOTATIONS: Final = {
-    TRTLLM_OPTIONS_FILE: "kvoffload.io/extra-llm-api-options.yaml",
     POLICY_FILE: "kvoffload.io/policy.json",
 }
 """Admission mode: the pod annotation holding each of the pod's files, mounted through a
-downward API volume (no generated ConfigMap)."""
+downward API volume (no generated ConfigMap). The TensorRT-LLM options file is not one: the pod's
+``OPTIONS_INIT_CONTAINER`` writes it, so no webhook answer carries the user's options text."""
 WEBHOOK_PORT: Final = 8443
 WEBHOOK_PATH: Final = "/mutate-pods"
 WEBHOOK_WORKLOADS_PATH: Final = "/mutate-workloads"

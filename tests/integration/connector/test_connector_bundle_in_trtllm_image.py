@@ -9,11 +9,13 @@ LMCache server.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,18 @@ import pytest
 
 from hack import trtllm_image
 from hack.journey import shared_prefix_prompts
-from hack.workloads import trtllm_deployment
+from hack.workloads import trtllm_container, trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.connector.bundle import LMCACHE_COMPILED
+from kvoffload.operator.admission.records import injected_pod
 from kvoffload.operator.intent.settings import InjectionSettings, OperatorDefaults, resolve_settings
-from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render_injection_fragment
+from kvoffload.operator.intent.workload import read_workload
+from kvoffload.operator.plan.fragment import ClusterInfo, RenderedInjection, render, render_injection_fragment
+from kvoffload.operator.plan.injection_plan import InjectionPlan, RecordedOptions, plan_workload
+from kvoffload.operator.plan.injection_record import InjectionRecord
+from kvoffload.operator.plan.workload_apply import render_admission
 from tests.support.lmcache_server import LMCacheServer
+from tests.support.options_init import options_init_container, run_options_init
 
 pytestmark = [pytest.mark.connector, pytest.mark.chart]
 
@@ -167,3 +175,37 @@ def test_bundle_missing_a_package_fails_at_start_naming_it(
     assert "found neither in the TensorRT-LLM image nor in the connector bundle" in line, line
     assert all(name in line for name in named), line
     assert not any(name in line for name in not_named), line
+
+
+def test_the_pods_options_init_step_runs_from_the_bundle_in_a_trtllm_image(bundle: Path, tmp_path: Path) -> None:
+    """Admission mode's options init container runs ``python3 -m kvoffload.trtllm_options_init`` with
+    the engine's image and the bundle on PYTHONPATH: in the image's Python (no kvoffload of its own)
+    it merges the user's file into the same bytes template mode writes."""
+    user = "max_batch_size: 8\nkv_cache_config: {free_gpu_memory_fraction: 0.9}\n"
+    engine = trtllm_container("/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config"}]
+    workload = trtllm_deployment("llama", "llm", containers=[engine],
+                                 volumes=[{"name": "cfg", "configMap": {"name": "llama-options"}}])  # fmt: skip
+    settings = resolve_settings({c.ANN_ENABLED: "true"}, None, OperatorDefaults(), "llm")
+    assert isinstance(settings, InjectionSettings) and settings.connector_source == "init-container"
+    cluster = ClusterInfo(native_sidecars=True, operator_version="test", injection="admission")
+    plan = plan_workload(read_workload(copy.deepcopy(workload)), settings, cluster, RecordedOptions(user))
+    assert isinstance(plan, InjectionPlan), plan
+    rendered = render_admission(plan)
+    record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
+    assert isinstance(record, InjectionRecord)
+    template = copy.deepcopy(workload["spec"]["template"])
+    pod = {"metadata": {"labels": template["metadata"]["labels"]}, "spec": template["spec"]}
+    injected = injected_pod(pod, "Deployment", "llama", "llm", record)
+    assert isinstance(injected, dict), injected
+    init = options_init_container(injected)
+    assert {"name": c.ENV_PYTHONPATH, "value": c.BUNDLE_PYTHONPATH} in init["env"]
+    assert (bundle / c.BUNDLE_PYTHON_DIR / "kvoffload" / "trtllm_options_init.py").is_file()
+    alone = subprocess.run([str(trtllm_image.image_python()), "-c", "import kvoffload.trtllm_options_init"],
+                           env={"PATH": os.environ.get("PATH", "")}, capture_output=True, timeout=60, check=False)  # fmt: skip
+    assert alone.returncode != 0, "the image has a kvoffload of its own: the run below would not test the bundle"
+    ran = run_options_init(injected, {"/config/extra.yaml": user}, tmp_path / "pod",
+                           python=str(trtllm_image.image_python()), pythonpath=str(bundle / c.BUNDLE_PYTHON_DIR))  # fmt: skip
+    assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+    template_mode = render(replace(plan, cluster=replace(cluster, injection="template")))
+    assert ran.options == template_mode.files[c.TRTLLM_OPTIONS_FILE]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from tests.support.operator_support import (
     webhook_port,
 )
 from tests.support.operator_support import gitops_manifest as manifest
+from tests.support.options_init import run_options_init
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 GITOPS_MANAGER = "argocd-controller"
@@ -102,7 +104,9 @@ def settled(cluster: LocalCluster, name: str, namespace: str, injected: bool, im
 def assert_injected_pod(pod: dict[str, Any]) -> None:
     spec = pod["spec"]
     names = [x["name"] for x in [*spec.get("initContainers", []), *spec["containers"]]]
-    assert c.SIDECAR_CONTAINER in names and c.BUNDLE_INIT_CONTAINER in names, names
+    assert c.SIDECAR_CONTAINER in names and c.BUNDLE_INIT_CONTAINER in names and c.OPTIONS_INIT_CONTAINER in names, (
+        names
+    )
     engine = next(x for x in spec["containers"] if x["name"] == "trtllm")
     assert engine["args"].count("--extra_llm_api_options") == 1
     assert any(e["name"].startswith("KVOFFLOAD_") for e in engine["env"]), engine["env"]
@@ -208,10 +212,11 @@ def test_pods_created_while_the_webhook_is_down_start_as_written_and_are_evicted
 
 
 def test_a_webhook_pod_equals_the_template_modes_injection(
-    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path
 ) -> None:
     """The webhook renders the same injection template mode writes (same renderer, applied to the
-    pod); only the files come from the pod's own annotations instead of a generated ConfigMap."""
+    pod); only the files come from the pod itself instead of a generated ConfigMap: the policy file
+    from its annotation, the options file from its init container (run here as the kubelet would)."""
     from kvoffload.operator.intent.settings import resolve_settings
     from kvoffload.operator.plan.fragment import render_injection_fragment
     from kvoffload.operator.plan.injection_plan import ClusterInfo
@@ -229,13 +234,18 @@ def test_a_webhook_pod_equals_the_template_modes_injection(
     fragment["volumes"] = [v for v in fragment["volumes"] if v["name"] not in file_volumes]
     assert contains(fragment, pod["spec"]), "the webhook's pod lacks part of template mode's injection"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    for volume, file in file_volumes.items():
-        (item,) = volumes[volume]["downwardAPI"]["items"]
-        annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
-        assert item["path"] == file
-        assert pod["metadata"]["annotations"][annotation] == rendered.configmap_apply["data"][file], (  # type: ignore[union-attr,index]
-            f"{file}: the pod's copy differs from template mode's"
-        )
+    (item,) = volumes[c.VOLUME_POLICY]["downwardAPI"]["items"]
+    annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+    assert item["path"] == c.POLICY_FILE
+    assert pod["metadata"]["annotations"][annotation] == rendered.configmap_apply["data"][c.POLICY_FILE], (  # type: ignore[union-attr,index]
+        "the policy file: the pod's copy differs from template mode's"
+    )
+    assert "emptyDir" in volumes[c.VOLUME_TRTLLM_OPTIONS]
+    ran = run_options_init(pod, {}, tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.options == rendered.configmap_apply["data"][c.TRTLLM_OPTIONS_FILE], (  # type: ignore[union-attr,index]
+        "the options file: the pod's init container writes another file than template mode's"
+    )
     assert not generated_configmaps(cluster, namespace)
     assert contains(rendered.workload_apply["spec"]["template"]["metadata"]["labels"],  # type: ignore[union-attr]
                     pod["metadata"]["labels"])  # fmt: skip

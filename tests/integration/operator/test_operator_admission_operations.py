@@ -7,8 +7,11 @@ nothing from the operator, the catch-up of a two- and a one-replica workload, an
 
 from __future__ import annotations
 
+import hashlib
 import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from kvoffload import contract as c
 from tests.integration.operator.test_operator_admission import live, manifest, pods, revision, settled
 from tests.support.audit import OPERATOR_USER, AuditWindow
 from tests.support.operator_support import OperatorProcess, events_for
+from tests.support.options_init import options_init_container, run_options_init
 
 pytestmark = [pytest.mark.operator, pytest.mark.controlplane]
 WATCH_S = 20.0
@@ -104,11 +108,12 @@ def test_rollout_undo_after_a_policy_change_converges_in_one_rollout_without_evi
 
 
 def test_an_args_change_that_starts_naming_the_options_configmap_rolls_once(
-    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess, tmp_path: Path
 ) -> None:
     """The user's next manifest mounts their options ConfigMap and names the file in the engine's
-    args: the record changes with it (the options file is merged into it), in the same write, so
-    one rollout, its pods injected with the merged file from the start; the operator writes nothing."""
+    args: the record changes with it (it names the options file's digest), in the same write, so
+    one rollout, its pods injected with the merged file from the start (their init container, run
+    here as the kubelet would, merges the ConfigMap's file); the operator writes nothing."""
     name = "opts"
     apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-options", "namespace": namespace},
                     "data": {"extra.yaml": "max_batch_size: 8\n"}})  # fmt: skip
@@ -126,8 +131,12 @@ def test_an_args_change_that_starts_naming_the_options_configmap_rolls_once(
 
     def merged() -> bool:
         found = settled(cluster, name, namespace, True, "trtllm:1.2.0")
-        files = [p["metadata"]["annotations"].get(c.FILE_ANNOTATIONS[c.TRTLLM_OPTIONS_FILE], "") for p in found]
-        return all("max_batch_size: 8" in f for f in files)
+        digest = hashlib.sha256(b"max_batch_size: 8\n").hexdigest()
+        if not all(digest in options_init_container(p)["args"] for p in found):
+            return False  # not injected from the record that names the file yet
+        runs = [run_options_init(p, {"/config/extra.yaml": "max_batch_size: 8\n"}, Path(tempfile.mkdtemp(dir=tmp_path)))
+                for p in found]  # fmt: skip
+        return all(r.returncode == 0 and "max_batch_size: 8" in (r.options or "") for r in runs)
 
     wait_for(merged, 120, what="both pods injected with the user's options merged")
     time.sleep(6)

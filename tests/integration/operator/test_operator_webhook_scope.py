@@ -5,12 +5,18 @@ is not the apiserver: it posts forged AdmissionReviews straight to the webhook's
 certificate, no uid it could know), naming another namespace's options ConfigMap, or a ConfigMap of
 kube-system. Before, the webhook planned the forged object with the operator's cluster-wide read
 rights and returned that ConfigMap's text inside the record it patched in.
+
+A caller that knows a live workload's uid and its ReplicaSet's (anyone who may read them) forges an
+UPDATE of that workload and a pod CREATE of its ReplicaSet: both answers used to carry the user's
+options text (the record held it; the pod's patch held the merged file as an annotation). Now the
+record holds the file's digest and the pod's init container merges the file itself.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import socket
 import ssl
@@ -20,7 +26,7 @@ from typing import Any
 import pytest
 
 from hack.localcluster import LocalCluster
-from hack.workloads import apply, get, trtllm_container, trtllm_deployment, wait_for
+from hack.workloads import apply, get, list_objects, trtllm_container, trtllm_deployment, wait_for
 from kvoffload import contract as c
 from tests.support.operator_support import OperatorProcess, webhook_port
 
@@ -44,6 +50,26 @@ def forged_update(namespace: str, new: dict[str, Any], old: dict[str, Any]) -> b
     return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
 
 
+def forged_pod_create(namespace: str, pod: dict[str, Any]) -> bytes:
+    """A pod CREATE review as a caller that is not the apiserver writes it."""
+    request = {"uid": str(uuid.uuid4()), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+               "resource": {"group": "", "version": "v1", "resource": "pods"}, "namespace": namespace,
+               "operation": "CREATE", "userInfo": {"username": "nobody"}, "object": pod, "options": {},
+               "dryRun": False}  # fmt: skip
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}).encode()
+
+
+def options_digest(text: str) -> str:
+    """What the record keeps of an options file (``kvoffload.trtllm_options_merge.options_digest``)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recorded_options_digest(cluster: LocalCluster, name: str, namespace: str) -> str | None:
+    """The digest of the user's options file in the workload's injection record (None: no record yet)."""
+    text = get(cluster, "deployment", name, namespace)["metadata"]["annotations"].get(c.ANN_INJECTION_RECORD)
+    return json.loads(text).get("user_options_digest") if text else None
+
+
 def as_injected(workload: dict[str, Any]) -> dict[str, Any]:
     """``workload`` with an injection record held by kvoffload's field manager, as a forger writes it."""
     old = copy.deepcopy(workload)
@@ -53,13 +79,13 @@ def as_injected(workload: dict[str, Any]) -> dict[str, Any]:
     return old
 
 
-def post_review(port: int, body: bytes) -> str:
-    """POST ``body`` to the workloads webhook without checking its certificate (as an attacker
-    would); the whole reply, patch decoded, as text."""
+def post_review(port: int, body: bytes, path: str = c.WEBHOOK_WORKLOADS_PATH) -> str:
+    """POST ``body`` to the workloads webhook (or ``path``) without checking its certificate (as an
+    attacker would); the whole reply, patch decoded, as text."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
-    head = (f"POST {c.WEBHOOK_WORKLOADS_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
     with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, context.wrap_socket(raw) as tls:
         tls.sendall(head + body)
@@ -77,12 +103,13 @@ def test_a_forged_update_naming_another_namespaces_options_gets_none_of_them_bac
     cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
 ) -> None:
     marker = f"victim-secret-{uuid.uuid4().hex}"
+    text = f"# {marker}\nmax_batch_size: 8\n"
     apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "private-options", "namespace": namespace},
-                    "data": {"extra.yaml": f"# {marker}\nmax_batch_size: 8\n"}})  # fmt: skip
+                    "data": {"extra.yaml": text}})  # fmt: skip
     victim = options_workload(namespace, "victim", "private-options", "extra.yaml")
     apply(cluster, victim)
-    wait_for(lambda: marker in get(cluster, "deployment", "victim", namespace)["metadata"]["annotations"]
-             .get(c.ANN_INJECTION_RECORD, ""), 60, what="the victim's record, its options read by the operator")  # fmt: skip
+    wait_for(lambda: recorded_options_digest(cluster, "victim", namespace) == options_digest(text), 60,
+             what="the victim's record, its options read by the operator")  # fmt: skip
     live = get(cluster, "deployment", "victim", namespace)
     port = webhook_port(admission_operator)
 
@@ -116,3 +143,48 @@ def test_a_forged_update_naming_a_kube_system_configmap_reads_nothing_there(
                                                                                          as_injected(forged)))  # fmt: skip
     finally:
         cluster.kubectl("delete", "configmap", name, "-n", "kube-system", check=False)
+
+
+def test_forged_reviews_with_a_live_workloads_uids_get_none_of_its_options_text(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Whoever may read a Deployment and its ReplicaSet knows their uids: a forged UPDATE of the
+    workload (kvoffload's record edited, so the webhook answers with the plan's) and a forged pod of
+    its ReplicaSet are answered, and neither answer holds the user's options text (a comment and a
+    value, so the merged file would show it too)."""
+    marker = f"victim-secret-{uuid.uuid4().hex}"
+    text = f"# {marker}\nmax_batch_size: 8\nkvoffload_test_marker: {marker}\n"
+    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "private-options", "namespace": namespace},
+                    "data": {"extra.yaml": text}})  # fmt: skip
+    apply(cluster, options_workload(namespace, "victim", "private-options", "extra.yaml"))
+    wait_for(lambda: c.ANN_INJECTION_RECORD in get(cluster, "deployment", "victim", namespace)["metadata"]["annotations"],
+             60, what="the victim's record, its options read by the operator")  # fmt: skip
+    shown = cluster.kubectl("get", "deployment", "victim", "-n", namespace, "-o", "json", "--show-managed-fields")
+    live = json.loads(shown.stdout)  # with its managedFields, as the apiserver sends it
+    label = live["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
+
+    def current_replica_set() -> dict[str, Any] | None:
+        found = [rs for rs in list_objects(cluster, "replicaset", namespace, "app=victim")
+                 if rs["spec"]["template"]["metadata"]["labels"].get(c.LABEL_INJECT) == label]  # fmt: skip
+        return found[0] if found else None
+
+    replica_set = wait_for(current_replica_set, 60, what="the victim's ReplicaSet of the injected template")
+    port = webhook_port(admission_operator)
+
+    forged = copy.deepcopy(live)
+    forged["metadata"]["annotations"][c.ANN_INJECTION_RECORD] = "{}"  # so the answer carries the plan's record
+    update_answer = post_review(port, forged_update(namespace, forged, live))
+    assert c.ANN_INJECTION_RECORD in update_answer, "the webhook answered the UPDATE with kvoffload's record"
+    assert marker not in update_answer
+
+    template = replica_set["spec"]["template"]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": f"{replica_set['metadata']['name']}-", "namespace": namespace,
+                        "labels": dict(template["metadata"]["labels"]),
+                        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "controller": True,
+                                             "name": replica_set["metadata"]["name"],
+                                             "uid": replica_set["metadata"]["uid"]}]},
+           "spec": copy.deepcopy(template["spec"])}  # fmt: skip
+    pod_answer = post_review(port, forged_pod_create(namespace, pod), c.WEBHOOK_PATH)
+    assert c.ANN_INJECTED_FROM in pod_answer, "the webhook injected the forged pod (its owners' uids are real)"
+    assert marker not in pod_answer

@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from hack.workloads import trtllm_deployment
+from hack.workloads import trtllm_container, trtllm_deployment
 from kvoffload import contract as c
 from kvoffload.operator.admission.new_workloads import label_for_new_workload, record_before_the_operator
 from kvoffload.operator.admission.pod_alignment import next_eviction, start_failure
@@ -28,17 +30,20 @@ from kvoffload.operator.intent.settings import InjectionSettings
 from kvoffload.operator.intent.workload import Workload, read_workload
 from kvoffload.operator.plan.fragment import render
 from kvoffload.operator.plan.injection_plan import ClusterInfo, choose_engine, plan_injection
-from kvoffload.operator.plan.injection_record import InjectionRecord, foreign_record
+from kvoffload.operator.plan.injection_record import InjectionRecord, foreign_record, record_of
 from kvoffload.operator.plan.workload_apply import render_admission
 from kvoffload.policy_values import FsTier, PolicyError, RedisTier
+from kvoffload.trtllm_options_merge import options_digest
+from tests.support.options_init import OPTIONS_PATH, options_init_container, run_options_init
 
 
-def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True) -> Any:
+def plan_of(workload: dict[str, Any], settings: InjectionSettings | None = None, admission: bool = True,
+            user_options: str | None = None) -> Any:  # fmt: skip
     settings = settings or InjectionSettings()
     cluster = ClusterInfo(native_sidecars=True, injection="admission" if admission else "template")
     read = read_workload(workload)
     engine = choose_engine(read, settings)
-    return plan_injection(read, settings, cluster, engine)  # type: ignore[arg-type]
+    return plan_injection(read, settings, cluster, engine, user_options)  # type: ignore[arg-type]
 
 
 def pod_of(workload: dict[str, Any], template_hash: str = "5d8f7c9b4") -> dict[str, Any]:
@@ -58,7 +63,7 @@ def pod_of(workload: dict[str, Any], template_hash: str = "5d8f7c9b4") -> dict[s
 def test_the_record_round_trips_every_setting() -> None:
     settings = InjectionSettings(fs_tier=FsTier("/cache", 2**30), redis_tier=RedisTier("redis://r:6379", "s", "k"),
                                  container="trtllm", sidecar_resources={"limits": {"memory": "9Gi"}})  # fmt: skip
-    record = InjectionRecord(settings, "max_batch_size: 8\n", None, "0.1.0", True)
+    record = InjectionRecord(settings, options_digest("max_batch_size: 8\n"), None, "0.1.0", True)
     assert InjectionRecord.from_json(record.to_json()) == record
     assert "not readable" in str(InjectionRecord.from_json("{"))
 
@@ -72,7 +77,7 @@ def test_admission_mode_writes_one_object_the_workload_with_the_record_and_one_t
     assert rendered.configmap_apply is None, "no generated ConfigMap: one write per workload"
     record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
     assert isinstance(record, InjectionRecord) and record.settings == InjectionSettings()
-    assert set(rendered.files) == {c.TRTLLM_OPTIONS_FILE, c.POLICY_FILE}
+    assert set(rendered.files) == {c.POLICY_FILE}, "the options file is the pod's init container's to write"
     assert set(rendered.forceable_fields) == {  # only kvoffload's own keys are ever taken back
         f".metadata.annotations.{c.ANN_INJECTION_RECORD}",
         f".spec.template.metadata.labels.{c.LABEL_INJECT}",
@@ -86,15 +91,22 @@ def test_admission_mode_writes_one_object_the_workload_with_the_record_and_one_t
     )
 
 
-def test_moving_the_record_out_of_the_configmap_keeps_the_template_label_so_an_upgrade_rolls_nothing() -> None:
-    import hashlib
-
-    plan = plan_of(trtllm_deployment("llm", "ns"))
-    rendered = render_admission(plan)
-    record = rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD]
-    earlier_configmap_data = {**render(plan).configmap_apply["data"], "injection.json": record}  # type: ignore[index]
-    earlier_label = hashlib.sha256(json.dumps(earlier_configmap_data, sort_keys=True).encode()).hexdigest()[:16]
-    assert rendered.config_hash == earlier_label
+def test_a_record_of_the_previous_version_reads_as_its_digest_and_the_operator_writes_it_anew() -> None:
+    """An upgrade: a workload's record still holds the user's options text. Its pods are still
+    injected (the text read as its digest, which the init container checks), and the operator's
+    plan gives a different record (digest only), which it applies: one rollout, text gone."""
+    workload, user = options_workload()
+    plan = plan_of(workload, user_options=user)
+    current = json.loads(record_of(plan).to_json())
+    legacy = {k: v for k, v in current.items() if k != "user_options_digest"} | {"user_options_yaml": user}
+    record = InjectionRecord.from_json(json.dumps(legacy))
+    assert record == record_of(plan), "the old record reads as the digest of its text"
+    new = injected_pod(pod_of(workload), "Deployment", "llm", "ns", record)
+    assert isinstance(new, dict) and MARKER not in json.dumps(new)
+    assert options_init_container(new)["args"][-1] == options_digest(user)
+    assert render_admission(plan).workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD] != json.dumps(
+        legacy
+    )
 
 
 def test_the_webhook_pod_is_the_template_modes_injection_applied_to_the_pod() -> None:
@@ -114,7 +126,7 @@ def test_the_webhook_pod_is_the_template_modes_injection_applied_to_the_pod() ->
     )
 
 
-def test_the_webhook_pod_carries_its_files_and_mounts_them_through_the_downward_api() -> None:
+def test_the_webhook_pod_carries_its_policy_file_and_an_init_container_writes_its_options_file(tmp_path: Path) -> None:
     workload = trtllm_deployment("llm", "ns")
     plan = plan_of(workload)
     new = injected_pod(pod_of(workload), "Deployment", "llm", "ns", InjectionRecord(plan.settings, None, None,
@@ -122,12 +134,78 @@ def test_the_webhook_pod_carries_its_files_and_mounts_them_through_the_downward_
     assert isinstance(new, dict)
     files = render_admission(plan).files
     volumes = {v["name"]: v for v in new["spec"]["volumes"]}
-    for volume, file in ((c.VOLUME_TRTLLM_OPTIONS, c.TRTLLM_OPTIONS_FILE), (c.VOLUME_POLICY, c.POLICY_FILE)):
-        assert "configMap" not in volumes[volume]
-        (item,) = volumes[volume]["downwardAPI"]["items"]
-        assert item["path"] == file
-        annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
-        assert new["metadata"]["annotations"][annotation] == files[file]
+    assert "configMap" not in volumes[c.VOLUME_POLICY]
+    (item,) = volumes[c.VOLUME_POLICY]["downwardAPI"]["items"]
+    assert item["path"] == c.POLICY_FILE
+    annotation = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+    assert new["metadata"]["annotations"][annotation] == files[c.POLICY_FILE]
+    assert set(volumes[c.VOLUME_TRTLLM_OPTIONS]) == {"name", "emptyDir"}
+    init = options_init_container(new)
+    assert init["image"] == workload["spec"]["template"]["spec"]["containers"][0]["image"], "the engine's image"
+    assert init["volumeMounts"][0] == {"name": c.VOLUME_TRTLLM_OPTIONS, "mountPath": c.TRTLLM_OPTIONS_MOUNT_PATH}
+    assert [x["name"] for x in new["spec"]["initContainers"]].index(c.OPTIONS_INIT_CONTAINER) == 1, "after the bundle"
+    ran = run_options_init(new, {}, tmp_path)
+    assert (
+        ran.returncode == 0 and ran.options == render(plan_of(workload, admission=False)).files[c.TRTLLM_OPTIONS_FILE]
+    ), "the pod writes the file template mode writes"
+
+
+MARKER = "kvoffload-test-marker-7f3a"
+
+
+def options_workload() -> tuple[dict[str, Any], str]:
+    """A workload whose engine reads its options file from a ConfigMap (a subPath mount), and that file."""
+    engine = trtllm_container("/config/extra.yaml")
+    engine["volumeMounts"] = [{"name": "cfg", "mountPath": "/config/extra.yaml", "subPath": "extra.yaml"}]
+    volumes = [{"name": "cfg", "configMap": {"name": "llm-options"}}]
+    user = f"max_batch_size: 8\n# {MARKER}\nkv_cache_config: {{free_gpu_memory_fraction: 0.9}}\n"
+    return trtllm_deployment("llm", "ns", containers=[engine], volumes=volumes), user
+
+
+@pytest.mark.parametrize("source", ["init-container", "image"])
+def test_the_webhook_pod_merges_the_users_options_in_an_init_container_and_no_answer_holds_their_text(
+    tmp_path: Path, source: str
+) -> None:
+    """Admission mode never answers with the user's options text (a forged review with a workload's
+    uids known would read it): the record keeps its digest, the pod's init container mounts the
+    user's ConfigMap as the engine does and merges the file there."""
+    workload, user = options_workload()
+    settings = InjectionSettings(connector_source=source)
+    plan = plan_of(workload, settings, user_options=user)
+    rendered = render_admission(plan)
+    assert MARKER not in json.dumps(rendered.workload_apply) and MARKER not in json.dumps(rendered.files)
+    record = InjectionRecord.from_json(rendered.workload_apply["metadata"]["annotations"][c.ANN_INJECTION_RECORD])
+    assert isinstance(record, InjectionRecord) and record.user_options_digest == options_digest(user)
+    pod = pod_of(workload)
+    pod["metadata"]["labels"][c.LABEL_INJECT] = rendered.config_hash
+    answer = admit(pod, "ns", record, ("Deployment", "llm"))
+    assert answer.result == "injected" and MARKER not in json.dumps(answer.patch)
+    new = injected_pod(pod, "Deployment", "llm", "ns", record)
+    assert isinstance(new, dict)
+    init = options_init_container(new)
+    engine = next(x for x in new["spec"]["containers"] if x["name"] == "trtllm")
+    assert {"name": "cfg", "mountPath": "/config/extra.yaml", "subPath": "extra.yaml", "readOnly": True} in init[
+        "volumeMounts"
+    ]
+    assert engine["args"][engine["args"].index("--extra_llm_api_options") + 1] == OPTIONS_PATH
+    assert {"name": c.VOLUME_TRTLLM_OPTIONS, "mountPath": c.TRTLLM_OPTIONS_MOUNT_PATH, "readOnly": True} in engine[
+        "volumeMounts"
+    ]
+    bundle = {"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH, "readOnly": True}
+    assert (bundle in init["volumeMounts"]) == (source == "init-container")
+    assert ({"name": c.ENV_PYTHONPATH, "value": c.BUNDLE_PYTHONPATH} in init.get("env", [])) == (
+        source == "init-container"
+    )
+    assert init["securityContext"]["runAsNonRoot"] and init["securityContext"]["runAsUser"] != 0
+    assert init["resources"]["limits"]["memory"]
+    ran = run_options_init(new, {"/config/extra.yaml": user}, tmp_path)
+    assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+    assert (
+        ran.options
+        == render(plan_of(workload, settings, admission=False, user_options=user)).files[c.TRTLLM_OPTIONS_FILE]
+    )
+    merged = yaml.safe_load(ran.options or "")
+    assert merged["max_batch_size"] == 8 and merged["kv_cache_config"]["enable_block_reuse"] is True
 
 
 def test_merging_keeps_the_users_list_items_and_replaces_ours_by_key() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -91,26 +90,10 @@ def test_rewrite_and_restore_round_trip(flag_style: str) -> None:
     assert strip_injected_args(injected, "/config/o.yaml") == args
 
 
-def test_merge_keeps_user_options_and_adds_ours() -> None:
-    text, error = merged_options_yaml("max_batch_size: 8\nkv_cache_config: {free_gpu_memory_fraction: 0.9}\n")
-    assert error is None
-    merged = yaml.safe_load(text)
-    assert merged["max_batch_size"] == 8
-    assert merged["kv_cache_config"] == {"enable_block_reuse": True, "free_gpu_memory_fraction": 0.9}
-    assert merged["kv_connector_config"]["connector_module"] == c.CONNECTOR_MODULE
-    assert merged["kv_connector_config"]["connector_scheduler_class"] == c.CONNECTOR_SCHEDULER_CLASS
-
-
 def test_merge_never_silently_changes_a_users_setting() -> None:
     for user in ("kv_cache_config: {enable_block_reuse: false}\n", "kv_connector_config: {connector_module: other}\n"):
         text, error = merged_options_yaml(user)
         assert text == "" and error and error.split(".")[0].split(":")[0] in user, (user, error)
-
-
-@pytest.mark.parametrize("bad", ["a: [1", "- just\n- a list\n"])
-def test_merge_reports_unusable_user_files(bad: str) -> None:
-    text, error = merged_options_yaml(bad)
-    assert text == "" and error
 
 
 ARGS = st.lists(st.sampled_from(["model", "--port", "8000", "--config", "/c/o.yaml", "--tp_size", "2", "x"]),

@@ -1,6 +1,8 @@
 """Injection at pod admission, pure, the webhook's side: the record a workload's pods are injected
 from (as the operator wrote it, ``plan.injection_record``), and the pod the webhook admits (the user's
-pod with the injection merged in, its files as pod annotations, as a JSON patch).
+pod with the injection merged in, its policy file as a pod annotation, as a JSON patch). The user's
+options file is never in the answer: the record keeps its digest, and the pod's init container merges
+the file from the user's ConfigMap.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from kvoffload.operator.intent.managed_fields import owned_by
 from kvoffload.operator.intent.settings import enabled_state
 from kvoffload.operator.intent.workload import RECORD_PATH, SUPPORTED_KINDS, read_workload
 from kvoffload.operator.plan.fragment import render
-from kvoffload.operator.plan.injection_plan import RecordedOptions, plan_workload
+from kvoffload.operator.plan.injection_plan import CheckedOptions, plan_workload
 from kvoffload.operator.plan.injection_record import InjectionRecord, record_digest
 from kvoffload.policy_values import PolicyError
 
@@ -50,7 +52,7 @@ def injected_pod(pod: Mapping[str, Any], kind: str, name: str, namespace: str, r
                  ) -> dict[str, Any] | PolicyError:  # fmt: skip
     """The pod with the injection the record describes, rendered from the pod itself."""
     workload = read_workload(workload_of_pod(pod, kind, name, namespace))
-    plan = plan_workload(workload, record.settings, record.cluster, RecordedOptions(record.user_options_yaml),
+    plan = plan_workload(workload, record.settings, record.cluster, CheckedOptions(record.user_options_digest),
                          record.node_cache)  # fmt: skip
     if isinstance(plan, PolicyError):
         return plan

@@ -107,8 +107,27 @@ def _launches_trtllm(command: Sequence[str], args: Sequence[str]) -> bool:
 def _configmap_source(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
                       ) -> tuple[str, str] | None:  # fmt: skip
     """(ConfigMap name, key) when ``path`` lies in a ConfigMap volume mounted in ``container``."""
+    found = _configmap_mount(path, container, volumes)
+    return (found[1], found[2]) if found else None
+
+
+def options_mount(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
+                  ) -> dict[str, Any] | None:  # fmt: skip
+    """The mount through which ``container`` reads ``path`` from a ConfigMap volume (its volume,
+    mountPath and subPath), read-only: the pod's options init step mounts the file the same way."""
+    found = _configmap_mount(path, container, volumes)
+    if found is None:
+        return None
+    mount = {k: found[0][k] for k in ("name", "mountPath", "subPath") if k in found[0]}
+    return {**mount, "readOnly": True}
+
+
+def _configmap_mount(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
+                     ) -> tuple[Mapping[str, Any], str, str] | None:  # fmt: skip
+    """(the mount, ConfigMap name, key) when ``path`` lies in a ConfigMap volume mounted in ``container``;
+    the deepest such mount."""
     by_name = {v.get("name"): v for v in volumes}
-    best: tuple[int, str, str] | None = None
+    best: tuple[int, Mapping[str, Any], str, str] | None = None
     for mount in container.get("volumeMounts") or []:
         mount_path = str(mount.get("mountPath", "")).rstrip("/")
         volume = by_name.get(mount.get("name"))
@@ -129,8 +148,8 @@ def _configmap_source(path: str, container: Mapping[str, Any], volumes: Sequence
         if "/" in key_name:
             continue
         if best is None or len(mount_path) > best[0]:
-            best = (len(mount_path), str(cm.get("name")), key_name)
-    return (best[1], best[2]) if best else None
+            best = (len(mount_path), mount, str(cm.get("name")), key_name)
+    return (best[1], best[2], best[3]) if best else None
 
 
 def plan_options(container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]],

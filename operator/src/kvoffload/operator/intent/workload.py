@@ -21,7 +21,7 @@ from kvoffload.operator.intent.trtllm_options import CommandLine, OptionsPlan, r
 
 SUPPORTED_KINDS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1"}
 GPU_RESOURCE = "nvidia.com/gpu"
-OUR_CONTAINERS = (c.SIDECAR_CONTAINER, c.BUNDLE_INIT_CONTAINER)
+OUR_CONTAINERS = (c.SIDECAR_CONTAINER, c.BUNDLE_INIT_CONTAINER, c.OPTIONS_INIT_CONTAINER)
 OUR_VOLUMES = (c.VOLUME_SHM, c.VOLUME_RUN, c.VOLUME_BUNDLE, c.VOLUME_TRTLLM_OPTIONS, c.VOLUME_POLICY, c.VOLUME_L2_FS)
 RECORD_PATH = ("f:metadata", "f:annotations", f"f:{c.ANN_INJECTION_RECORD}")
 ADMISSION_LABEL_PATH = (*TEMPLATE_META, "f:labels", f"f:{c.LABEL_INJECT}")

@@ -7,6 +7,7 @@ cache-server container (:func:`cache_server_container`), configured by the polic
 from __future__ import annotations
 
 import copy
+import json
 import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -271,3 +272,42 @@ def bundle_container(settings: InjectionSettings) -> dict[str, Any]:
         "securityContext": copy.deepcopy(RESTRICTED_SECURITY_CONTEXT),
         "volumeMounts": [{"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH}],
     }
+
+
+OPTIONS_VOLUME_SIZE = "1Mi"
+"""The emptyDir the options init step writes the engine's options file into (a few KiB)."""
+
+
+def options_init_container(settings: InjectionSettings, engine: Mapping[str, Any], ours: Mapping[str, Any],
+                           user_file: tuple[Mapping[str, Any], str, str | None] | None) -> dict[str, Any]:  # fmt: skip
+    """The init container (admission mode) that writes the engine's options file into the options
+    volume: kvoffload's options ``ours`` merged over the user's file, where ``user_file`` = (the
+    engine's mount of the user's ConfigMap volume, the file's path, the digest the operator planned
+    with). Runs with the engine's image (python3 and PyYAML), the connector bundle on its path in
+    ``connector_source: init-container`` (kvoffload baked into the image otherwise); as uid
+    ``SIDECAR_UID``, since the engine's image may default to root."""
+    args = ["--ours", json.dumps(dict(ours), sort_keys=True, separators=(",", ":")),
+            "--out", posixpath.join(c.TRTLLM_OPTIONS_MOUNT_PATH, c.TRTLLM_OPTIONS_FILE)]  # fmt: skip
+    mounts: list[dict[str, Any]] = [{"name": c.VOLUME_TRTLLM_OPTIONS, "mountPath": c.TRTLLM_OPTIONS_MOUNT_PATH}]
+    if user_file is not None:
+        mount, path, digest = user_file
+        args += ["--user-file", path, *(["--user-digest", digest] if digest else [])]
+        mounts.append(dict(mount))
+    env = []
+    if settings.connector_source == "init-container":
+        mounts.append({"name": c.VOLUME_BUNDLE, "mountPath": c.BUNDLE_MOUNT_PATH, "readOnly": True})
+        env.append(env_var(c.ENV_PYTHONPATH, c.BUNDLE_PYTHONPATH))
+    container: dict[str, Any] = {
+        "name": c.OPTIONS_INIT_CONTAINER,
+        "image": engine.get("image"),
+        "command": list(c.OPTIONS_INIT_COMMAND),
+        "args": args,
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": copy.deepcopy(RESTRICTED_SECURITY_CONTEXT),
+        "volumeMounts": mounts,
+    }
+    if engine.get("imagePullPolicy"):
+        container["imagePullPolicy"] = engine["imagePullPolicy"]
+    if env:
+        container["env"] = env
+    return container

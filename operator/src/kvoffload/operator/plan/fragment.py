@@ -17,16 +17,18 @@ from typing import Any
 
 from kvoffload import contract as c
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.operator.intent.trtllm_options import AlreadyOurs, MergeFromConfigMap
+from kvoffload.operator.intent.trtllm_options import AlreadyOurs, MergeFromConfigMap, connector_options, options_mount
 from kvoffload.operator.intent.workload import Workload, WorkloadRef, configmap_name, conflict_path, read_workload
 from kvoffload.operator.plan.containers import (
     BUNDLE_VOLUME_SIZE,
     CACHE_KEYS_MOUNT,
     ENGINE_KEY_FILES,
+    OPTIONS_VOLUME_SIZE,
     RUN_VOLUME_SIZE,
     bundle_container,
     cache_keys_volume,
     cache_server_container,
+    options_init_container,
     shm_size_limit,
 )
 from kvoffload.operator.plan.injection_plan import (
@@ -49,7 +51,8 @@ class RenderedInjection:
     """The generated ConfigMap holding ``files`` (template mode); None where the pods carry the
     files themselves (admission mode: pod annotations read through a downward API volume)."""
     files: dict[str, str]
-    """The files the pods mount: the engine's options file, and the policy file with a sidecar."""
+    """The files the pods mount: the engine's options file (template mode; in admission mode the
+    pod's options init container writes it) and the policy file."""
     config_hash: str
     engine_container: str
     forceable_fields: tuple[str, ...]
@@ -104,6 +107,18 @@ def _file_volume(name: str, file: str, cm_name: str | None) -> dict[str, Any]:
     return {"name": name, "downwardAPI": {"items": [{"path": file, "fieldRef": {"fieldPath": field}}]}}
 
 
+def _options_init(plan: InjectionPlan) -> dict[str, Any]:
+    """Admission mode's init container writing the engine's options file in the pod, from the user's
+    ConfigMap as the engine mounts it (where the options come from one) and our options."""
+    user_file = None
+    options = plan.engine.options
+    if isinstance(options, MergeFromConfigMap):
+        mount = options_mount(options.path, plan.engine.spec, plan.workload.volumes)
+        if mount is not None:  # always: the plan found the file through this mount
+            user_file = (mount, options.path, plan.user_options_digest)
+    return options_init_container(plan.settings, plan.engine.spec, connector_options(), user_file)
+
+
 def _volumes(plan: InjectionPlan, cm_name: str | None) -> list[dict[str, Any]]:
     settings = plan.settings
     volumes: list[dict[str, Any]] = []
@@ -118,7 +133,10 @@ def _volumes(plan: InjectionPlan, cm_name: str | None) -> list[dict[str, Any]]:
     volumes.append({"name": c.VOLUME_RUN, "emptyDir": {"sizeLimit": RUN_VOLUME_SIZE}})
     if settings.connector_source == "init-container":
         volumes.append({"name": c.VOLUME_BUNDLE, "emptyDir": {"sizeLimit": BUNDLE_VOLUME_SIZE}})
-    volumes.append(_file_volume(c.VOLUME_TRTLLM_OPTIONS, c.TRTLLM_OPTIONS_FILE, cm_name))
+    if cm_name is None:  # admission mode: the options init container writes the file
+        volumes.append({"name": c.VOLUME_TRTLLM_OPTIONS, "emptyDir": {"sizeLimit": OPTIONS_VOLUME_SIZE}})
+    else:
+        volumes.append(_file_volume(c.VOLUME_TRTLLM_OPTIONS, c.TRTLLM_OPTIONS_FILE, cm_name))
     if plan.uses_sidecar:
         volumes.append(_file_volume(c.VOLUME_POLICY, c.POLICY_FILE, cm_name))
         if settings.fs_tier:
@@ -134,6 +152,8 @@ def _pod_spec_fragment(plan: InjectionPlan, cm_name: str | None) -> dict[str, An
     containers: list[dict[str, Any]] = [_engine_fragment(plan)]
     if settings.connector_source == "init-container":
         init_containers.append(bundle_container(settings))
+    if cm_name is None:  # after the bundle copy: it may run from the bundle
+        init_containers.append(_options_init(plan))
     if plan.uses_sidecar:
         sidecar = cache_server_container(settings, plan.user_shm_volume or c.VOLUME_SHM, native)
         (init_containers if native else containers).append(sidecar)
@@ -169,14 +189,16 @@ def configmap_body(ref: WorkloadRef, cm_name: str, data: dict[str, str], digest:
 
 def render(plan: InjectionPlan, files_on_pod: bool = False) -> RenderedInjection:
     """The SSA bodies (workload fragment and generated ConfigMap) of a plan; with ``files_on_pod``
-    (the webhook's pods) the files are pod annotations instead and there is no ConfigMap."""
+    (the webhook's pods) the policy file is a pod annotation instead, the options file is written by
+    the pod's init container (no options text in the answer), and there is no ConfigMap."""
     workload, uses_sidecar = plan.workload, plan.uses_sidecar
     cm_name = None if files_on_pod else configmap_name(workload.ref.name)
     pod_spec = _pod_spec_fragment(plan, cm_name)
-    configmap_data = {
-        c.TRTLLM_OPTIONS_FILE: plan.options_text,
-        c.POLICY_FILE: json.dumps(plan.settings.policy_document(), sort_keys=True, indent=2) + "\n",
-    }
+    configmap_data = {c.POLICY_FILE: json.dumps(plan.settings.policy_document(), sort_keys=True, indent=2) + "\n"}
+    if not files_on_pod:
+        if plan.options_text is None:  # pragma: no cover - only the webhook's pods plan without the text
+            raise ValueError("template mode renders the options file: plan it with the user's file")
+        configmap_data = {c.TRTLLM_OPTIONS_FILE: plan.options_text, **configmap_data}
     warnings = list(plan.warnings)
     port = (
         (c.SIDECAR_HTTP_PORT, c.SIDECAR_PORT_NAME)

@@ -30,6 +30,7 @@ from kvoffload.operator.plan.node_wiring import NodeCacheWiring
 from kvoffload.operator.plan.options_file import engine_options
 from kvoffload.operator.plan.user_pod import pod_level_fields, user_shm_volume
 from kvoffload.policy_values import PolicyError
+from kvoffload.trtllm_options_merge import options_digest
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,19 @@ class RecordedOptions:
 
 
 @dataclass(frozen=True)
+class CheckedOptions:
+    """The user's options file known only by its digest (an injection record's, read by the webhook
+    for a pod): the operator read and checked the file when it planned the record, and the pod's init
+    step merges it from the ConfigMap, so planning with it reads nothing and checks nothing of the
+    file again (``options_file.engine_options``). The webhook's answers then hold no options text.
+
+    Re-checking at pod time could only catch a file edited since the record was planned; the
+    operator re-plans on such an edit (``intent.options_sources``) and the pod's init step says so."""
+
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
 class InjectionPlan:
     """Everything decided for one workload; :func:`kvoffload.operator.plan.fragment.render` renders it."""
 
@@ -79,9 +93,13 @@ class InjectionPlan:
     engine_args: list[str] | None
     """The engine's args to apply, or None to leave the field alone."""
     engine_env: list[dict[str, Any]]
-    options_text: str
+    options_text: str | None
+    """The merged options file; None where the pod's init step merges it (planned from ``CheckedOptions``)."""
     user_options_yaml: str | None
-    """The user's own options file (from their ConfigMap) the text was merged over."""
+    """The user's own options file (from their ConfigMap) the text was merged over (None where only
+    its digest is known)."""
+    user_options_digest: str | None
+    """sha256 of the user's options file (None: the engine's options come from no ConfigMap)."""
     user_shm_volume: str | None
     """The user's own /dev/shm volume, reused; None: kvoffload provides one."""
     node_cache: NodeCacheWiring | None
@@ -154,7 +172,7 @@ def choose_engine(workload: Workload, settings: InjectionSettings) -> Container 
 
 
 def plan_workload(workload: Workload, settings: InjectionSettings, cluster: ClusterInfo,
-                  options: OptionsReader | RecordedOptions, node_cache: NodeCacheWiring | None = None
+                  options: OptionsReader | RecordedOptions | CheckedOptions, node_cache: NodeCacheWiring | None = None
                   ) -> InjectionPlan | PolicyError:  # fmt: skip
     """The plan for an opted-in workload, the one sequence every caller runs: choose the engine, take
     the user's options file (read through ``options`` where a ConfigMap holds it, or as recorded
@@ -163,6 +181,8 @@ def plan_workload(workload: Workload, settings: InjectionSettings, cluster: Clus
     engine = choose_engine(workload, settings)
     if isinstance(engine, PolicyError):
         return engine
+    if isinstance(options, CheckedOptions):
+        return plan_injection(workload, settings, cluster, engine, None, node_cache, checked=options)
     if isinstance(options, RecordedOptions):
         user_options = options.text
     else:
@@ -196,13 +216,15 @@ def plan_injection(
     engine: Container,
     user_options_yaml: str | None = None,
     node_cache: NodeCacheWiring | None = None,
+    checked: CheckedOptions | None = None,
 ) -> InjectionPlan | PolicyError:
     """The plan for an opted-in workload whose engine :func:`choose_engine` found.
 
     ``user_options_yaml`` is the user's options file where the engine's options come from a
-    ConfigMap; ``node_cache`` wires the engine to its node's cache pod.
+    ConfigMap; ``node_cache`` wires the engine to its node's cache pod; ``checked``: instead of the
+    file, its digest only, from a record (the pod's init step merges the file).
     """
-    options = engine_options(engine, settings, user_options_yaml)
+    options = engine_options(engine, settings, user_options_yaml, merged_in_pod=checked is not None)
     if isinstance(options, PolicyError):
         return options
     args, options_text = options
@@ -224,6 +246,14 @@ def plan_injection(
     return InjectionPlan(
         workload=workload, settings=settings, cluster=cluster, engine=engine, engine_args=args, engine_env=env,
         options_text=options_text, user_options_yaml=user_options_yaml, user_shm_volume=user_shm,
+        user_options_digest=checked.digest if checked is not None else _digest_of(engine, user_options_yaml),
         node_cache=node_cache, uses_sidecar=uses_sidecar, runtime_class_name=runtime_class,
         warnings=(*warnings, *pod_warnings),
     )  # fmt: skip
+
+
+def _digest_of(engine: Container, user_options_yaml: str | None) -> str | None:
+    """The digest an injection record keeps of the user's options file (where they come from a ConfigMap)."""
+    if not isinstance(engine.options, MergeFromConfigMap) or user_options_yaml is None:
+        return None
+    return options_digest(user_options_yaml)

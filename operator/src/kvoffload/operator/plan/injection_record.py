@@ -1,5 +1,5 @@
-"""The injection record, pure: what the operator decided for one workload (settings, the user's
-options file, node wiring), written on the workload as one annotation, read back by the webhook to
+"""The injection record, pure: what the operator decided for one workload (settings, the digest of
+the user's options file, node wiring), written on the workload as one annotation, read back by the webhook to
 inject each of its pods; the hash naming it and the files it gives the pods; and how to tell a record
 kvoffload wrote from one it did not.
 """
@@ -18,6 +18,7 @@ from kvoffload.operator.intent.workload import Workload
 from kvoffload.operator.plan.injection_plan import ClusterInfo, InjectionPlan
 from kvoffload.operator.plan.node_wiring import NodeCacheWiring
 from kvoffload.policy_values import PolicyError
+from kvoffload.trtllm_options_merge import options_digest
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,9 @@ class InjectionRecord:
     """What the operator decided for one workload: enough to inject any of its pods."""
 
     settings: InjectionSettings
-    user_options_yaml: str | None
+    user_options_digest: str | None
+    """sha256 of the user's options file the operator checked, never its text: the record travels in
+    webhook answers, and the pod's init step reads the file from the ConfigMap itself."""
     node_cache: NodeCacheWiring | None
     operator_version: str
     native_sidecars: bool
@@ -35,20 +38,27 @@ class InjectionRecord:
         if self.node_cache is not None:
             wiring = {"server_url": self.node_cache.server_url, "shm_host_path": self.node_cache.shm_host_path,
                       "pod_labels": dict(self.node_cache.pod_labels)}  # fmt: skip
-        document = {"settings": self.settings.as_record(), "user_options_yaml": self.user_options_yaml,
+        document = {"settings": self.settings.as_record(), "user_options_digest": self.user_options_digest,
                     "node_cache": wiring, "operator_version": self.operator_version,
                     "native_sidecars": self.native_sidecars}  # fmt: skip
         return json.dumps(document, sort_keys=True, indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> InjectionRecord | str:
-        """The record, or why the text is not one (a one-line reason)."""
+        """The record, or why the text is not one (a one-line reason). A record of an earlier version
+        holds the user's options text (``user_options_yaml``): read as its digest, so the pods of a
+        workload injected before an upgrade are still injected; the operator re-plans such a workload
+        (its version changed) and writes the record anew, text gone."""
         try:
             doc = json.loads(text)
             wiring = doc.get("node_cache")
+            legacy_text = doc.get("user_options_yaml")
+            digest = doc.get("user_options_digest")
+            if digest is None and isinstance(legacy_text, str):
+                digest = options_digest(legacy_text)
             return cls(
                 settings=InjectionSettings.from_record(doc["settings"]),
-                user_options_yaml=doc.get("user_options_yaml"),
+                user_options_digest=None if digest is None else str(digest),
                 node_cache=NodeCacheWiring(**wiring) if wiring else None,
                 operator_version=str(doc["operator_version"]),
                 native_sidecars=bool(doc["native_sidecars"]),
@@ -63,7 +73,7 @@ class InjectionRecord:
 
 def record_of(plan: InjectionPlan) -> InjectionRecord:
     return InjectionRecord(
-        settings=plan.settings, user_options_yaml=plan.user_options_yaml, node_cache=plan.node_cache,
+        settings=plan.settings, user_options_digest=plan.user_options_digest, node_cache=plan.node_cache,
         operator_version=plan.cluster.operator_version, native_sidecars=plan.cluster.native_sidecars,
     )  # fmt: skip
 

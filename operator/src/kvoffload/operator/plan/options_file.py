@@ -28,6 +28,7 @@ from kvoffload.operator.intent.trtllm_options import (
 )
 from kvoffload.operator.intent.workload import Container
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
+from kvoffload.trtllm_options_merge import merge_options, options_yaml, parse_user_options
 
 
 def desired_args(args: Sequence[str], plan: OptionsPlan) -> list[str] | None:
@@ -167,25 +168,15 @@ def user_options_problem(options: Mapping[str, Any]) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def merged_options_yaml(user_yaml: str | None) -> tuple[str, str | None]:
-    """Our options merged over the user's; (YAML text, error message or None). Cached, as above."""
-    base: dict[str, Any] = {}
-    if user_yaml:
-        try:
-            loaded = yaml.safe_load(user_yaml)
-        except yaml.YAMLError as exc:
-            return "", f"the user's TensorRT-LLM options file is not valid YAML: {exc}"
-        if loaded is not None and not isinstance(loaded, dict):
-            return "", "the user's TensorRT-LLM options file is not a YAML mapping"
-        base = dict(loaded or {})
-        problem = user_options_problem(base)
-        if problem:
-            return "", problem
-    ours = connector_options()
-    merged = dict(base)
-    merged["kv_connector_config"] = ours["kv_connector_config"]
-    cache_config = merged.get("kv_cache_config")
-    merged["kv_cache_config"] = {**(cache_config if isinstance(cache_config, dict) else {}), "enable_block_reuse": True}
-    return yaml.safe_dump(merged, sort_keys=True, default_flow_style=False), None
+    """Our options merged over the user's, checked; (YAML text, error message or None). The merge
+    is the one the pods' init step runs (:mod:`kvoffload.trtllm_options_merge`). Cached, as above."""
+    base = parse_user_options(user_yaml)
+    if isinstance(base, str):
+        return "", base
+    problem = user_options_problem(base) if user_yaml else None
+    if problem:
+        return "", problem
+    return options_yaml(merge_options(base, connector_options())), None
 
 
 @functools.lru_cache(maxsize=256)
@@ -199,19 +190,28 @@ def forces_kv_cache_manager_v1(user_yaml: str | None) -> bool:
     return isinstance(loaded, dict) and _kv_cache_manager_v1(loaded)
 
 
-def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None
-                    ) -> tuple[list[str] | None, str] | PolicyError:  # fmt: skip
+def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None,
+                   merged_in_pod: bool = False) -> tuple[list[str] | None, str | None] | PolicyError:  # fmt: skip
     """The engine's TensorRT-LLM side: (its args to apply or None, the options file it gets), or why
-    its model or options cannot run with kvoffload's connector."""
-    v1 = isinstance(engine.options, MergeFromConfigMap) and forces_kv_cache_manager_v1(user_options_yaml)
+    its model or options cannot run with kvoffload's connector.
+
+    ``merged_in_pod``: the user's file is not at hand (the webhook's pods, planned from a record that
+    keeps only its digest); the operator checked it when it planned the record, and the pod's init
+    step merges it, so where the engine's options come from a ConfigMap the file is None and the
+    checks that read it (its own settings, its block size against the chunk size, a forced V1 KV
+    cache manager) are not made again."""
+    plan = engine.options
+    from_configmap = isinstance(plan, MergeFromConfigMap)
+    v1 = from_configmap and not merged_in_pod and forces_kv_cache_manager_v1(user_options_yaml)
     layout_problem = model_layout_problem(engine.model, v1) if engine.model else None
     if layout_problem:
         return PolicyError(f"container {engine.name} model", engine.model, layout_problem, reason="unsupported")
-    plan = engine.options
     args = desired_args(engine.spec.get("args") or [], plan)
     if args is None and engine.we_own_args:
         args = list(engine.spec.get("args") or [])  # keep the user's value while we still own the field
-    text, error = merged_options_yaml(user_options_yaml if isinstance(plan, MergeFromConfigMap) else None)
+    if from_configmap and merged_in_pod:
+        return args, None
+    text, error = merged_options_yaml(user_options_yaml if from_configmap else None)
     if error:
         assert isinstance(plan, MergeFromConfigMap)
         return PolicyError(f"ConfigMap {plan.configmap} key {plan.key}", "<file>", error, reason="invalid_options")
