@@ -145,38 +145,27 @@ def test_a_forged_update_naming_a_kube_system_configmap_reads_nothing_there(
         cluster.kubectl("delete", "configmap", name, "-n", "kube-system", check=False)
 
 
-def test_forged_reviews_with_a_live_workloads_uids_get_none_of_its_options_text(
-    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
-) -> None:
-    """Whoever may read a Deployment and its ReplicaSet knows their uids: a forged UPDATE of the
-    workload (kvoffload's record edited, so the webhook answers with the plan's) and a forged pod of
-    its ReplicaSet are answered, and neither answer holds the user's options text (a comment and a
-    value, so the merged file would show it too)."""
-    marker = f"victim-secret-{uuid.uuid4().hex}"
-    text = f"# {marker}\nmax_batch_size: 8\nkvoffload_test_marker: {marker}\n"
-    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "private-options", "namespace": namespace},
-                    "data": {"extra.yaml": text}})  # fmt: skip
-    apply(cluster, options_workload(namespace, "victim", "private-options", "extra.yaml"))
-    wait_for(lambda: c.ANN_INJECTION_RECORD in get(cluster, "deployment", "victim", namespace)["metadata"]["annotations"],
-             60, what="the victim's record, its options read by the operator")  # fmt: skip
-    shown = cluster.kubectl("get", "deployment", "victim", "-n", namespace, "-o", "json", "--show-managed-fields")
+def forged_reviews_with_real_uids(cluster: LocalCluster, namespace: str, name: str, port: int) -> tuple[str, str]:
+    """The webhook's answers (as text, patches decoded) to a forged UPDATE of the live opted-in
+    Deployment ``name`` (its managedFields and uid, kvoffload's record edited so the answer carries
+    the plan's) and to a forged pod CREATE of its current ReplicaSet (the real uid): what anyone who
+    may read the two objects can ask."""
+    wait_for(lambda: c.ANN_INJECTION_RECORD in get(cluster, "deployment", name, namespace)["metadata"]["annotations"],
+             60, what=f"{name}'s record written by the operator")  # fmt: skip
+    shown = cluster.kubectl("get", "deployment", name, "-n", namespace, "-o", "json", "--show-managed-fields")
     live = json.loads(shown.stdout)  # with its managedFields, as the apiserver sends it
     label = live["spec"]["template"]["metadata"]["labels"][c.LABEL_INJECT]
 
     def current_replica_set() -> dict[str, Any] | None:
-        found = [rs for rs in list_objects(cluster, "replicaset", namespace, "app=victim")
+        found = [rs for rs in list_objects(cluster, "replicaset", namespace, f"app={name}")
                  if rs["spec"]["template"]["metadata"]["labels"].get(c.LABEL_INJECT) == label]  # fmt: skip
         return found[0] if found else None
 
-    replica_set = wait_for(current_replica_set, 60, what="the victim's ReplicaSet of the injected template")
-    port = webhook_port(admission_operator)
-
+    replica_set = wait_for(current_replica_set, 60, what=f"{name}'s ReplicaSet of the injected template")
     forged = copy.deepcopy(live)
     forged["metadata"]["annotations"][c.ANN_INJECTION_RECORD] = "{}"  # so the answer carries the plan's record
     update_answer = post_review(port, forged_update(namespace, forged, live))
     assert c.ANN_INJECTION_RECORD in update_answer, "the webhook answered the UPDATE with kvoffload's record"
-    assert marker not in update_answer
-
     template = replica_set["spec"]["template"]
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"generateName": f"{replica_set['metadata']['name']}-", "namespace": namespace,
@@ -187,4 +176,41 @@ def test_forged_reviews_with_a_live_workloads_uids_get_none_of_its_options_text(
            "spec": copy.deepcopy(template["spec"])}  # fmt: skip
     pod_answer = post_review(port, forged_pod_create(namespace, pod), c.WEBHOOK_PATH)
     assert c.ANN_INJECTED_FROM in pod_answer, "the webhook injected the forged pod (its owners' uids are real)"
-    assert marker not in pod_answer
+    return update_answer, pod_answer
+
+
+def test_forged_reviews_with_a_live_workloads_uids_get_none_of_its_options_text(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """Whoever may read a Deployment and its ReplicaSet knows their uids: a forged UPDATE of the
+    workload and a forged pod of its ReplicaSet are answered, and neither answer holds the user's
+    options text (a comment and a value, so the merged file would show it too)."""
+    marker = f"victim-secret-{uuid.uuid4().hex}"
+    text = f"# {marker}\nmax_batch_size: 8\nkvoffload_test_marker: {marker}\n"
+    apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "private-options", "namespace": namespace},
+                    "data": {"extra.yaml": text}})  # fmt: skip
+    apply(cluster, options_workload(namespace, "victim", "private-options", "extra.yaml"))
+    answers = forged_reviews_with_real_uids(cluster, namespace, "victim", webhook_port(admission_operator))
+    assert all(marker not in answer for answer in answers)
+
+
+def test_forged_reviews_with_a_live_workloads_uids_get_no_redis_url_kept_in_a_secret(
+    cluster: LocalCluster, namespace: str, admission_operator: OperatorProcess
+) -> None:
+    """A policy whose Redis URL is in a Secret (``l2.redis.urlSecretRef``): the forged UPDATE's and the
+    forged pod's answers name the Secret (the cache server's env ``valueFrom``) and hold neither the URL
+    nor its user, which only the Secret does."""
+    user, host = f"cache-{uuid.uuid4().hex[:8]}", f"redis-{uuid.uuid4().hex[:8]}.cache"
+    apply(cluster, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-url", "namespace": namespace},
+                    "stringData": {"url": f"redis://{user}@{host}:6379"}})  # fmt: skip
+    apply(cluster, {"apiVersion": f"{c.API_GROUP}/{c.API_VERSION}", "kind": c.POLICY_KIND,
+                    "metadata": {"name": "shared-l2", "namespace": namespace},
+                    "spec": {"l2": {"redis": {"urlSecretRef": {"name": "redis-url", "key": "url"}}}}})  # fmt: skip
+    apply(cluster, trtllm_deployment("victim", namespace, replicas=0,
+                                     annotations={c.ANN_ENABLED: "true", c.ANN_POLICY: "shared-l2"}))  # fmt: skip
+    update_answer, pod_answer = forged_reviews_with_real_uids(
+        cluster, namespace, "victim", webhook_port(admission_operator)
+    )
+    for answer in (update_answer, pod_answer):
+        assert user not in answer and host not in answer and "redis://" not in answer
+    assert c.ENV_L2_REDIS_URL in pod_answer and '"name": "redis-url"' in pod_answer, "the URL by reference"
