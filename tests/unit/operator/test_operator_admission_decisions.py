@@ -489,3 +489,33 @@ def test_what_kvoffloads_field_manager_holds_but_kvoffload_did_not_write_is_name
     applied = foreign_record(workload_with(text, c.FIELD_MANAGER, selector=True))
     assert applied is not None and "holds spec.selector" in applied.message
     assert foreign_record(workload_with(None, c.FIELD_MANAGER, selector=True)) is not None, "the record removed too"
+
+
+@pytest.mark.parametrize(
+    ("volume", "fs_group", "refused"),
+    [
+        ({"defaultMode": 0o400}, None, True),  # only its owner (root) reads it
+        ({"defaultMode": 0o440}, None, True),  # and root's group: no fsGroup, uid 65532 is in neither
+        ({"defaultMode": 0o440}, 2000, False),  # fsGroup owns the file and is every container's group
+        ({"defaultMode": 0o400, "items": [{"key": "extra.yaml", "path": "extra.yaml", "mode": 0o644}]}, None, False),
+        ({"items": [{"key": "extra.yaml", "path": "extra.yaml", "mode": 0o600}]}, None, True),
+        ({}, None, False),  # the kubelet's 0644
+    ],
+)
+def test_an_options_file_the_pods_init_step_cannot_read_is_refused_before_the_pod(
+    volume: dict[str, Any], fs_group: int | None, refused: bool
+) -> None:
+    """Admission mode merges the user's options file in the pod as uid 65532: a ConfigMap file mode
+    that keeps that uid out would stop every pod at the init container; it is refused up front, with
+    the mode and the two ways out. Template mode reads the file through the API: no such refusal."""
+    workload, user = options_workload()
+    workload["spec"]["template"]["spec"]["volumes"][0]["configMap"].update(volume)
+    if fs_group is not None:
+        workload["spec"]["template"]["spec"]["securityContext"] = {"fsGroup": fs_group}
+    planned = plan_of(workload, user_options=user)
+    if refused:
+        assert isinstance(planned, PolicyError) and planned.reason == "invalid_options", planned
+        assert "uid 65532" in planned.message and "fsGroup" in planned.message and "\n" not in planned.message
+    else:
+        assert not isinstance(planned, PolicyError), planned
+    assert not isinstance(plan_of(workload, admission=False, user_options=user), PolicyError)

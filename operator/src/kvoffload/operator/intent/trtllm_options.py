@@ -122,6 +122,25 @@ def options_mount(path: str, container: Mapping[str, Any], volumes: Sequence[Map
     return {**mount, "readOnly": True}
 
 
+CONFIGMAP_DEFAULT_MODE = 0o644
+"""The mode of a ConfigMap volume's files where neither ``defaultMode`` nor the item's ``mode`` says."""
+
+
+def options_file_mode(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]) -> int | None:
+    """The mode the kubelet gives the options file at ``path`` (its item's ``mode``, else the volume's
+    ``defaultMode``, else 0644); None when ``path`` is not in a ConfigMap volume of ``container``."""
+    found = _configmap_mount(path, container, volumes)
+    if found is None:
+        return None
+    mount, _, key_name = found
+    cm = next(v["configMap"] for v in volumes if v.get("name") == mount.get("name"))
+    item: Mapping[str, Any] = next((i for i in cm.get("items") or [] if str(i.get("key")) == key_name), {})
+    for mode in (item.get("mode"), cm.get("defaultMode")):
+        if isinstance(mode, int) and not isinstance(mode, bool):
+            return mode
+    return CONFIGMAP_DEFAULT_MODE
+
+
 def _configmap_mount(path: str, container: Mapping[str, Any], volumes: Sequence[Mapping[str, Any]]
                      ) -> tuple[Mapping[str, Any], str, str] | None:  # fmt: skip
     """(the mount, ConfigMap name, key) when ``path`` lies in a ConfigMap volume mounted in ``container``;

@@ -113,6 +113,8 @@ class PodFields:
     """The template's annotations."""
     users_annotations: frozenset[str]
     """Those of the template's annotations another manager owns."""
+    fs_group: int | None = None
+    """``securityContext.fsGroup``: every container's supplementary group, owner of its volumes' files."""
 
 
 @dataclass(frozen=True)
@@ -236,4 +238,9 @@ def _pod_fields(held: _Held, spec: Mapping[str, Any], annotations: Mapping[str, 
         runtime_class_is_users=held.users((*TEMPLATE_SPEC, "f:runtimeClassName")),
         annotations=annotations,
         users_annotations=frozenset(k for k in annotations if held.users((*TEMPLATE_META, "f:annotations", f"f:{k}"))),
+        fs_group=_int_or_none((spec.get("securityContext") or {}).get("fsGroup")),
     )
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -16,7 +16,7 @@ from typing import Any
 from kvoffload import contract as c
 from kvoffload.operator import __version__
 from kvoffload.operator.intent.settings import InjectionSettings
-from kvoffload.operator.intent.trtllm_options import ManualStep, MergeFromConfigMap
+from kvoffload.operator.intent.trtllm_options import ManualStep, MergeFromConfigMap, options_file_mode
 from kvoffload.operator.intent.workload import (
     GPU_RESOURCE,
     OUR_VOLUMES,
@@ -27,7 +27,7 @@ from kvoffload.operator.intent.workload import (
 )
 from kvoffload.operator.plan.containers import engine_env, merge_engine_env, shm_size_limit
 from kvoffload.operator.plan.node_wiring import NodeCacheWiring
-from kvoffload.operator.plan.options_file import engine_options
+from kvoffload.operator.plan.options_file import engine_options, unreadable_in_pod
 from kvoffload.operator.plan.user_pod import pod_level_fields, user_shm_volume
 from kvoffload.policy_values import PolicyError
 from kvoffload.trtllm_options_merge import options_digest
@@ -209,6 +209,19 @@ def _read_user_options(workload: Workload, engine: Container, read_options: Opti
     return user_options
 
 
+def options_unreadable_in_pod(workload: Workload, engine: Container) -> PolicyError | None:
+    """Admission mode merges the user's options file in the pod (``OPTIONS_INIT_CONTAINER``, uid
+    65532): a file mode that keeps it out refuses the workload before a pod would stop there."""
+    source = engine.options
+    if not isinstance(source, MergeFromConfigMap):
+        return None
+    mode = options_file_mode(source.path, engine.spec, workload.volumes)
+    problem = None if mode is None else unreadable_in_pod(mode, workload.pod.fs_group)
+    if problem is None:
+        return None
+    return PolicyError(f"the ConfigMap volume holding {source.path}", f"{mode:#o}", problem, reason="invalid_options")
+
+
 def plan_injection(
     workload: Workload,
     settings: InjectionSettings,
@@ -227,6 +240,9 @@ def plan_injection(
     options = engine_options(engine, settings, user_options_yaml, merged_in_pod=checked is not None)
     if isinstance(options, PolicyError):
         return options
+    unreadable = options_unreadable_in_pod(workload, engine) if cluster.injection == "admission" else None
+    if unreadable is not None:
+        return unreadable
     args, options_text = options
     url = node_cache.server_url if node_cache else c.server_url(c.REQUEST_PORT)
     uses_sidecar = settings.backend == c.BACKEND_SIDECAR and node_cache is None

@@ -27,6 +27,7 @@ from kvoffload.operator.intent.trtllm_options import (
     set_arg_value,
 )
 from kvoffload.operator.intent.workload import Container
+from kvoffload.operator.plan.containers import SIDECAR_UID
 from kvoffload.policy_values import WORKLOAD_DEPENDENT, PolicyError
 from kvoffload.trtllm_options_merge import merge_options, options_yaml, parse_user_options
 
@@ -188,6 +189,17 @@ def forces_kv_cache_manager_v1(user_yaml: str | None) -> bool:
     except yaml.YAMLError:
         return False
     return isinstance(loaded, dict) and _kv_cache_manager_v1(loaded)
+
+
+def unreadable_in_pod(mode: int, fs_group: int | None) -> str | None:
+    """Why the options init step (uid 65532, the pod's ``fsGroup`` its only supplementary group) cannot
+    read a user's options file of ``mode``, or None."""
+    if mode & 0o004 or (fs_group is not None and mode & 0o040):
+        return None
+    readers = "its owner" if not mode & 0o040 else "its owner and group (the pod sets no fsGroup)"
+    return (f"the file's mode {mode:#o} lets only {readers} read it, and the pod's options init step runs as "
+            f"uid {SIDECAR_UID}, which merges the file in admission mode: give it a mode others may read "
+            "(the default 0644), or set the pod's securityContext.fsGroup with a group-readable mode")  # fmt: skip
 
 
 def engine_options(engine: Container, settings: InjectionSettings, user_options_yaml: str | None,
