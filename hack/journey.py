@@ -201,6 +201,9 @@ class Journey:
         self.local_pod = local
         local.workdir.mkdir(parents=True, exist_ok=True)
         local.materialize_volumes(self.build_bundle())
+        if any(c["name"] == contract.OPTIONS_INIT_CONTAINER for c in pod["spec"].get("initContainers", [])):
+            # the engine's options file is written in the pod, from the bundle, by the image's Python
+            local.run_python_init(contract.OPTIONS_INIT_CONTAINER, trtllm_image.image_python())
 
         sidecar = local.container(contract.SIDECAR_CONTAINER)
         sidecar_env = local.env(sidecar)

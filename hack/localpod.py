@@ -134,6 +134,20 @@ class LocalPod:
                 env[var["name"]] = "0"
         return env
 
+    def run_python_init(self, name: str, python: Path) -> None:
+        """Run init container ``name``, a ``python3 -m ...`` command, to completion with ``python``
+        (the image's interpreter), its env and its paths mapped to the local volumes, as the kubelet
+        runs it before the pod's containers; raise with its log when it fails."""
+        container = self.container(name)
+        command = [str(x) for x in container["command"]]
+        if command[0] != "python3":
+            raise LookupError(f"init container {name} runs {command[0]}, not python3")
+        args = [self.local_path(container, str(a)) for a in container.get("args", [])]
+        code = self.start([str(python), *command[1:], *args], self.env(container), name).wait(timeout=120)
+        if code != 0:
+            log = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"init container {name} exited with {code}: {log}")
+
     def start(self, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
         base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "KVOFFLOAD_CACHE")}
