@@ -79,7 +79,8 @@ def walk(journey: Journey, cluster: LocalCluster, workdir: Path, requests: int, 
     leftovers = journey.uninstall()
     print("\nSummary")
     print("  injected:   kvoffload-cache (LMCache server, native sidecar), kvoffload-connector-bundle (init),")
-    print("              /dev/shm + metrics volumes, connector env, TensorRT-LLM options with kv_connector_config")
+    print("              kvoffload-trtllm-options (init: writes the TensorRT-LLM options with kv_connector_config),")
+    print("              /dev/shm + metrics volumes, connector env")
     for line in token_source_lines(sources, l2, lookup_hits):
         print(line)
     print(f"  recompute:  later requests computed {computed} of {prompt_tokens} prompt tokens")
