@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.events not in c.EVENT_LEVELS:
         raise SystemExit(f"{PROG}: --events {args.events!r}: allowed " + ", ".join(c.EVENT_LEVELS))
     _check_listener_ports(args)
-    _advertised_host(args.webhook_advertise_host)
+    args.webhook_advertise_host = _advertised_host(args.webhook_advertise_host)
     kubeconfig = args.kubeconfig or None
     if kubeconfig:
         os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
@@ -263,11 +263,11 @@ def _webhook(args: argparse.Namespace) -> WebhookSettings:
         hosts = (f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local")
     return WebhookSettings(namespace=args.leader_election_namespace, hosts=hosts, port=int(args.webhook_port),
                            read_client_ca=lambda: _client_ca(args.webhook_client_ca),
-                           advertise_host=_advertised_host(args.webhook_advertise_host))  # fmt: skip
+                           advertise_host=args.webhook_advertise_host)  # fmt: skip
 
 
 def _advertised_host(value: str) -> str:
-    """``--webhook-advertise-host`` as an IP address ("" when unset)."""
+    """``--webhook-advertise-host`` as an IP address ("" when unset), checked before any request."""
     try:
         return str(ipaddress.ip_address(value)) if value else ""
     except ValueError:

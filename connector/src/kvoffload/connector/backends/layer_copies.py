@@ -80,21 +80,11 @@ def rows_copy_available(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and _cudart() is not None)
 
 
-def copy_rows_at(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int, stream: int | None
-                 ) -> None:  # fmt: skip
-    """Copy ``rows`` rows of ``width`` bytes from address ``src`` to ``dst``, rows ``src_pitch`` and
-    ``dst_pitch`` bytes apart: one asynchronous 2-D copy on CUDA stream ``stream``, or (None: both
-    sides in host memory) a copy per row now."""
-    if stream is None:
-        for row in range(rows):
-            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
-        return
-    lib = _cudart()
-    if lib is None:
-        raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
-    status = lib.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, _CUDA_MEMCPY_DEFAULT, stream)
-    if status != 0:
-        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
+def _copy_rows_on_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int) -> None:
+    """What one ``cudaMemcpy2DAsync`` does, in host memory, now: ``rows`` rows of ``width`` bytes from
+    address ``src`` to ``dst``, rows ``src_pitch`` and ``dst_pitch`` bytes apart."""
+    for row in range(rows):
+        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
 
 
 @dataclass(frozen=True)
@@ -168,7 +158,7 @@ class RowRuns:
         pool_pitch, slot_pitch, stream = self.pool_pitch, self.slot_pitch, self.stream
         if stream is None:
             for dst, src, rows in self.runs:
-                copy_rows_at(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows, None)
+                _copy_rows_on_host(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows)
             return
         lib = _cudart()
         if lib is None:

@@ -164,15 +164,15 @@ class WebhookServer:
         review = parse_pod_review(request.body)
         if isinstance(review, str):
             return self.refuse(review)
-        forwarded = self.forwarded(request, review.uid) if self.scope.covers(review.namespace) else None
-        return forwarded or Reply(200, json.dumps(self.answer(review)).encode(), "application/json")
+        return self.forwarded(request, review) or Reply(200, json.dumps(self.answer(review)).encode(),
+                                                        "application/json")  # fmt: skip
 
     def handle_workload(self, request: Request) -> Reply:
         """A Deployment or StatefulSet CREATE (``review_workload``); never refused for our bug."""
         review = parse_workload_review(request.body)
         if isinstance(review, str):
             return self.refuse(review)
-        forwarded = self.forwarded(request, review.uid) if self.scope.covers(review.namespace) else None
+        forwarded = self.forwarded(request, review)
         if forwarded:
             return forwarded
         assert self.plan is not None
@@ -188,10 +188,13 @@ class WebhookServer:
             log.info("webhook: workload %s: %s", review.uid, admission.result)
         return Reply(200, json.dumps(admission_response(review.uid, admission)).encode(), "application/json")
 
-    def forwarded(self, request: Request, uid: str) -> Reply | None:
+    def forwarded(self, request: Request, review: PodReview | WorkloadReview) -> Reply | None:
         """The holder's answer to a review it must answer (``forwarding``), or None: answer it here
-        (nothing to forward, already forwarded once, or the forward failed)."""
-        address = None if self.forwarding is None or request.forwarded else self.forwarding.address()
+        (out of scope, nothing to forward, already forwarded once, or the forward failed)."""
+        uid = review.uid
+        if self.forwarding is None or request.forwarded or not self.scope.covers(review.namespace):
+            return None
+        address = self.forwarding.address()
         if address is None:
             return None
         assert self.forwarding is not None
