@@ -11,8 +11,15 @@ hooks serve it (``get_num_new_matched_tokens``, ``build_connector_meta``, ``star
 - ``async``: ``(n, True)``: the request is parked, its load runs beside the decode iterations, and
   ``get_finished`` reports it once its KV is in the pool.
 
-Per size it prints one JSON line: iteration times (mean and max over the iterations while the load
-was in flight, and of the baseline), the hit's time from arrival to its KV in the pool (to being
+Each mode runs under both of TensorRT-LLM's executor loops (``--loops``): ``plain``
+(``_executor_loop``: an iteration schedules, enqueues its forward and waits for its sampling) and
+``overlap`` (``_executor_loop_overlap``, TensorRT-LLM's default: iteration k schedules and enqueues
+while the GPU still runs k-1, then waits for k-1's sampling; so a hit's lookup and securing in k's
+scheduling overlap k-1's forward).
+
+Per size, loop and mode it prints one JSON line: iteration times (mean and max over the iterations
+while the load was in flight, and of the baseline), the hit's lookup and securing (each timed where
+the scheduler hook calls them), the hit's time from arrival to its KV in the pool (to being
 schedulable), and whether the loaded blocks are bit-exact.
 
     python -m benchmarks.gpu_async_loads --tokens 4096 8192 16384 32768 --l1 24Gi
@@ -51,8 +58,34 @@ def _on(stream: Any) -> Any:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], rid: int) -> dict[str, Any]:
-    """Decode iterations with (or without) one hit arriving at iteration ``WARM_ITERATIONS``."""
+@contextlib.contextmanager
+def timed_calls(client: Any, names: tuple[str, ...], spent: dict[str, float]) -> Any:
+    """Time ``client``'s calls ``names`` (milliseconds summed into ``spent``) while the block runs."""
+    originals = {name: getattr(client, name) for name in names}
+
+    def timing(name: str, call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        return run
+
+    for name, call in originals.items():
+        setattr(client, name, timing(name, call))
+    try:
+        yield
+    finally:
+        for name in originals:
+            delattr(client, name)  # the bound methods again
+
+
+def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], rid: int, overlap: bool = False
+             ) -> dict[str, Any]:  # fmt: skip
+    """Decode iterations with (or without) one hit arriving at iteration ``WARM_ITERATIONS``; with
+    ``overlap`` each iteration waits for the previous iteration's forward instead of its own."""
     from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import RequestData, SchedulerOutput
 
     from tests.support.trtllm_executor import PromptRequest, StandinLlmRequest
@@ -67,8 +100,11 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
     times: list[float] = []
     arrived = loaded_at = None
     lookup_ms = 0.0
+    spent: dict[str, float] = {}
     in_flight: list[int] = []
     request = None
+    previous: Any = None  # the previous iteration's forward (overlap loop)
+    sync_hit_forward: Any = None
     for it in range(WARM_ITERATIONS + AFTER_ITERATIONS):
         t0 = time.perf_counter()
         output = SchedulerOutput()
@@ -76,7 +112,8 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
         if it == WARM_ITERATIONS and mode != "none":
             arrived = t0
             request = StandinLlmRequest(PromptRequest(rid, prompt))
-            matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
+            with timed_calls(scheduler.backend, ("lookup", "secure"), spent):
+                matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
             lookup_ms = (time.perf_counter() - t0) * 1e3
             assert matched == tokens and is_async == (mode == "async"), (matched, is_async)
             scheduler.update_state_after_alloc(request, list(dst))
@@ -91,22 +128,41 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
             decode_step(weights, acts, big)
             worker.wait_for_save(engine)
         worker._clear_connector_meta()
-        if engine is not None:
-            engine.synchronize()  # sampling reads the logits (the engine's stream, not the loads')
+        forward = torch.cuda.Event() if engine is not None else None
+        if forward is not None:
+            forward.record(engine)
+        # Sampling reads the logits (the engine's stream, not the loads'): this iteration's, or with
+        # the overlap loop the previous one's, while this one's forward runs on.
+        waited, previous = (previous, forward) if overlap else (forward, None)
+        if waited is not None:
+            waited.synchronize()
         _, done_loading = worker.get_finished([], started_loading)
         if mode == "sync" and it == WARM_ITERATIONS:
-            loaded_at = time.perf_counter()
+            sync_hit_forward = forward
             in_flight.append(it)
+            if not overlap or forward is None:
+                loaded_at = time.perf_counter()
+        elif mode == "sync" and sync_hit_forward is not None and loaded_at is None:
+            in_flight.append(it)  # overlap loop: the hit's forward is waited for one iteration later
+            loaded_at = time.perf_counter()
         elif mode == "async" and arrived is not None and loaded_at is None:
             in_flight.append(it)
             if rid in done_loading:
                 loaded_at = time.perf_counter()
         times.append((time.perf_counter() - t0) * 1e3)
+    if previous is not None:
+        previous.synchronize()
+    deadline = time.monotonic() + 60
+    while mode == "async" and loaded_at is None and time.monotonic() < deadline:  # landed after the window
+        if rid in worker.get_finished([], [])[1]:
+            loaded_at = time.perf_counter()
+        time.sleep(0.001)
     if request is not None:
         scheduler.request_finished(request, list(dst))
     exact = mode == "none" or bool(torch.equal(pool[dst_idx].view(torch.int16), hooks["source"].view(torch.int16)))
     window = [times[i] for i in in_flight] or times[WARM_ITERATIONS:]
     return {
+        "loop": "overlap" if overlap else "plain",
         "mode": mode,
         "iteration_ms_mean": round(statistics.fmean(window), 2),
         "iteration_ms_max": round(max(window), 2),
@@ -114,6 +170,8 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
         "steady_iteration_ms": round(statistics.median(times[WARM_ITERATIONS + 10 :]), 2),
         "arrival_to_loaded_ms": round((loaded_at - arrived) * 1e3, 2) if loaded_at and arrived else None,
         "lookup_and_secure_ms": round(lookup_ms, 2),
+        "lookup_ms": round(spent.get("lookup", 0.0), 2),
+        "secure_ms": round(spent.get("secure", 0.0), 2),
         "bit_exact": exact,
     }
 
@@ -123,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--l1", default="24Gi")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--loops", nargs="+", default=["plain", "overlap"], choices=["plain", "overlap"],
+                        help="TensorRT-LLM's executor loops to model (overlap is its default)")  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args(argv)
     dev = args.device
@@ -164,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             while 10 + n not in worker.get_finished([10 + n], [])[0] and time.monotonic() < deadline:
                 time.sleep(0.002)
             for rep in range(args.reps):
-                for mode in ("none", "sync", "async"):
-                    result = run_mode(mode, tokens, hooks, prompt, rid=100_000 * (n + 1) + 10 * rep + len(mode))
-                    failures += 0 if result["bit_exact"] else 1
-                    print(json.dumps({"tokens": tokens, "rep": rep, **result}), flush=True)
+                for loop_index, loop in enumerate(args.loops):
+                    for mode in ("none", "sync", "async"):
+                        rid = 100_000 * (n + 1) + 100 * rep + 10 * loop_index + len(mode)
+                        result = run_mode(mode, tokens, hooks, prompt, rid=rid, overlap=loop == "overlap")
+                        failures += 0 if result["bit_exact"] else 1
+                        print(json.dumps({"tokens": tokens, "rep": rep, **result}), flush=True)
     print(json.dumps({"failures": failures}), flush=True)
     return 1 if failures else 0
 
