@@ -17,21 +17,9 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 COMPONENTS = ("operator", "sidecar", "connector")
 TOP_FOLDERS = ("operator", "sidecar", "connector", "common", "docs", "benchmarks", "hack", "tests", "charts")
 
-KNOWN_STALE: dict[str, dict[str, str]] = {
-    # docs/connector.md and docs/operator.md are rewritten with the connector's and the operator's
-    # restructures (issue 47, other branches): their citations of files that are gone or renamed, with
-    # what to cite instead. Delete an entry when its page stops citing it (the test then says so).
-    "docs/connector.md": {
-        "docs/results/gpu-async-loads/earlier/run08-before-loader-thread.jsonl":
-            "docs/results/gpu-async-loads/earlier/hit-iteration-vs-others-before-loader-thread.jsonl",
-        "docs/results/gpu-async-loads/run11-lock-free-commit.jsonl":
-            "docs/results/gpu-async-loads/hit-iteration-vs-others-4k-32k.jsonl",
-        "docs/results/gpu-batched-loads/run07-secured-at-lookup.*":
-            "docs/results/gpu-batched-loads/8x4k-loads-secured-at-lookup.*",
-        "docs/results/gpu-transfer/earlier/run02-pipelined-pieces.log":
-            "docs/results/gpu-transfer/earlier/store-load-pipelined-pieces.log",
-    },
-}  # fmt: skip
+KNOWN_STALE: dict[str, dict[str, str]] = {}
+"""Pages' citations of files that are gone or renamed, with what to cite instead: ``{page: {cited:
+instead}}``. Delete an entry when its page stops citing it (the test then says so)."""
 
 THIRD_PARTY_FILES = {
     "engine_context.py": "LMCache's engine-driven transfer context",

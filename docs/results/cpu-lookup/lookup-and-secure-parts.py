@@ -4,7 +4,9 @@ path timed on its own against the real MP server (CPU only; no GPU is needed or 
 Per size it stores one prompt through the worker backend, then times, median of the warm reps:
 ``key`` (building the lookup key), ``LOOKUP`` and ``WAIT`` (the two round trips of
 ``SchedulerClient.lookup``), ``secure`` (PREPARE_RETRIEVE through rank 0's worker,
-``SchedulerClient.secure``) and ``hook_lookup`` (``SchedulerClient.lookup`` as the hook calls it).
+``SchedulerClient.secure``), ``hook_lookup`` (``SchedulerClient.lookup`` as the hook calls it),
+and ``secure_last_chunk`` (PREPARE_RETRIEVE of the prompt's last chunk alone, its other lookup locks
+freed first: what a request's cost owes to the tokens its key carries rather than to its chunks).
 Run from a tree's root, the stand-in and the tree on the path:
 
     python docs/results/cpu-lookup/lookup-and-secure-parts.py --tokens 4096 16384 32768 [--chunk 256]
@@ -80,12 +82,22 @@ def main() -> None:
                 sched.release_secured(sid, prompt, 0, n, "", secured)
                 sched.end_session(sid)
                 t5 = time.perf_counter()
-                hook_hit = sched.lookup(f"parts-{next(ids)}", prompt, n, "")
+                hook_sid = f"parts-{next(ids)}"
+                hook_hit = sched.lookup(hook_sid, prompt, n, "")
                 t6 = time.perf_counter()
                 assert hook_hit == n, hook_hit
+                last = n - shape.chunk
+                if last:
+                    sched.free_lookup_locks(hook_sid, prompt, ((0, last),), "")
+                t7 = time.perf_counter()
+                tail = sched.secure(hook_sid, prompt, last, n, "")
+                t8 = time.perf_counter()
+                assert tail is not None
+                sched.release_secured(hook_sid, prompt, last, n, "", tail)
+                sched.end_session(hook_sid)
                 if rep >= 2:  # two warm-up reps
                     timed = {"key": t1 - t0, "LOOKUP": t2 - t1, "WAIT": t3 - t2, "secure": t4 - t3,
-                             "hook_lookup": t6 - t5}  # fmt: skip
+                             "hook_lookup": t6 - t5, "secure_last_chunk": t8 - t7}  # fmt: skip
                     for name, seconds in timed.items():
                         parts.setdefault(name, []).append(seconds * 1e3)
             medians = {f"{name}_ms": round(statistics.median(v), 2) for name, v in parts.items()}
