@@ -105,13 +105,17 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
     request = None
     previous: Any = None  # the previous iteration's forward (overlap loop)
     sync_hit_forward: Any = None
+    # Built before it arrives, as TensorRT-LLM builds an LlmRequest when it fetches the request, hit
+    # or not: the stand-in's request hashes its prompt's block chains in Python (1.5 / 5.9 / 12 ms at
+    # 4k / 16k / 32k tokens), no part of a hit's cost.
+    arriving = StandinLlmRequest(PromptRequest(rid, prompt)) if mode != "none" else None
     for it in range(WARM_ITERATIONS + AFTER_ITERATIONS):
         t0 = time.perf_counter()
         output = SchedulerOutput()
         started_loading: list[int] = []
-        if it == WARM_ITERATIONS and mode != "none":
+        if it == WARM_ITERATIONS and arriving is not None:
             arrived = t0
-            request = StandinLlmRequest(PromptRequest(rid, prompt))
+            request = arriving
             with timed_calls(scheduler.backend, ("lookup", "secure"), spent):
                 matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
             lookup_ms = (time.perf_counter() - t0) * 1e3
