@@ -9,7 +9,7 @@ and ``secure_last_chunk`` (PREPARE_RETRIEVE of the prompt's last chunk alone, it
 freed first: what a request's cost owes to the tokens its key carries rather than to its chunks).
 Run from a tree's root, the stand-in and the tree on the path:
 
-    python docs/results/cpu-lookup/lookup-and-secure-parts.py --tokens 4096 16384 32768 [--chunk 256]
+    python docs/results/cpu-lookup/lookup-and-secure-parts.py --tokens 4096 16384 32768 [--chunk 256] [--guarded]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--server-args", default="", help="extra LMCache MP server arguments")
+    parser.add_argument(
+        "--guarded", action="store_true", help="run the server as the sidecar does (kvoffload.lmcache_guard)"
+    )
     args = parser.parse_args()
     standin_on_path()
     from kvoffload.connector.backends.base import KvGeometry
@@ -50,7 +53,7 @@ def main() -> None:
     pool = cb._pool(shape, num_blocks=max(args.tokens) // shape.tokens_per_block + 4)
     off = ConnectorMetrics(cb.MODEL, "sidecar", enabled=False)
     server = LMCacheServer(chunk_size=shape.chunk, log_dir=Path(tempfile.mkdtemp(prefix="kvo-parts-")),
-                           l1_size_gb=2.0, extra_args=tuple(args.server_args.split()))  # fmt: skip
+                           l1_size_gb=2.0, extra_args=tuple(args.server_args.split()), guarded=args.guarded)  # fmt: skip
     server.start()
     try:
         process = engine_process()
@@ -58,7 +61,8 @@ def main() -> None:
         worker.register(pool, KvGeometry(shape.heads, shape.tokens_per_block, shape.head_dim))
         sched = SchedulerClient(cb._settings(server.url, shape), metrics=off, process=process)
         ids = itertools.count()
-        print(json.dumps({"pool": shape.describe(), "reps": args.reps, "server_args": args.server_args}), flush=True)
+        print(json.dumps({"pool": shape.describe(), "reps": args.reps, "server_args": args.server_args,
+                          "server": "sidecar's (guarded)" if args.guarded else "LMCache's own"}), flush=True)  # fmt: skip
         for n in args.tokens:
             prompt = cb._prompt(n, n)
             blocks = tuple(range(n // shape.tokens_per_block))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvoffload import lmcache_guard
-from kvoffload.lmcache_guard import LMCacheVersionError, transfer_guard, unpickling
+from kvoffload.lmcache_guard import LMCacheVersionError, retrieve_slots, transfer_guard, unpickling
 from kvoffload.lmcache_guard.unpickling import restricted_loads
 
 pytestmark = pytest.mark.sidecar
@@ -97,3 +97,23 @@ def test_the_transfer_guard_replaces_the_release_that_publishes_pending_reservat
     transfer_guard.install_transfer_guard()  # a second install (the in-process server's) changes nothing
     assert release.__module__ == transfer_guard.__name__, "LMCache's release is replaced by the guard's"
     assert EngineDrivenTransferModule._release_entry is release
+
+
+def test_an_lmcache_version_it_was_not_written_for_keeps_its_own_retrieve_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lmcache_guard.importlib.metadata, "version", lambda _name: "0.5.7")
+    with pytest.raises(LMCacheVersionError, match=r"LMCache 0\.5\.7 is installed"):
+        retrieve_slots.install_retrieve_slots()
+
+
+def test_the_sidecars_server_describes_retrieve_slots_from_metadata_once_guarded() -> None:
+    from lmcache.v1.multiprocess.modules.server_transfer import ShmTransferStrategy
+
+    from kvoffload.sidecar.lmcache_server import guard_server
+
+    guard_server({})
+    prepare = ShmTransferStrategy.prepare_retrieve
+    retrieve_slots.install_retrieve_slots()  # a second install (the in-process server's) changes nothing
+    assert prepare.__module__ == retrieve_slots.__name__, "LMCache's prepare_retrieve is replaced"
+    assert ShmTransferStrategy.prepare_retrieve is prepare

@@ -9,6 +9,7 @@ or reads:
 - ``unpickling``: the restricted unpickler in place of LMCache's ``pickle.loads``;
 - ``curve``: node mode's request port, admitting only the policy's client key;
 - ``transfer_guard``: unfinished stores dropped, never admitted;
+- ``retrieve_slots``: PREPARE_RETRIEVE's slots described from metadata, without a tensor view per chunk;
 - ``cache_key_events``: what KV events for routers read (the event bus's cache-key events, the
   server's own chunk hashes);
 - ``server_cli``: LMCache's own ``lmcache server`` command line, run warm in this process.

@@ -2,7 +2,8 @@
 (``kvoffload.lmcache_guard``), so no client of the request port can make it run code, behind its
 transfer guard, so no store that was not finished is ever admitted, and, where
 ``KVOFFLOAD_CACHE_KEYS_DIR`` names the policy's keys (node mode), behind CURVE: only the policy's
-client key completes a connection.
+client key completes a connection. Its PREPARE_RETRIEVE describes slots without building tensor
+views (``kvoffload.lmcache_guard.retrieve_slots``).
 
     python -m kvoffload.sidecar.lmcache_server server --host 0.0.0.0 ...
 """
@@ -17,6 +18,7 @@ from kvoffload import contract
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
 from kvoffload.lmcache_guard import LMCacheVersionError
 from kvoffload.lmcache_guard.curve import require_curve_clients
+from kvoffload.lmcache_guard.retrieve_slots import install_retrieve_slots
 from kvoffload.lmcache_guard.server_cli import run_lmcache_cli
 from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
 from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
@@ -26,6 +28,7 @@ def guard_server(env: Mapping[str, str]) -> None:
     """Put this process's LMCache server behind the guards ``env`` asks for (before it starts)."""
     install_restricted_unpickler()
     install_transfer_guard()
+    install_retrieve_slots()
     keys_dir = env.get(contract.ENV_CACHE_KEYS_DIR)
     if keys_dir:
         require_curve_clients(read_server_keys(keys_dir))
