@@ -3,7 +3,8 @@
 has its own seam, ``kvoffload.connector.lmcache_seam``.
 
 This package is the seam: here, the LMCache version it was written for (``check_lmcache_version``,
-which every install below calls first); in its modules, each part of LMCache's server it replaces
+which every install below calls first) and ``install_server_guards`` (every replacement a server in
+this process runs behind); in its modules, each part of LMCache's server it replaces
 or reads:
 
 - ``unpickling``: the restricted unpickler in place of LMCache's ``pickle.loads``;
@@ -18,7 +19,7 @@ or reads:
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 SUPPORTED_LMCACHE_VERSIONS = ("0.5.6",)
@@ -64,3 +65,24 @@ def guarded(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, marked as this package's replacement of an LMCache callable."""
     function.kvoffload_guard = True  # type: ignore[attr-defined]
     return function
+
+
+def require_callables(needed: Iterable[tuple[Any, str]], what: str) -> None:
+    """Raise ``LMCacheVersionError`` naming the first ``(owner, name)`` whose owner is missing or whose
+    ``name`` is not callable on it: LMCache no longer has what ``what`` (a replacement) needs."""
+    for owner, name in needed:
+        if owner is None or not callable(getattr(owner, name, None)):
+            raise LMCacheVersionError(f"LMCache no longer has the {name} {what}")
+
+
+def install_server_guards() -> None:
+    """Put every replacement of this package that an LMCache server in this process runs behind in
+    place (the sidecar's server, the connector's in-process one): the restricted unpickler, the
+    transfer guard and the retrieve slots. Each checks the version first; each is idempotent."""
+    from kvoffload.lmcache_guard.retrieve_slots import install_retrieve_slots
+    from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
+    from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
+
+    install_restricted_unpickler()  # no client makes it run code
+    install_transfer_guard()  # no store a worker did not finish is admitted
+    install_retrieve_slots()  # a load is secured without a tensor view per chunk

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kvoffload.lmcache_guard import LMCacheVersionError, check_lmcache_version, guarded, is_guard
+from kvoffload.lmcache_guard import check_lmcache_version, guarded, is_guard, require_callables
 from kvoffload.lmcache_guard.unpickling import UNPICKLING_MODULE
 
 MEMORY_MODULE = "lmcache.v1.memory_management"
@@ -36,9 +36,7 @@ def install_retrieve_slots() -> None:
         (transfer, "_dtype_to_name"),
         (memory, "TensorMemoryObj"),
     )
-    for owner, name in needed:
-        if owner is None or getattr(owner, name, None) is None:
-            raise LMCacheVersionError(f"LMCache no longer has the {name} the retrieve slots replacement uses")
+    require_callables(needed, "the retrieve slots replacement uses")
     if is_guard(shm_cls.prepare_retrieve):  # type: ignore[union-attr]
         return
     shm_cls.prepare_retrieve = guarded(_prepare_retrieve(transfer, memory.TensorMemoryObj))  # type: ignore[union-attr]
@@ -60,22 +58,25 @@ def _prepare_retrieve(transfer: Any, tensor_memory_obj: Any) -> Any:
         view = memory_obj.tensor
         return None if view is None else (list(view.shape), view.dtype)
 
+    def slots_of(memory_objs: list[Any]) -> list[dict[str, Any]] | None:
+        """The slot descriptions of ``memory_objs`` (None: one of them was invalidated)."""
+        slots = []
+        for memory_obj in memory_objs:
+            described = shape_and_dtype(memory_obj)
+            if described is None:
+                return None
+            shape, dtype = described
+            slot = describe_slot(offset=memory_obj.shm_offset, length=memory_obj.shm_byte_length, shape=shape,
+                                 dtype=dtype_name(dtype))  # fmt: skip
+            slots.append(slot.to_dict())
+        return slots
+
     def prepare_retrieve(self: Any, key: Any, instance_id: int, resolve_obj_keys: Any) -> Any:
         """LMCache 0.5.6's SHM ``prepare_retrieve`` with slots described from metadata."""
         obj_keys = resolve_obj_keys(key)
         read_keys, memory_objs = self._storage_manager.unsafe_read(obj_keys)
-        slots: list[dict[str, Any]] | None = None
-        if memory_objs and len(read_keys) == len(obj_keys) == len(memory_objs):
-            slots = []
-            for memory_obj in memory_objs:
-                described = shape_and_dtype(memory_obj)
-                if described is None:
-                    slots = None
-                    break
-                shape, dtype = described
-                slot = describe_slot(offset=memory_obj.shm_offset, length=memory_obj.shm_byte_length, shape=shape,
-                                     dtype=dtype_name(dtype))  # fmt: skip
-                slots.append(slot.to_dict())
+        whole = bool(memory_objs) and len(read_keys) == len(obj_keys) == len(memory_objs)
+        slots = slots_of(memory_objs) if whole else None
         if slots is None:
             if read_keys:
                 self._storage_manager.finish_read_prefetched(read_keys)

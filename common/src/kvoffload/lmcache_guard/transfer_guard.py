@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from kvoffload import contract
-from kvoffload.lmcache_guard import LMCacheVersionError, check_lmcache_version, guarded, is_guard
+from kvoffload.lmcache_guard import check_lmcache_version, guarded, is_guard, require_callables
 from kvoffload.lmcache_guard.unpickling import UNPICKLING_MODULE
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,9 @@ def install_transfer_guard() -> None:
     shm_cls = getattr(strategies, "ShmTransferStrategy", None)
     pickle_cls = getattr(strategies, "PickleTransferStrategy", None)
     l1_cls = getattr(l1, "L1Manager", None)
-    for owner, name in ((module_cls, "_release_entry"), (shm_cls, "prepare_store"), (shm_cls, "commit_store"),
-                        (pickle_cls, "commit_store"), (l1_cls, "reserve_write"), (l1_cls, "finish_write_and_delete")):  # fmt: skip
-        if owner is None or not callable(getattr(owner, name, None)):
-            raise LMCacheVersionError(f"LMCache no longer has the {name} the transfer guard replaces")
+    require_callables(((module_cls, "_release_entry"), (shm_cls, "prepare_store"), (shm_cls, "commit_store"),
+                       (pickle_cls, "commit_store"), (l1_cls, "reserve_write"), (l1_cls, "finish_write_and_delete")),
+                      "the transfer guard replaces")  # fmt: skip
     if is_guard(module_cls._release_entry):  # type: ignore[union-attr]
         return
     clock = _ReservationClock()

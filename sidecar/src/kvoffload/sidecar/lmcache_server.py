@@ -16,19 +16,14 @@ from collections.abc import Mapping, Sequence
 
 from kvoffload import contract
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
-from kvoffload.lmcache_guard import LMCacheVersionError
+from kvoffload.lmcache_guard import LMCacheVersionError, install_server_guards
 from kvoffload.lmcache_guard.curve import require_curve_clients
-from kvoffload.lmcache_guard.retrieve_slots import install_retrieve_slots
 from kvoffload.lmcache_guard.server_cli import run_lmcache_cli
-from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
-from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
 
 
 def guard_server(env: Mapping[str, str]) -> None:
     """Put this process's LMCache server behind the guards ``env`` asks for (before it starts)."""
-    install_restricted_unpickler()
-    install_transfer_guard()
-    install_retrieve_slots()
+    install_server_guards()
     keys_dir = env.get(contract.ENV_CACHE_KEYS_DIR)
     if keys_dir:
         require_curve_clients(read_server_keys(keys_dir))

@@ -72,13 +72,9 @@ class InProcessServer:
             if self._running is not None:
                 return self._running[0]
             from kvoffload.connector.lmcache_seam import run_inprocess_server
-            from kvoffload.lmcache_guard.retrieve_slots import install_retrieve_slots
-            from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
-            from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
+            from kvoffload.lmcache_guard import install_server_guards
 
-            install_restricted_unpickler()  # the engine's own server unpickles no stranger's code either
-            install_transfer_guard()  # and admits no store its worker did not finish
-            install_retrieve_slots()  # secures a load without a tensor view per chunk
+            install_server_guards()  # the engine's own server is guarded as the sidecar's is
             port = _free_port()
             l1 = settings.l1_bytes or DEFAULT_L1_BYTES
             shm_name = f"kvo_inproc_{uuid.uuid4().hex[:10]}"
