@@ -56,6 +56,18 @@ def promise_cap(num_prompt_tokens: int, tokens_per_block: int) -> int:
     return ((num_prompt_tokens - 1) // tokens_per_block) * tokens_per_block if num_prompt_tokens > 0 else 0
 
 
+def retrieve_bounds(
+    num_prompt_tokens: int, num_computed_tokens: int, tokens_per_block: int, chunk_size: int
+) -> tuple[int, int]:
+    """``(start, cap)``: a load of any hit ``h`` (chunk-aligned) retrieves ``[start, min(h, cap))``:
+    from the chunk holding the first token it writes (the device's prefix may end inside a block,
+    which the load then rewrites from its first token) to the chunk end past the promise's cap."""
+    first_written = (num_computed_tokens // tokens_per_block) * tokens_per_block
+    return chunk_floor(first_written, chunk_size), chunk_ceil(
+        promise_cap(num_prompt_tokens, tokens_per_block), chunk_size
+    )
+
+
 def decide_load(
     num_prompt_tokens: int,
     num_computed_tokens: int,
@@ -84,7 +96,7 @@ def decide_load(
     # own (TensorRT-LLM copies a partially matched block, or takes it when nobody else uses it),
     # so the load starts at its first token and rewrites its matched tokens with the same KV.
     first_written = (num_computed_tokens // tokens_per_block) * tokens_per_block
-    retrieve_start = chunk_floor(first_written, chunk_size)
+    retrieve_start, _ = retrieve_bounds(num_prompt_tokens, num_computed_tokens, tokens_per_block, chunk_size)
     retrieve_end = chunk_ceil(load_end, chunk_size)
     free = tuple((a, b) for a, b in ((0, retrieve_start), (retrieve_end, hit)) if b > a)
     return LoadDecision(

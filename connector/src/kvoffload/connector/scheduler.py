@@ -36,6 +36,7 @@ from kvoffload.connector.scheduler_state import (
 if TYPE_CHECKING:  # built after the bundle made LMCache loadable (``start_scheduler_client``)
     from kvoffload.connector.backends.engine_process import EngineProcess
     from kvoffload.connector.backends.scheduler_client import SchedulerClient
+    from kvoffload.connector.backends.securing import SecuredHit
     from kvoffload.connector.settings import ConnectorSettings
 
 logger = logging.getLogger("kvoffload.connector")
@@ -153,39 +154,27 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             state.lookup_hit = 0  # nothing past the device's prefix fills a whole chunk
             return 0, False
         token_ids = tuple(tokens)
-        m = self._metrics
         t0 = time.perf_counter()
+        start, cap = planning.retrieve_bounds(len(tokens), num_computed_tokens, self._block, self._chunk)
         try:
-            hit = self._backend.lookup(state.session_id, token_ids, end, state.salt)
+            found = self._backend.lookup_and_secure(state.session_id, token_ids, end, state.salt, start, cap)
+            hit = found.hit if found is not None else self._backend.lookup(state.session_id, token_ids, end, state.salt)
         except BackendError as exc:
             state.lookup_failure = "lookup_timeout" if exc.reason == "timeout" else "cache_unavailable"
             count_skip(self._metrics, exc)
             logger.debug("event=lookup_failed request=%d reason=%s", state.request_id, exc.reason)
             return 0, False
-        m.record_lookup(time.perf_counter() - t0, end, hit)
+        self._metrics.record_lookup(time.perf_counter() - t0 - (found.prepare_s if found else 0.0), end, hit)
         state.lookup_hit = hit
         decision = planning.decide_load(len(tokens), num_computed_tokens, hit, self._block, self._chunk)
         if decision.loads and not self._load_pays(decision.matched_tokens):
             logger.debug("event=load_declined request=%d reason=slower_to_load tokens=%d",
                          state.request_id, decision.matched_tokens)  # fmt: skip
             decision, state.declined_as = planning.compute_instead(decision), "slower_to_load"
-        if decision.loads:
-            # Promise only what is secured: once the server handed out and locked the chunks, the
-            # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
-            t_secure = time.perf_counter()
-            state.secured = self._backend.secure(
-                state.session_id,
-                token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
-                decision.retrieve_start,
-                decision.retrieve_end,
-                state.salt,
-            )
-            if state.secured is None:
-                decision = planning.decline(decision)
-            else:
-                self.load_costs.secured(decision.matched_tokens, time.perf_counter() - t_secure)
-        if decision.free_ranges:
-            self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
+        if found is not None:
+            decision = self._take_secured(state, token_ids, decision, found)
+        else:
+            decision = self._secure_apart(state, token_ids, decision)
         state.load = decision
         state.stored_upto = max(state.stored_upto, hit)
         logger.debug(
@@ -211,6 +200,43 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         if asynchronous:
             self._parking.append(state.request_id)
         return decision.matched_tokens, asynchronous
+
+    def _take_secured(self, state: RequestState, token_ids: tuple[int, ...], decision: planning.LoadDecision,
+                      found: SecuredHit) -> planning.LoadDecision:  # fmt: skip
+        """The decision, given what the secured lookup secured (its lookup locks are settled): the
+        load keeps its chunks; a load declined, or one whose range was not secured, gives them back."""
+        secured = found.load if (found.start, found.end) == (decision.retrieve_start, decision.retrieve_end) else None
+        if decision.loads and secured is not None:
+            state.secured = secured
+            self.load_costs.secured(decision.matched_tokens, found.prepare_s)
+            return decision
+        if found.load is not None:
+            self._backend.release_secured(state.session_id, token_ids[: found.end], found.start, found.end,
+                                          state.salt, found.load)  # fmt: skip
+        return planning.decline(decision) if decision.loads else decision
+
+    def _secure_apart(self, state: RequestState, token_ids: tuple[int, ...],
+                      decision: planning.LoadDecision) -> planning.LoadDecision:  # fmt: skip
+        """The decision, after securing its load through a server without secured lookups, and the
+        lookup locks outside the load freed."""
+        if decision.loads:
+            # Promise only what is secured: once the server handed out and locked the chunks, the
+            # load is a local copy nothing can fail (TensorRT-LLM has no way to fail one request).
+            t_secure = time.perf_counter()
+            state.secured = self._backend.secure(
+                state.session_id,
+                token_ids[: decision.retrieve_end],  # the key of the load op, exactly (COMMIT matches on it)
+                decision.retrieve_start,
+                decision.retrieve_end,
+                state.salt,
+            )
+            if state.secured is None:
+                decision = planning.decline(decision)
+            else:
+                self.load_costs.secured(decision.matched_tokens, time.perf_counter() - t_secure)
+        if decision.free_ranges:
+            self._backend.free_lookup_locks(state.session_id, token_ids, decision.free_ranges, state.salt)
+        return decision
 
     def _load_pays(self, tokens: int) -> bool:
         """The cost guard (``load_cost``): off, or not measured slower than computing ``tokens``."""

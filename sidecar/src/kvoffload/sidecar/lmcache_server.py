@@ -3,7 +3,8 @@
 transfer guard, so no store that was not finished is ever admitted, and, where
 ``KVOFFLOAD_CACHE_KEYS_DIR`` names the policy's keys (node mode), behind CURVE: only the policy's
 client key completes a connection. Its PREPARE_RETRIEVE describes slots without building tensor
-views (``kvoffload.lmcache_guard.retrieve_slots``).
+views (``kvoffload.lmcache_guard.retrieve_slots``), and it looks a hit up and secures it in one call
+(``kvoffload.lmcache_guard.secured_lookups``, loaded as a server module).
 
     python -m kvoffload.sidecar.lmcache_server server --host 0.0.0.0 ...
 """
@@ -18,6 +19,7 @@ from kvoffload import contract
 from kvoffload.cache_keys import CacheKeysError, read_server_keys
 from kvoffload.lmcache_guard import LMCacheVersionError, install_server_guards
 from kvoffload.lmcache_guard.curve import require_curve_clients
+from kvoffload.lmcache_guard.secured_lookups import with_secured_lookups
 from kvoffload.lmcache_guard.server_cli import run_lmcache_cli
 
 
@@ -30,9 +32,10 @@ def guard_server(env: Mapping[str, str]) -> None:
 
 
 def run_server(arguments: Sequence[str], env: Mapping[str, str] = os.environ) -> None:
-    """Run LMCache's CLI (``server ...``) in this process behind ``guard_server``."""
+    """Run LMCache's CLI (``server ...``) in this process behind ``guard_server``, with secured lookups."""
     guard_server(env)
-    run_lmcache_cli(arguments)
+    arguments = list(arguments)
+    run_lmcache_cli(with_secured_lookups(arguments) if arguments[:1] == ["server"] else arguments)
 
 
 if __name__ == "__main__":

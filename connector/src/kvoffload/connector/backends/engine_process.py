@@ -24,6 +24,8 @@ from kvoffload.connector.wire import SecuredLoad
 
 if TYPE_CHECKING:
     from kvoffload.connector.backends.chunk_keys import ChunkKeys
+    from kvoffload.connector.backends.securing import SecuredHit
+    from kvoffload.connector.lmcache_seam import IPCCacheServerKey
 
 
 class LocalWorker(Protocol):
@@ -45,6 +47,10 @@ class LocalWorker(Protocol):
     def commit_secured(
         self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str, segment: tuple[str, int]
     ) -> None: ...  # fmt: skip
+
+    def lookup_and_secure(
+        self, client: Any, lookup_key: IPCCacheServerKey, start: int, cap: int, wait_s: float, deadline: float
+    ) -> SecuredHit | None: ...  # fmt: skip
 
 
 class ParkedLoads:

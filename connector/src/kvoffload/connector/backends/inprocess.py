@@ -73,13 +73,14 @@ class InProcessServer:
                 return self._running[0]
             from kvoffload.connector.lmcache_seam import run_inprocess_server
             from kvoffload.lmcache_guard import install_server_guards
+            from kvoffload.lmcache_guard.secured_lookups import with_secured_lookups
 
             install_server_guards()  # the engine's own server is guarded as the sidecar's is
             port = _free_port()
             l1 = settings.l1_bytes or DEFAULT_L1_BYTES
             shm_name = f"kvo_inproc_{uuid.uuid4().hex[:10]}"
             server, engine = run_inprocess_server(
-                server_args(port, settings.chunk_size or DEFAULT_CHUNK_SIZE, l1, shm_name)
+                with_secured_lookups(server_args(port, settings.chunk_size or DEFAULT_CHUNK_SIZE, l1, shm_name))
             )
             url = contract.server_url(port)
             self._running = (url, server, engine)

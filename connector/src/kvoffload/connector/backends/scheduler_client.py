@@ -11,18 +11,29 @@ nothing waits. The worker's side is :mod:`.worker_backend`; the two share only t
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
+from kvoffload import secured_lookup
 from kvoffload.connector.backends.abandoned_lookups import AbandonedLookups
 from kvoffload.connector.backends.base import BackendError
 from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.commits import chain_of
 from kvoffload.connector.backends.engine_process import EngineProcess, LocalWorker
+from kvoffload.connector.backends.securing import PrefetchStillRunning, SecuredHit, SecuredLookupFailed
 from kvoffload.connector.backends.server_link import ServerLink
 from kvoffload.connector.layout import GroupedLayout
+from kvoffload.connector.lmcache_seam import ServerModuleCallRequest
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings
 from kvoffload.connector.wire import SecuredLoad
+
+logger = logging.getLogger("kvoffload.connector")
+
+PROBE_TIMEOUT_S = 2.0
+"""How long the heartbeat waits for a server to say it has secured lookups (a server without any
+server module never answers the call)."""
 
 
 class SchedulerClient:
@@ -39,7 +50,13 @@ class SchedulerClient:
         self.chunk_size = self._link.chunk_size
         self.abandoned_lookups = AbandonedLookups(self.connection, metrics)
         """Lookups answered too late, whose server prefetch is settled before the session's next lookup and at its end."""
+        self._metrics = metrics
+        self._one_call: tuple[int, bool] = (-1, False)
+        """(connection generation, whether that server looks up and secures in one call)."""
         self._link.start_heartbeat(lambda: self.heartbeat_once())  # looked up at each beat, as the worker does
+        # The first beat comes a heartbeat interval from now; the server is asked at once, aside.
+        threading.Thread(target=self._link.beat_once, args=(self._ask_for_one_call,), daemon=True,
+                         name="kvoffload-secured-lookups").start()  # fmt: skip
 
     def is_up(self) -> bool:
         """Whether the last contact with the server succeeded."""
@@ -64,6 +81,27 @@ class SchedulerClient:
             self.connection.replace_client().close()
         if self.connection.ping(None):
             self.connection.mark_up()
+            self._ask_for_one_call()
+
+    def _ask_for_one_call(self) -> None:
+        """Once per connection, off the engine's path: whether the server has secured lookups
+        (``kvoffload.secured_lookup``: the sidecar's server and the in-process one do)."""
+        generation = self.connection.generation
+        if self._one_call[0] == generation:
+            return
+        request = ServerModuleCallRequest(method=secured_lookup.METHOD, payload=secured_lookup.PROBE)
+        try:
+            response = self.connection.client.server_module_call(request).result(timeout=PROBE_TIMEOUT_S)
+            has_it = bool(response.success) and response.payload == secured_lookup.PROBE_ANSWER
+        except Exception:  # no answer: a server without server modules
+            has_it = False
+        self._one_call = (generation, has_it)
+        logger.info("event=secured_lookups backend=sidecar available=%s", has_it)
+
+    @property
+    def looks_up_in_one_call(self) -> bool:
+        """Whether lookups and their securing go to this server in one call (``lookup_and_secure``)."""
+        return self._one_call == (self.connection.generation, True)
 
     def close(self) -> None:
         """Settle abandoned lookups, stop the heartbeat and close the connection."""
@@ -114,6 +152,38 @@ class SchedulerClient:
             self.abandoned_lookups.abandoned(session_id, key)
             raise self.connection.slow("lookup", "prefetch outlived the lookup timeout")
         return int(chunks) * self.chunk_size
+
+    def lookup_and_secure(
+        self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str, start: int, cap: int
+    ) -> SecuredHit | None:
+        """``lookup`` of ``token_ids[:end]`` and ``secure`` of ``[start, min(hit, cap))`` in one server
+        call, every lookup lock of the hit settled by the server (``Securing.lookup_and_prepare``).
+        None: the server cannot (the caller calls ``lookup``, then ``secure``)."""
+        local = self._local_worker()
+        if local is None or not self.looks_up_in_one_call:
+            return None
+        if not self.connection.is_up():
+            raise BackendError("lookup", "unavailable")
+        key = self._lookup_keys().key(session_id, token_ids, 0, end, salt, worker=False)
+        self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
+        client = self.connection.client
+        deadline = time.monotonic() + self._lookup_timeout_s
+        try:
+            if not self.abandoned_lookups.settle(client, session_id, deadline - time.monotonic()):
+                raise self.connection.slow("lookup", "the session's previous prefetch still runs")
+            return local.lookup_and_secure(client, key, start, cap, max(0.0, deadline - time.monotonic()), deadline)
+        except BackendError:
+            raise
+        except PrefetchStillRunning:  # a miss now, its locks settled later
+            self.abandoned_lookups.abandoned(session_id, key)
+            raise self.connection.slow("lookup", "prefetch outlived the lookup timeout") from None
+        except SecuredLookupFailed as exc:  # a miss; this server's lookups go apart from now on
+            self._one_call = (self._one_call[0], False)
+            self._metrics.error("lookup", "server_error")
+            logger.warning("event=secured_lookup_failed detail=%r", str(exc))
+            raise BackendError("lookup", "server_error", str(exc)) from None
+        except Exception as exc:
+            raise self.connection.request_failed("lookup", exc, client) from exc
 
     def _lookup_keys(self) -> ChunkKeys:
         """The chunk keys of rank 0's worker in this process (TensorRT-LLM runs the scheduler there):

@@ -7,26 +7,84 @@ PREPARE_RETRIEVE of the same range (two identical prompts loading at once) would
 first's pending read and leave one read lock per chunk and rank behind both. A second load of a key
 still secured shares the first's slots (the bytes are read-locked and only read), its own lookup
 locks freed; the chunks go back once its last user gave them back. A load of a key whose release is
-queued waits for that release to be answered first (a replay's release comes before its re-secure)."""
+queued waits for that release to be answered first (a replay's release comes before its re-secure).
+
+``lookup_and_prepare`` looks up and secures in one server call (``kvoffload.secured_lookup``, the
+module the sidecar's server and the in-process one load); there the server itself refuses a second
+PREPARE_RETRIEVE of a key this instance holds (``held``), and a load still held is shared as above."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload import secured_lookup
 from kvoffload.connector.backends.chunk_keys import ChunkKeys
 from kvoffload.connector.backends.committer import Committer
 from kvoffload.connector.backends.connection import ServerConnection
 from kvoffload.connector.backends.segments import Segment, Segments
-from kvoffload.connector.lmcache_seam import IPCCacheServerKey
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, ServerModuleCallRequest
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.wire import SecuredLoad, SlotRef
 
 
+@dataclass(frozen=True)
+class SecuredHit:
+    """What one secured lookup found: ``hit`` tokens (their lookup locks settled by the server), and
+    the load of ``[start, end)`` it secured (None: nothing; ``end`` 0 unless the server tried)."""
+
+    hit: int
+    start: int
+    end: int
+    load: SecuredLoad | None
+    prepare_s: float
+
+
+@dataclass
+class _LateAnswer:
+    """A secured lookup the caller stopped waiting for: what its answer holds is given back once it comes."""
+
+    future: Any
+    session_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    salt: str
+    prepared_on: tuple[Any, Segment | None]
+
+
+logger = logging.getLogger("kvoffload.connector")
+
+
+class SecuredLookupFailed(Exception):
+    """The server's secured lookup raised (its message): a miss, and lookups go apart from then on."""
+
+
+class PrefetchStillRunning(Exception):
+    """The server's prefetch of a secured lookup outlived its wait: a miss, its locks still held."""
+
+
 class _Unsecured(Exception):
     """PREPARE_RETRIEVE handed out fewer chunks than the load needs (a miss, not a failure)."""
+
+
+class _HeldKey:
+    """A load's key as ``Securing`` files it: hashed once (an LMCache key hashes its whole prompt
+    each time, 0.1 ms per 32k tokens, and a load's key is filed and found several times)."""
+
+    __slots__ = ("_hash", "key")
+
+    def __init__(self, key: IPCCacheServerKey) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HeldKey) and self._hash == other._hash and self.key == other.key
 
 
 @dataclass
@@ -53,16 +111,17 @@ class Securing:
         self._keys = keys
         self._committer = committer
         self._metrics = metrics
-        self._held: dict[IPCCacheServerKey, _Holding] = {}
+        self._held: dict[_HeldKey, _Holding] = {}
         """Keys of loads secured (or being secured) and not yet given back to the server."""
         self._changed = threading.Condition()
+        self._late: list[_LateAnswer] = []
 
     def held(self) -> int:
         """Secured loads not yet given back to the server (their releases answered)."""
         with self._changed:
             return len(self._held)
 
-    def _hold(self, key: IPCCacheServerKey, deadline: float) -> tuple[bool, SecuredLoad | None]:
+    def _hold(self, key: _HeldKey, deadline: float) -> tuple[bool, SecuredLoad | None]:
         """Take ``key`` for one load: (True, None) to secure it, (True, load) to share a load of it
         already secured, (False, None) if neither came by ``deadline`` (another load still secures it,
         or its release is still unanswered)."""
@@ -80,12 +139,12 @@ class Securing:
                     return False, None
                 self._changed.wait(remaining)
 
-    def _secured(self, key: IPCCacheServerKey, load: SecuredLoad) -> None:
+    def _secured(self, key: _HeldKey, load: SecuredLoad) -> None:
         with self._changed:
             self._held[key] = _Holding(load=load, users=1)
             self._changed.notify_all()
 
-    def _give_back(self, key: IPCCacheServerKey) -> bool:
+    def _give_back(self, key: _HeldKey) -> bool:
         """One user of ``key``'s load is done: True if it was the last (its release is queued next)."""
         with self._changed:
             holding = self._held.get(key)
@@ -97,12 +156,15 @@ class Securing:
             holding.releasing = True
             return True
 
-    def _free(self, key: IPCCacheServerKey) -> None:
+    def _free(self, key: _HeldKey, holding: _Holding | None = None) -> None:
+        """``key`` is no longer held (only if ``holding`` is still its entry: a load secured again
+        after its release was answered by the server, before the answer reached here, stays)."""
         with self._changed:
-            self._held.pop(key, None)
+            if holding is None or self._held.get(key) is holding:
+                self._held.pop(key, None)
             self._changed.notify_all()
 
-    def _queue_release(self, keys: list[IPCCacheServerKey], held: IPCCacheServerKey,
+    def _queue_release(self, keys: list[IPCCacheServerKey], held: _HeldKey,
                        prepared_on: tuple[Any, Segment | None]) -> None:  # fmt: skip
         """Queue the COMMIT_RETRIEVEs of ``keys``; ``held`` is free once the last one was answered."""
         if not keys:
@@ -114,7 +176,7 @@ class Securing:
                 holding.releasing = True
         for key in keys[:-1]:
             self._committer.later("retrieve", key, None, prepared_on)
-        self._committer.later("retrieve", keys[-1], None, prepared_on, on_done=lambda: self._free(held))
+        self._committer.later("retrieve", keys[-1], None, prepared_on, on_done=lambda: self._free(held, holding))
 
     def prepare(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
                 ) -> SecuredLoad | None:  # fmt: skip
@@ -129,7 +191,7 @@ class Securing:
         if not self._connection.is_up() or self._segments.segment is None:
             return None
         deadline = time.monotonic() + self._timeout_s
-        held = self._keys.key(session_id, token_ids, start, end, salt, worker=True, rank=0)
+        held = _HeldKey(self._keys.key(session_id, token_ids, start, end, salt, worker=True, rank=0))
         taken, shared = self._hold(held, deadline)
         if shared is not None:  # read from the slots another load of this key secured
             self._segments.secured_opened(shared.segment)
@@ -184,6 +246,110 @@ class Securing:
             self._free_lookup_locks(session_id, token_ids, start, end, salt)
         return None
 
+    def lookup_and_prepare(self, client: Any, lookup_key: IPCCacheServerKey, start: int, cap: int, wait_s: float,
+                           deadline: float) -> SecuredHit | None:  # fmt: skip
+        """LOOKUP of ``lookup_key`` and PREPARE_RETRIEVE of ``[start, min(hit, cap))`` for every rank
+        in one call on ``client`` (``kvoffload.secured_lookup``): the server hashes the prompt once
+        and settles every lookup lock of the hit. None when it cannot (no such module: the caller
+        looks up and secures apart). Raises what the call raised, ``SecuredLookupFailed`` when the
+        server's module raised, ``PrefetchStillRunning`` when the prefetch outlived ``wait_s``. What a late answer
+        secured is given back when it comes (the server gives back itself what it secures after
+        ``give_back_s``)."""
+        self._settle_late()
+        if not self._connection.is_up() or self._segments.segment is None:
+            return None
+        if not self._segments.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError("the transfer context stayed busy")
+        try:
+            transfer, segment = self._segments.transfer, self._segments.segment
+            if transfer is None or segment is None:
+                return None
+            session_id, salt, tokens = lookup_key.request_id, lookup_key.cache_salt, lookup_key.token_ids
+            rank_keys = self._keys.of_every_rank(session_id, tokens, start, start, salt)
+            request = secured_lookup.SecuredLookupRequest(
+                lookup_key={name: getattr(lookup_key, name) for name in secured_lookup.KEY_FIELDS},
+                rank_keys=tuple({name: getattr(key, name) for name in secured_lookup.KEY_FIELDS} for key in rank_keys),
+                token_ids=tokens[: lookup_key.end], start=start, cap=cap, instance_id=self._instance_id,
+                wait_s=wait_s, budget_s=max(0.0, deadline - time.monotonic()),
+                give_back_s=max(0.0, deadline - time.monotonic()) + self._timeout_s / 2,
+            )  # fmt: skip
+            future = client.server_module_call(ServerModuleCallRequest(method=secured_lookup.METHOD,
+                                                                       payload=secured_lookup.encode_request(request)))  # fmt: skip
+            try:
+                response = future.result(timeout=max(0.0, deadline - time.monotonic()) + self._timeout_s)
+            except Exception:
+                with self._changed:
+                    self._late.append(_LateAnswer(future, session_id, tokens, start, salt, (transfer, segment)))
+                raise
+            if not response.success:
+                raise SecuredLookupFailed(response.error[:500])
+            answer = secured_lookup.decode_answer(response.payload)
+            if answer.hit is None:
+                raise PrefetchStillRunning
+            return SecuredHit(answer.hit, start, answer.end, self._take(session_id, tokens, start, salt, answer,
+                                                                         (transfer, segment)), answer.prepare_s)  # fmt: skip
+        finally:
+            self._segments.lock.release()
+
+    def _take(self, session_id: str, token_ids: tuple[int, ...], start: int, salt: str,
+              answer: secured_lookup.SecuredLookupAnswer, prepared_on: tuple[Any, Segment]) -> SecuredLoad | None:  # fmt: skip
+        """The load an answer secured, or the one of its key this process still holds (shared, what
+        the answer handed out given back); else None, with whatever it handed out given back."""
+        if answer.end <= start or answer.given_back:
+            return None
+        keys = self._keys.of_every_rank(session_id, token_ids[: answer.end], start, answer.end, salt)
+        held, chunks = _HeldKey(keys[0]), (answer.end - start) // self._chunk_size
+        per_rank = tuple(
+            tuple(SlotRef(s.offset, s.length, s.shape, s.dtype) for s in rank)
+            for rank in answer.slots if rank is not None and len(rank) == chunks
+        )  # fmt: skip
+        with self._changed:
+            holding = self._held.get(held)
+            if holding is not None and holding.load is not None and not holding.releasing:
+                holding.users += 1  # a load of this key still held (by a server before this one, too)
+                self._segments.secured_opened(holding.load.segment)
+                shared = holding.load
+            elif answer.held:
+                shared = None  # held by the server for a release still on its way: promise nothing
+            elif len(per_rank) == self._keys.world_size:
+                load = SecuredLoad(prepared_on[1], per_rank)
+                self._held[held] = _Holding(load=load, users=1)  # replaces one whose release was answered
+                self._segments.secured_opened(prepared_on[1])
+                return load
+            else:
+                self._held[held] = _Holding()  # given back next
+                self._metrics.error("retrieve", "miss")
+                self._queue_release(keys, held, prepared_on)
+                return None
+        if shared is None:
+            self._metrics.error("retrieve", "miss")
+        elif not answer.held:
+            self._give_back_unheld(keys, prepared_on)
+        return shared
+
+    def _settle_late(self) -> None:
+        """Give back what late answers secured (those that came by now)."""
+        with self._changed:
+            if not self._late:
+                return
+            done = [late for late in self._late if late.future.query()]
+            self._late = [late for late in self._late if late not in done]
+        for late in done:
+            try:
+                response = late.future.result(timeout=0)
+                answer = secured_lookup.decode_answer(response.payload) if response.success else None
+            except Exception:
+                continue  # the call failed: the server secured nothing it answered for
+            if answer is not None and answer.end > late.start and not (answer.held or answer.given_back):
+                keys = self._keys.of_every_rank(late.session_id, late.token_ids[: answer.end], late.start, answer.end,
+                                                late.salt)  # fmt: skip
+                self._give_back_unheld(keys, late.prepared_on)
+
+    def _give_back_unheld(self, keys: list[IPCCacheServerKey], prepared_on: tuple[Any, Segment | None]) -> None:
+        """Queue the COMMIT_RETRIEVEs of chunks handed out that no load of this process holds."""
+        for key in keys:
+            self._committer.later("retrieve", key, None, prepared_on)
+
     def _free_lookup_locks(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str) -> None:
         """Release the lookup read locks of ``[start, end)`` that no PREPARE_RETRIEVE took over."""
         if not self._connection.is_up():
@@ -199,6 +365,7 @@ class Securing:
         """Queue the COMMIT_RETRIEVEs (every rank's key) that release a secured load's chunks; its
         segment, if replaced meanwhile, may be unmapped once no other load secured in it is open."""
         keys = self._keys.of_every_rank(session_id, token_ids, start, end, salt)
-        if self._give_back(keys[0]):
-            self._queue_release(keys, keys[0], (None, segment))
+        held = _HeldKey(keys[0])
+        if self._give_back(held):
+            self._queue_release(keys, held, (None, segment))
         self._segments.secured_closed(segment)

@@ -32,14 +32,14 @@ from kvoffload.connector.backends.connection import failure_reason
 from kvoffload.connector.backends.engine_process import EngineProcess
 from kvoffload.connector.backends.pool_copies import PoolCopies
 from kvoffload.connector.backends.pool_transfers import KV_POOL_NAME, PoolTransfers, Timeouts
-from kvoffload.connector.backends.securing import Securing
+from kvoffload.connector.backends.securing import SecuredHit, Securing
 from kvoffload.connector.backends.segments import RETIRED_GRACE_S, Segment, Segments
 from kvoffload.connector.backends.server_link import ServerLink
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.identities import model_identity
 from kvoffload.connector.keys import cache_model_name, chunk_layout
 from kvoffload.connector.layout import GroupedLayout, KeyRanks, PoolLayout, describe_pool, key_ranks, transfer_shape
-from kvoffload.connector.lmcache_seam import EngineType, MPTransferMode, create_transfer_context
+from kvoffload.connector.lmcache_seam import EngineType, IPCCacheServerKey, MPTransferMode, create_transfer_context
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings
 from kvoffload.connector.wire import SecuredLoad
@@ -272,6 +272,11 @@ class WorkerBackend:
     ) -> SecuredLoad | None:
         """PREPARE_RETRIEVE ``[start, end)`` for every rank under this worker's instance (``Securing.prepare``)."""
         return self._securing.prepare(session_id, token_ids, start, end, salt)
+
+    def lookup_and_secure(self, client: Any, lookup_key: IPCCacheServerKey, start: int, cap: int, wait_s: float,
+                          deadline: float) -> SecuredHit | None:  # fmt: skip
+        """LOOKUP and PREPARE_RETRIEVE for every rank in one server call (``Securing.lookup_and_prepare``)."""
+        return self._securing.lookup_and_prepare(client, lookup_key, start, cap, wait_s, deadline)
 
     def commit_secured(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str,
                        segment: Segment) -> None:  # fmt: skip
