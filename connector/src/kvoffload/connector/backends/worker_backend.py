@@ -100,6 +100,11 @@ class WorkerBackend:
         return self._keys.model
 
     @property
+    def instance_id(self) -> int:
+        """The worker instance this backend registered its pool as (the server's name for it)."""
+        return self._instance_id
+
+    @property
     def chunk_keys(self) -> ChunkKeys:
         """How this backend names chunks on the server (model, key world and rank)."""
         return self._keys
