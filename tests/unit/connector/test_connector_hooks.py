@@ -41,6 +41,9 @@ class FakeBackend:
             raise BackendError("lookup", self.fail)
         return min(self.hit, end)
 
+    def lookup_and_secure(self, session_id: str, token_ids: Any, end: int, salt: str, start: int, cap: int) -> None:
+        return None  # a server without secured lookups: looked up, then secured
+
     def free_lookup_locks(self, session_id: str, token_ids: Any, ranges: Any, salt: str) -> None:
         self.freed.append(ranges)
 

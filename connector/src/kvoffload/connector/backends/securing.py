@@ -15,7 +15,6 @@ PREPARE_RETRIEVE of a key this instance holds (``held``), and a load still held 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -53,9 +52,6 @@ class _LateAnswer:
     start: int
     salt: str
     prepared_on: tuple[Any, Segment | None]
-
-
-logger = logging.getLogger("kvoffload.connector")
 
 
 class SecuredLookupFailed(Exception):
