@@ -334,8 +334,8 @@ class Securing:
             try:
                 response = late.future.result(timeout=0)
                 answer = secured_lookup.decode_answer(response.payload) if response.success else None
-            except Exception:
-                continue  # the call failed: the server secured nothing it answered for
+            except Exception:  # the call failed: the server secured nothing it answered for
+                answer = None
             if answer is not None and answer.end > late.start and not (answer.held or answer.given_back):
                 keys = self._keys.of_every_rank(late.session_id, late.token_ids[: answer.end], late.start, answer.end,
                                                 late.salt)  # fmt: skip
