@@ -29,6 +29,23 @@ def lmcache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCache
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def plain_and_sidecar_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LMCacheServer]]:
+    """A plain LMCache server (``"lmcache"``) and one behind kvoffload's guards, as the sidecar runs it
+    (``"sidecar"``), per test module."""
+    started = {
+        "lmcache": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("plain")),
+        "sidecar": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("guarded"), guarded=True),
+    }
+    for server in started.values():
+        server.start()
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
 @pytest.fixture
 def connector_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Connector env as the operator injects it (timeouts short so failure tests stay quick)."""

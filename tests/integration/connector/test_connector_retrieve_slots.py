@@ -8,8 +8,6 @@ length, shape, dtype), and a load through them is bit-exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -30,29 +28,13 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LMCacheServer]]:
-    """A plain LMCache server and one behind kvoffload's guards, as the sidecar runs it."""
-    started = {
-        "lmcache": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("plain")),
-        "sidecar": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("guarded"), guarded=True),
-    }
-    for server in started.values():
-        server.start()
-    try:
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
 def test_a_load_secured_by_the_sidecars_server_gets_the_slots_lmcache_describes_and_loads_bit_exact(
-    servers: dict[str, LMCacheServer],
+    plain_and_sidecar_servers: dict[str, LMCacheServer],
 ) -> None:
     prompt = tuple(make_prompt(41, TOKENS + 1))
     blocks = TOKENS // BLOCK
     slots = {}
-    for name, server in servers.items():
+    for name, server in plain_and_sidecar_servers.items():
         pool, process = pool_for(2 * blocks), EngineProcess()
         worker = direct_worker(server, "retrieve-slots", ENV, pool, process)
         scheduler = direct_scheduler(server, "retrieve-slots", ENV, process)

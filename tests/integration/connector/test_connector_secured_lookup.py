@@ -38,22 +38,6 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LMCacheServer]]:
-    """A plain LMCache server and one behind kvoffload's guards, as the sidecar runs it."""
-    started = {
-        "lmcache": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("plain")),
-        "sidecar": LMCacheServer(chunk_size=CHUNK, log_dir=tmp_path_factory.mktemp("guarded"), guarded=True),
-    }
-    for server in started.values():
-        server.start()
-    try:
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
-
-
 def eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -86,14 +70,21 @@ class Engine:
         assert result.error is None, result.error
         return torch.equal(self.pool[list(target)], self.pool[list(self.source[start // BLOCK : end // BLOCK])])
 
+    def release(self, session: str, load: Any, start: int = 0, end: int = TOKENS) -> None:
+        """Give a secured load of ``[start, end)`` back and end its session."""
+        self.scheduler.release_secured(session, self.prompt[:end], start, end, "", load)
+        self.scheduler.end_session(session)
+
     def close(self) -> None:
         self.scheduler.close()
         self.worker.close()
 
 
 @pytest.fixture
-def engine(servers: dict[str, LMCacheServer], request: pytest.FixtureRequest) -> Iterator[Engine]:
-    made = Engine(servers["sidecar"], f"secured-{request.node.name[:40]}", seed=len(request.node.name))
+def engine(plain_and_sidecar_servers: dict[str, LMCacheServer], request: pytest.FixtureRequest) -> Iterator[Engine]:
+    made = Engine(
+        plain_and_sidecar_servers["sidecar"], f"secured-{request.node.name[:40]}", seed=len(request.node.name)
+    )
     eventually(lambda: made.scheduler.looks_up_in_one_call, "the scheduler learned the server has secured lookups")
     try:
         yield made
@@ -102,15 +93,14 @@ def engine(servers: dict[str, LMCacheServer], request: pytest.FixtureRequest) ->
 
 
 def test_a_hit_is_looked_up_and_secured_in_one_call_with_the_slots_of_the_requests_apart_and_loads_bit_exact(
-    servers: dict[str, LMCacheServer], engine: Engine
+    plain_and_sidecar_servers: dict[str, LMCacheServer], engine: Engine
 ) -> None:
-    server, scheduler, prompt = servers["sidecar"], engine.scheduler, engine.prompt
+    server, scheduler, prompt = plain_and_sidecar_servers["sidecar"], engine.scheduler, engine.prompt
     before, calls = server.held(), module_counts(server)["calls"]
     apart_hit = scheduler.lookup("apart", prompt, TOKENS, "")
     apart = scheduler.secure("apart", prompt[:TOKENS], 0, TOKENS, "")
     assert apart_hit == TOKENS and apart is not None
-    scheduler.release_secured("apart", prompt[:TOKENS], 0, TOKENS, "", apart)
-    scheduler.end_session("apart")
+    engine.release("apart", apart)
     eventually(lambda: server.held() == before, "the load secured apart gave its chunks back")
 
     found = scheduler.lookup_and_secure("one", prompt, TOKENS, "", 0, TOKENS)
@@ -118,22 +108,20 @@ def test_a_hit_is_looked_up_and_secured_in_one_call_with_the_slots_of_the_reques
     assert found is not None and found.hit == TOKENS and (found.start, found.end) == (0, TOKENS)
     assert found.load is not None and found.load.slots == apart.slots
     assert engine.load(found.load, 0, TOKENS, BLOCKS), "the load through the secured slots is not bit-exact"
-    scheduler.release_secured("one", prompt[:TOKENS], 0, TOKENS, "", found.load)
-    scheduler.end_session("one")
+    engine.release("one", found.load)
     eventually(lambda: server.held() == before, "the one call's read locks and prefetch job released")
 
 
 def test_a_device_prefix_and_the_promise_cap_leave_no_lookup_lock_outside_the_secured_range(
-    servers: dict[str, LMCacheServer], engine: Engine
+    plain_and_sidecar_servers: dict[str, LMCacheServer], engine: Engine
 ) -> None:
-    server, scheduler, prompt = servers["sidecar"], engine.scheduler, engine.prompt
+    server, scheduler, prompt = plain_and_sidecar_servers["sidecar"], engine.scheduler, engine.prompt
     before = server.held()
     found = scheduler.lookup_and_secure("inside", prompt, TOKENS, "", CHUNK, 3 * CHUNK)
     assert found is not None and found.hit == TOKENS and (found.start, found.end) == (CHUNK, 3 * CHUNK)
     assert found.load is not None and len(found.load.slots[0]) == 2
     assert engine.load(found.load, CHUNK, 3 * CHUNK, BLOCKS), "the middle chunks did not load bit-exact"
-    scheduler.release_secured("inside", prompt[: 3 * CHUNK], CHUNK, 3 * CHUNK, "", found.load)
-    scheduler.end_session("inside")
+    engine.release("inside", found.load, CHUNK, 3 * CHUNK)
     eventually(lambda: server.held() == before, "the chunks before and after the load were freed by the server")
     # A hit that ends where the device's prefix does secures nothing, and frees every lock.
     nothing = scheduler.lookup_and_secure("device-has-it", prompt, TOKENS, "", TOKENS, TOKENS)
@@ -143,9 +131,9 @@ def test_a_device_prefix_and_the_promise_cap_leave_no_lookup_lock_outside_the_se
 
 
 def test_a_second_load_of_a_key_still_held_shares_its_slots_and_leaves_no_read_lock_behind(
-    servers: dict[str, LMCacheServer], engine: Engine
+    plain_and_sidecar_servers: dict[str, LMCacheServer], engine: Engine
 ) -> None:
-    server, scheduler, prompt = servers["sidecar"], engine.scheduler, engine.prompt
+    server, scheduler, prompt = plain_and_sidecar_servers["sidecar"], engine.scheduler, engine.prompt
     before, held = server.held(), module_counts(server)["held"]
     first = scheduler.lookup_and_secure("first", prompt, TOKENS, "", 0, TOKENS)
     second = scheduler.lookup_and_secure("second", prompt, TOKENS, "", 0, TOKENS)
@@ -155,20 +143,18 @@ def test_a_second_load_of_a_key_still_held_shares_its_slots_and_leaves_no_read_l
     for session, found in (("first", first), ("second", second)):
         assert found.load is not None
         assert engine.load(found.load, 0, TOKENS, BLOCKS), f"{session}: not bit-exact"
-        scheduler.release_secured(session, prompt[:TOKENS], 0, TOKENS, "", found.load)
-        scheduler.end_session(session)
+        engine.release(session, found.load)
     eventually(lambda: server.held() == before, "both loads' read locks released, once")
     third = scheduler.lookup_and_secure("third", prompt, TOKENS, "", 0, TOKENS)
     assert third is not None and third.load is not None and third.load is not first.load
-    scheduler.release_secured("third", prompt[:TOKENS], 0, TOKENS, "", third.load)
-    scheduler.end_session("third")
+    engine.release("third", third.load)
     eventually(lambda: server.held() == before, "a load of the key after both went back secured it afresh")
 
 
 def test_a_load_secured_after_its_caller_stopped_waiting_is_given_back_by_the_server(
-    servers: dict[str, LMCacheServer], engine: Engine
+    plain_and_sidecar_servers: dict[str, LMCacheServer], engine: Engine
 ) -> None:
-    server, scheduler, prompt = servers["sidecar"], engine.scheduler, engine.prompt
+    server, scheduler, prompt = plain_and_sidecar_servers["sidecar"], engine.scheduler, engine.prompt
     before = server.held()
     keys = engine.worker.chunk_keys
     lookup_key = keys.key("late", prompt, 0, TOKENS, "", worker=False)
@@ -187,13 +173,14 @@ def test_a_load_secured_after_its_caller_stopped_waiting_is_given_back_by_the_se
     eventually(lambda: server.held() == before, "the server gave back what nobody waited for")
     found = scheduler.lookup_and_secure("after", prompt, TOKENS, "", 0, TOKENS)
     assert found is not None and found.load is not None, "no pending read of the key was left behind"
-    scheduler.release_secured("after", prompt[:TOKENS], 0, TOKENS, "", found.load)
-    scheduler.end_session("after")
+    engine.release("after", found.load)
     eventually(lambda: server.held() == before, "the load after it gave its chunks back")
 
 
-def test_a_plain_lmcache_server_is_looked_up_and_secured_apart(servers: dict[str, LMCacheServer]) -> None:
-    made = Engine(servers["lmcache"], "secured-plain", seed=7)
+def test_a_plain_lmcache_server_is_looked_up_and_secured_apart(
+    plain_and_sidecar_servers: dict[str, LMCacheServer],
+) -> None:
+    made = Engine(plain_and_sidecar_servers["lmcache"], "secured-plain", seed=7)
     try:
         time.sleep(1.0)  # the scheduler asked the server at start; the heartbeat asks again each connection
         assert not made.scheduler.looks_up_in_one_call
@@ -201,16 +188,15 @@ def test_a_plain_lmcache_server_is_looked_up_and_secured_apart(servers: dict[str
         assert made.scheduler.lookup("plain", made.prompt, TOKENS, "") == TOKENS
         secured = made.scheduler.secure("plain", made.prompt[:TOKENS], 0, TOKENS, "")
         assert secured is not None and made.load(secured, 0, TOKENS, BLOCKS)
-        made.scheduler.release_secured("plain", made.prompt[:TOKENS], 0, TOKENS, "", secured)
-        made.scheduler.end_session("plain")
+        made.release("plain", secured)
     finally:
         made.close()
 
 
 def test_the_engines_hits_on_the_sidecars_server_go_in_one_call_and_load_bit_exact(
-    servers: dict[str, LMCacheServer], executor_factory: Any
+    plain_and_sidecar_servers: dict[str, LMCacheServer], executor_factory: Any
 ) -> None:
-    server = servers["sidecar"]
+    server = plain_and_sidecar_servers["sidecar"]
     prompt = make_prompt(123, 6 * CHUNK + 5)
     writer = executor_factory("secured-engine", server.url, num_blocks=128)
     writer.run([PromptRequest(1, prompt)])

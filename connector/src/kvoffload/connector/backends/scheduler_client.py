@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from kvoffload import secured_lookup
 from kvoffload.connector.backends.abandoned_lookups import AbandonedLookups
@@ -24,7 +25,7 @@ from kvoffload.connector.backends.engine_process import EngineProcess, LocalWork
 from kvoffload.connector.backends.securing import PrefetchStillRunning, SecuredHit, SecuredLookupFailed
 from kvoffload.connector.backends.server_link import ServerLink
 from kvoffload.connector.layout import GroupedLayout
-from kvoffload.connector.lmcache_seam import ServerModuleCallRequest
+from kvoffload.connector.lmcache_seam import IPCCacheServerKey, ServerModuleCallRequest
 from kvoffload.connector.metrics import ConnectorMetrics
 from kvoffload.connector.settings import ConnectorSettings
 from kvoffload.connector.wire import SecuredLoad
@@ -119,20 +120,10 @@ class SchedulerClient:
 
     def lookup(self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str) -> int:
         """Chunk-aligned hit prefix (tokens) of ``token_ids[:end]``; LMCache read-locks those chunks."""
-        if not self.connection.is_up():
-            raise BackendError("lookup", "unavailable")
-        key = self._lookup_keys().key(session_id, token_ids, 0, end, salt, worker=False)
-        # Read this process's own stores on this prompt's chain: wait (at most one lookup timeout)
-        # for their COMMITs; other requests' COMMITs cannot change this answer.
-        self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
-        client = self.connection.client
-        deadline = time.monotonic() + self._lookup_timeout_s
+        key, client, deadline = self._ready_to_look_up(session_id, token_ids, end, salt)
         sent = False
         try:
-            # A lookup of this session that was answered too late is settled first (its locks go);
-            # while its prefetch still runs no new LOOKUP goes (it would replace that job).
-            if not self.abandoned_lookups.settle(client, session_id, deadline - time.monotonic()):
-                raise self.connection.slow("lookup", "the session's previous prefetch still runs")
+            self._settle_abandoned(client, session_id, deadline)
             # The server may run LOOKUP and WAIT on different threads: WAIT before LOOKUP has
             # registered the prefetch job answers 0 (a miss for KV that is there), so LOOKUP's
             # answer comes first.
@@ -162,15 +153,9 @@ class SchedulerClient:
         local = self._local_worker()
         if local is None or not self.looks_up_in_one_call:
             return None
-        if not self.connection.is_up():
-            raise BackendError("lookup", "unavailable")
-        key = self._lookup_keys().key(session_id, token_ids, 0, end, salt, worker=False)
-        self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
-        client = self.connection.client
-        deadline = time.monotonic() + self._lookup_timeout_s
+        key, client, deadline = self._ready_to_look_up(session_id, token_ids, end, salt)
         try:
-            if not self.abandoned_lookups.settle(client, session_id, deadline - time.monotonic()):
-                raise self.connection.slow("lookup", "the session's previous prefetch still runs")
+            self._settle_abandoned(client, session_id, deadline)
             return local.lookup_and_secure(client, key, start, cap, max(0.0, deadline - time.monotonic()), deadline)
         except BackendError:
             raise
@@ -184,6 +169,24 @@ class SchedulerClient:
             raise BackendError("lookup", "server_error", str(exc)) from None
         except Exception as exc:
             raise self.connection.request_failed("lookup", exc, client) from exc
+
+    def _ready_to_look_up(
+        self, session_id: str, token_ids: tuple[int, ...], end: int, salt: str
+    ) -> tuple[IPCCacheServerKey, Any, float]:
+        """The lookup key of ``token_ids[:end]``, the client and the lookup's deadline, once this
+        process's own stores on the prompt's chain were answered (at most one lookup timeout: other
+        requests' COMMITs cannot change the answer)."""
+        if not self.connection.is_up():
+            raise BackendError("lookup", "unavailable")
+        key = self._lookup_keys().key(session_id, token_ids, 0, end, salt, worker=False)
+        self._process.pending.wait_chain(chain_of(key, self.chunk_size), self._lookup_timeout_s)
+        return key, self.connection.client, time.monotonic() + self._lookup_timeout_s
+
+    def _settle_abandoned(self, client: Any, session_id: str, deadline: float) -> None:
+        """Settle the session's lookup answered too late, if any (its locks go); while its prefetch
+        still runs no new LOOKUP goes (it would replace that job): a miss now."""
+        if not self.abandoned_lookups.settle(client, session_id, deadline - time.monotonic()):
+            raise self.connection.slow("lookup", "the session's previous prefetch still runs")
 
     def _lookup_keys(self) -> ChunkKeys:
         """The chunk keys of rank 0's worker in this process (TensorRT-LLM runs the scheduler there):

@@ -269,8 +269,11 @@ class Securing:
                 wait_s=wait_s, budget_s=max(0.0, deadline - time.monotonic()),
                 give_back_s=max(0.0, deadline - time.monotonic()) + self._timeout_s / 2,
             )  # fmt: skip
-            future = client.server_module_call(ServerModuleCallRequest(method=secured_lookup.METHOD,
-                                                                       payload=secured_lookup.encode_request(request)))  # fmt: skip
+            try:
+                payload = secured_lookup.encode_request(request)
+            except OverflowError:  # a token id outside uint32: LMCache's own requests carry any integer
+                return None
+            future = client.server_module_call(ServerModuleCallRequest(method=secured_lookup.METHOD, payload=payload))
             try:
                 response = future.result(timeout=max(0.0, deadline - time.monotonic()) + self._timeout_s)
             except Exception:
