@@ -139,3 +139,14 @@ def test_the_servers_arguments_load_secured_lookups_once() -> None:
     loaded = with_secured_lookups(plain)
     assert loaded == [*plain, *SERVER_MODULE_ARGS] and plain == ["server", "--port", "1"]
     assert with_secured_lookups(loaded) == loaded
+
+
+def test_a_server_without_the_lmcache_modules_it_runs_refuses_to_load_it() -> None:
+    from types import SimpleNamespace
+
+    from kvoffload.lmcache_guard import LMCacheVersionError
+    from kvoffload.lmcache_guard.secured_lookups import build_server_modules
+
+    build = SimpleNamespace(modules=(), server_context=SimpleNamespace())
+    with pytest.raises(LMCacheVersionError, match="EngineDrivenTransferModule"):
+        build_server_modules(build)

@@ -11,6 +11,8 @@ or reads:
 - ``curve``: node mode's request port, admitting only the policy's client key;
 - ``transfer_guard``: unfinished stores dropped, never admitted;
 - ``retrieve_slots``: PREPARE_RETRIEVE's slots described from metadata, without a tensor view per chunk;
+- ``secured_lookups``: the server module that looks a hit up and secures it in one call, the prompt
+  hashed once (``kvoffload.secured_lookup``; the sidecar's and the in-process server load it);
 - ``cache_key_events``: what KV events for routers read (the event bus's cache-key events, the
   server's own chunk hashes);
 - ``server_cli``: LMCache's own ``lmcache server`` command line, run warm in this process.

@@ -231,5 +231,7 @@ def build_server_modules(build: Any) -> SecuredLookups:
     for name in ("_pending_shm_lock", "_pending_shm_reads", "_make_transfer_key", "prepare_retrieve"):
         if not hasattr(transfer, name):
             raise LMCacheVersionError(f"LMCache's EngineDrivenTransferModule no longer has {name}")
+    if not hasattr(build.server_context, "_token_hasher"):
+        raise LMCacheVersionError("LMCache's server context no longer keeps its token hasher as _token_hasher")
     key_cls = importlib.import_module(KEY_MODULE).IPCCacheServerKey
     return SecuredLookups(build.server_context, _module_named(build.modules, "LookupModule"), transfer, key_cls)
