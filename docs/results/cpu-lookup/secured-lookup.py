@@ -9,7 +9,8 @@ Run from a tree's root, the stand-in and the tree on the path:
 
     python docs/results/cpu-lookup/secured-lookup.py --tokens 4096 16384 32768 [--reps 40] [--chunk 256]
 
-The server's log level is the sidecar's default (``WARNING``) unless ``LMCACHE_LOG_LEVEL`` is set.
+The server logs as the sidecar's does (LMCache's per-request INFO lines left out) unless
+``LMCACHE_LOG_LEVEL`` says otherwise.
 """
 
 from __future__ import annotations
@@ -44,15 +45,14 @@ def main() -> None:
     from kvoffload.connector.metrics import ConnectorMetrics
     from kvoffload.connector.runtime import engine_process
     from kvoffload.connector.wire import TransferOp
-    from kvoffload.sidecar.command import LMCACHE_ENV_LOG_LEVEL, LMCACHE_LOG_LEVEL
     from tests.support.lmcache_server import LMCacheServer
 
     shape = dataclasses.replace(cb.OVERHEAD_SHAPE, chunk=args.chunk)
     pool = cb._pool(shape, num_blocks=max(args.tokens) // shape.tokens_per_block + 4)
     off = ConnectorMetrics(cb.MODEL, "sidecar", enabled=False)
-    level = os.environ.get(LMCACHE_ENV_LOG_LEVEL, LMCACHE_LOG_LEVEL)
+    level = os.environ.get("LMCACHE_LOG_LEVEL", "INFO")
     server = LMCacheServer(chunk_size=shape.chunk, log_dir=Path(tempfile.mkdtemp(prefix="kvo-secured-")),
-                           l1_size_gb=2.0, guarded=True, env={LMCACHE_ENV_LOG_LEVEL: level})  # fmt: skip
+                           l1_size_gb=2.0, guarded=True, env={"LMCACHE_LOG_LEVEL": level})  # fmt: skip
     server.start()
     try:
         process = engine_process()

@@ -207,3 +207,17 @@ def test_the_engines_hits_on_the_sidecars_server_go_in_one_call_and_load_bit_exa
     assert results[0].connector_matched_tokens == 6 * CHUNK
     assert reader.kv_mismatches == 0
     assert module_counts(server)["calls"] == calls + 1
+
+
+def test_the_sidecars_server_logs_no_line_per_request_and_keeps_its_others(
+    plain_and_sidecar_servers: dict[str, LMCacheServer], executor_factory: Any
+) -> None:
+    prompt = make_prompt(321, 4 * CHUNK + 3)
+    for name, server in plain_and_sidecar_servers.items():
+        executor_factory(f"logs-{name}", server.url, num_blocks=64).run([PromptRequest(1, prompt)])
+        executor_factory(f"logs-{name}", server.url, num_blocks=64).run([PromptRequest(2, prompt)])
+    per_request = ("Prefetch request completed", "Stored ", "Retrieved ")
+    logs = {name: server.log_path.read_text(errors="replace") for name, server in plain_and_sidecar_servers.items()}
+    assert "Retrieved " in logs["lmcache"] and "Stored " in logs["lmcache"], "LMCache logs them itself"
+    assert not any(line in logs["sidecar"] for line in per_request), "the sidecar's server leaves them out"
+    assert "Registered non-GPU context for instance" in logs["sidecar"], "its other INFO lines stay"

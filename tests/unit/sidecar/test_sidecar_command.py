@@ -109,12 +109,6 @@ def test_track_usage_opt_in() -> None:
     assert build_server_command(s, {}, None).env[contract.ENV_LMCACHE_TRACK_USAGE] == "true"
 
 
-def test_the_server_logs_warnings_and_up_unless_the_container_sets_lmcaches_log_level() -> None:
-    s = load_settings({}, None)
-    assert build_server_command(s, {}, None).env["LMCACHE_LOG_LEVEL"] == "WARNING"
-    assert build_server_command(s, {"LMCACHE_LOG_LEVEL": "DEBUG"}, None).env["LMCACHE_LOG_LEVEL"] == "DEBUG"
-
-
 def test_node_cache_pod_opens_only_the_request_port_to_other_pods(tmp_path: Path) -> None:
     """Node mode: engines of other pods dial the request port (their keys checked by the server, which
     inherits the keys directory); LMCache's admin API stays on loopback."""

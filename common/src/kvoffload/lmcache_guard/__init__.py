@@ -11,6 +11,7 @@ or reads:
 - ``curve``: node mode's request port, admitting only the policy's client key;
 - ``transfer_guard``: unfinished stores dropped, never admitted;
 - ``retrieve_slots``: PREPARE_RETRIEVE's slots described from metadata, without a tensor view per chunk;
+- ``request_logs``: LMCache's per-request INFO lines left out of the server's log;
 - ``secured_lookups``: the server module that looks a hit up and secures it in one call, the prompt
   hashed once (``kvoffload.secured_lookup``; the sidecar's and the in-process server load it);
 - ``cache_key_events``: what KV events for routers read (the event bus's cache-key events, the
@@ -80,7 +81,9 @@ def require_callables(needed: Iterable[tuple[Any, str]], what: str) -> None:
 def install_server_guards() -> None:
     """Put every replacement of this package that an LMCache server in this process runs behind in
     place (the sidecar's server, the connector's in-process one): the restricted unpickler, the
-    transfer guard and the retrieve slots. Each checks the version first; each is idempotent."""
+    transfer guard and the retrieve slots; LMCache's per-request INFO lines left out of the log. Each
+    checks the version first; each is idempotent."""
+    from kvoffload.lmcache_guard.request_logs import quiet_per_request_lines
     from kvoffload.lmcache_guard.retrieve_slots import install_retrieve_slots
     from kvoffload.lmcache_guard.transfer_guard import install_transfer_guard
     from kvoffload.lmcache_guard.unpickling import install_restricted_unpickler
@@ -88,3 +91,4 @@ def install_server_guards() -> None:
     install_restricted_unpickler()  # no client makes it run code
     install_transfer_guard()  # no store a worker did not finish is admitted
     install_retrieve_slots()  # a load is secured without a tensor view per chunk
+    quiet_per_request_lines()  # no log line per request on the request's thread

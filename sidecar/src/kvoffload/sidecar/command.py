@@ -61,12 +61,6 @@ L2_PREFETCH_POLICY = "retain"
 KV_EVENTS_MODULE = "kvoffload.sidecar.kv_events_module"
 """The server module publishing KV events (``--server-module``), loaded into the server process."""
 
-LMCACHE_ENV_LOG_LEVEL = "LMCACHE_LOG_LEVEL"
-LMCACHE_LOG_LEVEL = "WARNING"
-"""The server's log level unless the container sets ``LMCACHE_LOG_LEVEL``: LMCache logs a line per
-hit at INFO, on the thread that answers the engine's lookup (0 to 3.6 ms of a 32k-token hit's lookup
-in alternating runs on the CI machine: docs/results/cpu-lookup/secured-lookup.md)."""
-
 LMCACHE_CLI_MODULE = "kvoffload.sidecar.lmcache_server"
 """The module ``python -m`` runs for ``lmcache server``: LMCache's CLI behind the restricted
 unpickler (``lmcache_server``), so no client of the request port can make it run code."""
@@ -208,7 +202,6 @@ def build_server_command(
 
     env = {k: v for k, v in base_env.items() if k not in _NOT_INHERITED}
     env[contract.ENV_LMCACHE_TRACK_USAGE] = "true" if settings.track_usage else "false"
-    env.setdefault(LMCACHE_ENV_LOG_LEVEL, LMCACHE_LOG_LEVEL)
     env.pop(LMCACHE_ENV_RESP_PASSWORD, None)
     env.pop(LMCACHE_ENV_RESP_USERNAME, None)
     if settings.l2_redis is not None:
