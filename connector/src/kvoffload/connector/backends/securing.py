@@ -170,8 +170,7 @@ class Securing:
             holding = self._held.get(held)
             if holding is not None:
                 holding.releasing = True
-        for key in keys[:-1]:
-            self._committer.later("retrieve", key, None, prepared_on)
+        self._give_back_unheld(keys[:-1], prepared_on)
         self._committer.later("retrieve", keys[-1], None, prepared_on, on_done=lambda: self._free(held, holding))
 
     def prepare(self, session_id: str, token_ids: tuple[int, ...], start: int, end: int, salt: str
