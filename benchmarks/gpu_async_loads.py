@@ -21,7 +21,8 @@ scheduling overlap k-1's forward). Both run under TensorRT-LLM's gen-0 GC thresh
 Per size, loop and mode it prints one JSON line: iteration times (mean and max over the iterations
 while the load was in flight, and of the baseline), the hit's lookup and securing (each timed where
 the scheduler hook calls them: ``secured_lookup_ms``, both in one server call, on a server that has
-secured lookups as the sidecar's does; else ``lookup_ms`` and ``secure_ms``), the hit's time from arrival to its KV in the pool (to being
+secured lookups as the sidecar's does, ``secured_lookup_server_ms`` of it in the server; else
+``lookup_ms`` and ``secure_ms``), the hit's time from arrival to its KV in the pool (to being
 schedulable), and whether the loaded blocks are bit-exact.
 
     python -m benchmarks.gpu_async_loads --tokens 4096 8192 16384 32768 --l1 24Gi
@@ -88,9 +89,13 @@ def timed_calls(client: Any, names: tuple[str, ...], spent: dict[str, float]) ->
         def run(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return call(*args, **kwargs)
+                result = call(*args, **kwargs)
             finally:
                 spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            server_s = getattr(result, "server_s", None)  # a secured lookup's time in the server
+            if server_s is not None:
+                spent[f"{name}_server"] = spent.get(f"{name}_server", 0.0) + server_s * 1e3
+            return result
 
         return run
 
@@ -196,6 +201,7 @@ def run_mode(mode: str, tokens: int, hooks: dict[str, Any], prompt: list[int], r
         "arrival_to_loaded_ms": round((loaded_at - arrived) * 1e3, 2) if loaded_at and arrived else None,
         "lookup_and_secure_ms": round(lookup_ms, 2),
         "secured_lookup_ms": round(spent.get("lookup_and_secure", 0.0), 2),
+        "secured_lookup_server_ms": round(spent.get("lookup_and_secure_server", 0.0), 2),
         "lookup_ms": round(spent.get("lookup", 0.0), 2),
         "secure_ms": round(spent.get("secure", 0.0), 2),
         "bit_exact": exact,

@@ -83,6 +83,9 @@ class SecuredLookupAnswer:
     """Secured too late for the caller (after ``give_back_s``): the server gave it back itself."""
     prepare_s: float = 0.0
     """Seconds the server spent in PREPARE_RETRIEVE."""
+    server_s: float = 0.0
+    """Seconds the server spent on the whole request, from its arrival at the module to the answer
+    (0 from a server before this field: the rest of the caller's wait is transport and queueing)."""
 
 
 def _tokens_bytes(tokens: tuple[int, ...]) -> bytes:
@@ -171,7 +174,8 @@ def encode_answer(answer: SecuredLookupAnswer) -> bytes:
                                         for s in rank]
              for rank in answer.slots]  # fmt: skip
     body = {"hit": answer.hit, "end": answer.end, "slots": slots, "layouts": [[list(k), d] for k, d in layouts],
-            "held": answer.held, "given_back": answer.given_back, "prepare_s": answer.prepare_s}  # fmt: skip
+            "held": answer.held, "given_back": answer.given_back, "prepare_s": answer.prepare_s,
+            "server_s": answer.server_s}  # fmt: skip
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -192,6 +196,7 @@ def decode_answer(payload: bytes) -> SecuredLookupAnswer:
             held=bool(body["held"]),
             given_back=bool(body["given_back"]),
             prepare_s=float(body["prepare_s"]),
+            server_s=float(body.get("server_s", 0.0)),
         )
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise SecuredLookupError(f"answer: {exc!r}") from None

@@ -103,8 +103,11 @@ def test_a_hit_is_looked_up_and_secured_in_one_call_with_the_slots_of_the_reques
     engine.release("apart", apart)
     eventually(lambda: server.held() == before, "the load secured apart gave its chunks back")
 
+    t0 = time.perf_counter()
     found = scheduler.lookup_and_secure("one", prompt, TOKENS, "", 0, TOKENS)
+    waited = time.perf_counter() - t0
     assert module_counts(server)["calls"] == calls + 1, "the hit went to the server in one call"
+    assert found is not None and 0 < found.prepare_s < found.server_s < waited, "the server says what it spent"
     assert found is not None and found.hit == TOKENS and (found.start, found.end) == (0, TOKENS)
     assert found.load is not None and found.load.slots == apart.slots
     assert engine.load(found.load, 0, TOKENS, BLOCKS), "the load through the secured slots is not bit-exact"

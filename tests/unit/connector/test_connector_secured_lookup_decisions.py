@@ -4,6 +4,7 @@ chunk hashes (the keys a store filed the chunks under)."""
 
 from __future__ import annotations
 
+import json
 import random
 from array import array
 from typing import Any
@@ -71,13 +72,19 @@ def test_an_answer_survives_the_trip_with_each_ranks_slots() -> None:
     )
     rank1 = (wire.SlotDescription(8192, 2048, (2, 4, 8, 8), "float16"),)
     for answer in (
-        wire.SecuredLookupAnswer(hit=512, end=512, slots=(rank0, rank1), prepare_s=0.25),
+        wire.SecuredLookupAnswer(hit=512, end=512, slots=(rank0, rank1), prepare_s=0.25, server_s=0.5),
         wire.SecuredLookupAnswer(hit=512, end=512, slots=(rank0, None)),
         wire.SecuredLookupAnswer(hit=None),
         wire.SecuredLookupAnswer(hit=256, end=256, held=True),
         wire.SecuredLookupAnswer(hit=256, end=256, given_back=True),
     ):
         assert wire.decode_answer(wire.encode_answer(answer)) == answer
+
+
+def test_an_answer_from_a_server_that_does_not_say_its_time_reads_as_zero() -> None:
+    body = json.loads(wire.encode_answer(wire.SecuredLookupAnswer(hit=256, end=256, held=True, server_s=0.5)))
+    del body["server_s"]
+    assert wire.decode_answer(json.dumps(body).encode()) == wire.SecuredLookupAnswer(hit=256, end=256, held=True)
 
 
 def test_a_malformed_answer_is_refused() -> None:

@@ -59,16 +59,21 @@ def _prepare_retrieve(transfer: Any, tensor_memory_obj: Any) -> Any:
         return None if view is None else (list(view.shape), view.dtype)
 
     def slots_of(memory_objs: list[Any]) -> list[dict[str, Any]] | None:
-        """The slot descriptions of ``memory_objs`` (None: one of them was invalidated)."""
-        slots = []
+        """The slot descriptions of ``memory_objs`` (None: one of them was invalidated); LMCache's
+        descriptor is built once per shape and dtype (a load's chunks share one)."""
+        slots, described_as = [], {}
         for memory_obj in memory_objs:
             described = shape_and_dtype(memory_obj)
             if described is None:
                 return None
             shape, dtype = described
-            slot = describe_slot(offset=memory_obj.shm_offset, length=memory_obj.shm_byte_length, shape=shape,
-                                 dtype=dtype_name(dtype))  # fmt: skip
-            slots.append(slot.to_dict())
+            layout = (*shape, dtype)
+            template = described_as.get(layout)
+            if template is None:
+                template = described_as[layout] = describe_slot(offset=0, length=0, shape=shape,
+                                                                dtype=dtype_name(dtype)).to_dict()  # fmt: skip
+            slots.append({**template, "offset": memory_obj.shm_offset, "length": memory_obj.shm_byte_length,
+                          "shape": shape})  # fmt: skip
         return slots
 
     def prepare_retrieve(self: Any, key: Any, instance_id: int, resolve_obj_keys: Any) -> Any:

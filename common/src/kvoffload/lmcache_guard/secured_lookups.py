@@ -13,6 +13,7 @@ same refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -142,33 +143,34 @@ class SecuredLookups:
         if self._prompt_hashes is not None:
             self._prompt_hashes.hashed(len(packed), hashes)
         try:
-            return self._look_up_and_secure(request, packed, hashes, arrived)
+            answer = self._look_up_and_secure(request, packed, hashes, arrived)
         finally:
             if self._prompt_hashes is not None:
                 self._prompt_hashes.hashed(0, None)
+        return wire.encode_answer(dataclasses.replace(answer, server_s=time.monotonic() - arrived))
 
     def _look_up_and_secure(self, request: wire.SecuredLookupRequest, packed: array[int],
-                            hashes: list[bytes] | None, arrived: float) -> bytes:  # fmt: skip
+                            hashes: list[bytes] | None, arrived: float) -> wire.SecuredLookupAnswer:  # fmt: skip
         tokens = _Tokens(packed.tolist())
         session_id = str(request.lookup_key["request_id"])
         lookup_key = self._key(**request.lookup_key, token_ids=tokens, start=0, end=len(tokens))
         self._lookup.lookup(lookup_key, 1)
         chunks = self._lookup.wait_prefetch_status(session_id, request.wait_s)
         if chunks is None:
-            return wire.encode_answer(wire.SecuredLookupAnswer(hit=None))
+            return wire.SecuredLookupAnswer(hit=None)
         hit = int(chunks) * self._ctx.chunk_size
         end = min(hit, request.cap)
         if end <= request.start or time.monotonic() - arrived > request.budget_s:
             self.counts["late"] += end > request.start
             self._free(lookup_key, 0, hit)
-            return wire.encode_answer(wire.SecuredLookupAnswer(hit=hit))
-        load_tokens = _Tokens(tokens[:end])
+            return wire.SecuredLookupAnswer(hit=hit)
+        load_tokens = tokens if end == len(tokens) else _Tokens(tokens[:end])
         rank_keys = [self._key(**fields, token_ids=load_tokens, start=request.start, end=end)
                      for fields in request.rank_keys]  # fmt: skip
         if self._held(rank_keys, request.instance_id):
             self.counts["held"] += 1
             self._free(lookup_key, 0, hit)
-            return wire.encode_answer(wire.SecuredLookupAnswer(hit=hit, end=end, held=True))
+            return wire.SecuredLookupAnswer(hit=hit, end=end, held=True)
         self._free(lookup_key, 0, request.start)
         self._free(lookup_key, end, hit)
         if hashes is not None:
@@ -180,9 +182,9 @@ class SecuredLookups:
             self.counts["late"] += 1
             for key in rank_keys:
                 self._transfer.commit_retrieve(key, request.instance_id)
-            return wire.encode_answer(wire.SecuredLookupAnswer(hit=hit, end=end, given_back=True, prepare_s=prepare_s))
+            return wire.SecuredLookupAnswer(hit=hit, end=end, given_back=True, prepare_s=prepare_s)
         self.counts["secured"] += 1
-        return wire.encode_answer(wire.SecuredLookupAnswer(hit=hit, end=end, slots=slots, prepare_s=prepare_s))
+        return wire.SecuredLookupAnswer(hit=hit, end=end, slots=slots, prepare_s=prepare_s)
 
     def _free(self, lookup_key: Any, start: int, end: int) -> None:
         if end > start:

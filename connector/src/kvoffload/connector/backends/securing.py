@@ -40,6 +40,8 @@ class SecuredHit:
     end: int
     load: SecuredLoad | None
     prepare_s: float
+    server_s: float = 0.0
+    """Seconds the server spent on the call (0 from a server that does not say)."""
 
 
 @dataclass
@@ -284,8 +286,8 @@ class Securing:
             answer = secured_lookup.decode_answer(response.payload)
             if answer.hit is None:
                 raise PrefetchStillRunning
-            return SecuredHit(answer.hit, start, answer.end, self._take(session_id, tokens, start, salt, answer,
-                                                                         (transfer, segment)), answer.prepare_s)  # fmt: skip
+            load = self._take(session_id, tokens, start, salt, answer, (transfer, segment))
+            return SecuredHit(answer.hit, start, answer.end, load, answer.prepare_s, answer.server_s)
         finally:
             self._segments.lock.release()
 
