@@ -5,9 +5,11 @@ as the sidecar runs it (CPU only; no GPU is needed or used).
 Per size it stores one prompt through the worker backend, then times, median of the warm reps, the
 scheduler client's ``lookup`` + ``secure`` and its ``lookup_and_secure`` of the same prompt, each
 followed by the load's release and its session's end (not timed); the secured slots must be equal.
+``one_call_server_ms``: the part of the one call the server spent on it (the answer's ``server_s``);
+the rest is the client's encoding and decoding and LMCache's transport.
 Run from a tree's root, the stand-in and the tree on the path:
 
-    python docs/results/cpu-lookup/secured-lookup.py --tokens 4096 16384 32768 [--reps 40] [--chunk 256]
+    python docs/results/cpu-lookup/secured-lookup.py --tokens 4096 16384 32768 [--reps 40] [--chunk 256] [--pause-ms 0]
 
 The server logs as the sidecar's does (LMCache's per-request INFO lines left out) unless
 ``LMCACHE_LOG_LEVEL`` says otherwise.
@@ -37,6 +39,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="wait after each release, so that the next call finds the server quiet")  # fmt: skip
     args = parser.parse_args()
     standin_on_path()
     from kvoffload.connector.backends.base import KvGeometry
@@ -70,7 +74,7 @@ def main() -> None:
             blocks = tuple(range(n // shape.tokens_per_block))
             worker.copies.store(TransferOp(0, f"store-{n}", prompt, 0, n, blocks, 0, ""))
             assert worker.wait_commits(10.0)
-            timed: dict[str, list[float]] = {"apart": [], "one_call": []}
+            timed: dict[str, list[float]] = {"apart": [], "one_call": [], "one_call_server": []}
             for rep in range(args.reps + 2):
                 sid = f"apart-{next(ids)}"
                 t0 = time.perf_counter()
@@ -80,6 +84,7 @@ def main() -> None:
                 assert hit == n and apart is not None
                 sched.release_secured(sid, prompt, 0, n, "", apart)
                 sched.end_session(sid)
+                time.sleep(args.pause_ms / 1e3)
                 sid = f"one-{next(ids)}"
                 t2 = time.perf_counter()
                 found = sched.lookup_and_secure(sid, prompt, n, "", 0, n)
@@ -88,9 +93,11 @@ def main() -> None:
                 assert found.load.slots == apart.slots
                 sched.release_secured(sid, prompt, 0, n, "", found.load)
                 sched.end_session(sid)
+                time.sleep(args.pause_ms / 1e3)
                 if rep >= 2:  # two warm-up reps
                     timed["apart"].append((t1 - t0) * 1e3)
                     timed["one_call"].append((t3 - t2) * 1e3)
+                    timed["one_call_server"].append(found.server_s * 1e3)
             summary = {f"{name}_ms": {"median": round(statistics.median(v), 2),
                                       "p90": round(statistics.quantiles(v, n=10)[-1], 2)}
                        for name, v in timed.items()}  # fmt: skip
