@@ -6,7 +6,8 @@ Per size it stores one prompt through the worker backend, then times, median of 
 scheduler client's ``lookup`` + ``secure`` and its ``lookup_and_secure`` of the same prompt, each
 followed by the load's release and its session's end (not timed); the secured slots must be equal.
 ``one_call_server_ms``: the part of the one call the server spent on it (the answer's ``server_s``);
-the rest is the client's encoding and decoding and LMCache's transport.
+the rest is the client's encoding and decoding and LMCache's transport. ``probe_ms``: a call the
+server answers without doing anything (the module's probe), after each repetition.
 Run from a tree's root, the stand-in and the tree on the path:
 
     python docs/results/cpu-lookup/secured-lookup.py --tokens 4096 16384 32768 [--reps 40] [--chunk 256] [--pause-ms 0]
@@ -27,11 +28,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, ".")
 
 from benchmarks import connector_bench as cb
 from benchmarks.common import standin_on_path
+
+
+def probe_ms(sched: Any) -> float:
+    """Milliseconds of one call that does nothing on the server (the secured lookup's probe): what
+    LMCache's request path costs by itself."""
+    from kvoffload import secured_lookup
+    from kvoffload.connector.lmcache_seam import ServerModuleCallRequest
+
+    request = ServerModuleCallRequest(method=secured_lookup.METHOD, payload=secured_lookup.PROBE)
+    t0 = time.perf_counter()
+    response = sched.connection.client.server_module_call(request).result(timeout=5)
+    spent = (time.perf_counter() - t0) * 1e3
+    assert response.payload == secured_lookup.PROBE_ANSWER
+    time.sleep(0.002)
+    return spent
 
 
 def main() -> None:
@@ -74,7 +91,7 @@ def main() -> None:
             blocks = tuple(range(n // shape.tokens_per_block))
             worker.copies.store(TransferOp(0, f"store-{n}", prompt, 0, n, blocks, 0, ""))
             assert worker.wait_commits(10.0)
-            timed: dict[str, list[float]] = {"apart": [], "one_call": [], "one_call_server": []}
+            timed: dict[str, list[float]] = {"apart": [], "one_call": [], "one_call_server": [], "probe": []}
             for rep in range(args.reps + 2):
                 sid = f"apart-{next(ids)}"
                 t0 = time.perf_counter()
@@ -98,6 +115,7 @@ def main() -> None:
                     timed["apart"].append((t1 - t0) * 1e3)
                     timed["one_call"].append((t3 - t2) * 1e3)
                     timed["one_call_server"].append(found.server_s * 1e3)
+                    timed["probe"].append(probe_ms(sched))
             summary = {f"{name}_ms": {"median": round(statistics.median(v), 2),
                                       "p90": round(statistics.quantiles(v, n=10)[-1], 2)}
                        for name, v in timed.items()}  # fmt: skip
