@@ -61,7 +61,8 @@ def _prepare_retrieve(transfer: Any, tensor_memory_obj: Any) -> Any:
     def slots_of(memory_objs: list[Any]) -> list[dict[str, Any]] | None:
         """The slot descriptions of ``memory_objs`` (None: one of them was invalidated); LMCache's
         descriptor is built once per shape and dtype (a load's chunks share one)."""
-        slots, described_as = [], {}
+        slots: list[dict[str, Any]] = []
+        described_as: dict[tuple[Any, ...], dict[str, Any]] = {}
         for memory_obj in memory_objs:
             described = shape_and_dtype(memory_obj)
             if described is None:
