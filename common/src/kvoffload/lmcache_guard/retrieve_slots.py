@@ -60,19 +60,19 @@ def _prepare_retrieve(transfer: Any, tensor_memory_obj: Any) -> Any:
 
     def slots_of(memory_objs: list[Any]) -> list[dict[str, Any]] | None:
         """The slot descriptions of ``memory_objs`` (None: one of them was invalidated); LMCache's
-        descriptor is built once per shape and dtype (a load's chunks share one)."""
+        descriptor is built once per dtype (a load's chunks share one) and each slot's offset, length
+        and shape filled in."""
         slots: list[dict[str, Any]] = []
-        described_as: dict[tuple[Any, ...], dict[str, Any]] = {}
+        described_as: dict[Any, dict[str, Any]] = {}
         for memory_obj in memory_objs:
             described = shape_and_dtype(memory_obj)
             if described is None:
                 return None
             shape, dtype = described
-            layout = (*shape, dtype)
-            template = described_as.get(layout)
+            template = described_as.get(dtype)
             if template is None:
-                template = described_as[layout] = describe_slot(offset=0, length=0, shape=shape,
-                                                                dtype=dtype_name(dtype)).to_dict()  # fmt: skip
+                template = described_as[dtype] = describe_slot(offset=0, length=0, shape=shape,
+                                                               dtype=dtype_name(dtype)).to_dict()  # fmt: skip
             slots.append({**template, "offset": memory_obj.shm_offset, "length": memory_obj.shm_byte_length,
                           "shape": shape})  # fmt: skip
         return slots
