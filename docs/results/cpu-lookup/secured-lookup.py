@@ -7,7 +7,8 @@ scheduler client's ``lookup`` + ``secure`` and its ``lookup_and_secure`` of the 
 followed by the load's release and its session's end (not timed); the secured slots must be equal.
 ``one_call_server_ms``: the part of the one call the server spent on it (the answer's ``server_s``);
 the rest is the client's encoding and decoding and LMCache's transport. ``probe_ms``: a call the
-server answers without doing anything (the module's probe), after each repetition.
+server answers without doing anything (the module's probe), between repetitions, with a pause
+on either side.
 Run from a tree's root, the stand-in and the tree on the path:
 
     python docs/results/cpu-lookup/secured-lookup.py --tokens 4096 16384 32768 [--reps 40] [--chunk 256] [--pause-ms 0]
@@ -47,7 +48,6 @@ def probe_ms(sched: Any) -> float:
     response = sched.connection.client.server_module_call(request).result(timeout=5)
     spent = (time.perf_counter() - t0) * 1e3
     assert response.payload == secured_lookup.PROBE_ANSWER
-    time.sleep(0.002)
     return spent
 
 
@@ -111,11 +111,13 @@ def main() -> None:
                 sched.release_secured(sid, prompt, 0, n, "", found.load)
                 sched.end_session(sid)
                 time.sleep(args.pause_ms / 1e3)
+                probe = probe_ms(sched)
+                time.sleep(args.pause_ms / 1e3)  # the next call finds the server quiet too, not just probed
                 if rep >= 2:  # two warm-up reps
                     timed["apart"].append((t1 - t0) * 1e3)
                     timed["one_call"].append((t3 - t2) * 1e3)
                     timed["one_call_server"].append(found.server_s * 1e3)
-                    timed["probe"].append(probe_ms(sched))
+                    timed["probe"].append(probe)
             summary = {f"{name}_ms": {"median": round(statistics.median(v), 2),
                                       "p90": round(statistics.quantiles(v, n=10)[-1], 2)}
                        for name, v in timed.items()}  # fmt: skip
