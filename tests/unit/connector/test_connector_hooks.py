@@ -94,6 +94,15 @@ class FakeBackend:
     def abandoned_load_blocks(self) -> frozenset[int]:
         return frozenset()
 
+    def note_saving(self, request_id: int, llm_request: Any) -> None:
+        pass
+
+    def forget_saving(self, request_id: int) -> None:
+        pass
+
+    def ended_saving_requests(self) -> frozenset[int]:
+        return frozenset()
+
     def store(self, op: wire.TransferOp) -> int:
         if self.fail:
             raise BackendError("store", self.fail)

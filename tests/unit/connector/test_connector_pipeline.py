@@ -70,6 +70,28 @@ def test_a_fence_takes_queued_ops_on_its_blocks_and_waits_for_the_running_one() 
     assert not fenced.is_alive()
 
 
+def test_a_request_fence_takes_that_requests_queued_ops_and_waits_for_its_running_one() -> None:
+    gate = _Gate()
+    pipeline = OpPipeline("test", gate)
+    pipeline.start()
+    pipeline.submit([(_op(1, (0,)), "e1"), (_op(2, (0,)), "e2"), (_op(1, (7,)), "e3")])
+    assert gate.started.wait(10)  # request 1's first op runs, held by the gate
+    taken: list[tuple[int, Any]] = []
+    fenced = threading.Thread(
+        target=pipeline.fence_requests, args=(frozenset({1}), lambda op, e: taken.append((op.request_id, e)))
+    )
+    fenced.start()
+    fenced.join(0.2)
+    assert fenced.is_alive(), "the fence waits while the request's op runs"
+    assert taken == [(1, "e3")], "request 2's op on the same block stays queued"
+    assert pipeline.pending_requests() == {1, 2}
+    gate.release.set()
+    fenced.join(10)
+    assert not fenced.is_alive()
+    _wait_idle(pipeline)
+    assert gate.ran == [1, 2]
+
+
 def test_an_op_that_raises_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     ran: list[int] = []
 

@@ -59,16 +59,23 @@ class OpPipeline:
     def fence(self, touched: frozenset[int], taken: Callable[[TransferOp, Any], None]) -> None:
         """Take every queued op naming one of ``touched`` blocks out of the queue (``taken(op, event)``
         for each, in order, under the lock), then wait until the running op names none of them."""
+        self._take_out(lambda op: not touched.isdisjoint(op.pages()), taken)
+
+    def fence_requests(self, requests: frozenset[int], taken: Callable[[TransferOp, Any], None]) -> None:
+        """As ``fence``, for the ops of ``requests`` whatever blocks they name."""
+        self._take_out(lambda op: op.request_id in requests, taken)
+
+    def _take_out(self, matches: Callable[[TransferOp], bool], taken: Callable[[TransferOp, Any], None]) -> None:
         with self._cv:
             keep: deque[Work] = deque()
             for op, event in self._queue:
-                if touched.isdisjoint(op.pages()):
+                if not matches(op):
                     keep.append((op, event))
                     continue
                 self._done(op.request_id)
                 taken(op, event)
             self._queue = keep
-            self._cv.wait_for(lambda: self._current is None or touched.isdisjoint(self._current.pages()))
+            self._cv.wait_for(lambda: self._current is None or not matches(self._current))
 
     def pending_requests(self) -> frozenset[int]:
         """Requests with an op queued or running."""

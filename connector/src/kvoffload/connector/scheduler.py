@@ -378,6 +378,7 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
         known to have ended (``ended`` False: reaped because its blocks went to another) keeps its
         key scope until its ``LlmRequest`` is finished, should TensorRT-LLM still run it."""
         self._unpark(request_id)
+        self._backend.forget_saving(request_id)
         state = self._requests.pop(request_id, None)
         if ended:
             self._reaped_scopes.take(request_id)
@@ -597,6 +598,8 @@ class KvoffloadConnectorScheduler(ConnectorRole, KvCacheConnectorScheduler):
             span = (span[0], end)
         saves.append(self._op(state, span[0], span[1], 0))
         state.stored_upto = span[1]
+        if not state.saves_issued and state.llm_request is not None:
+            self._backend.note_saving(state.request_id, state.llm_request)
         state.saves_issued += 1
 
     def _op(

@@ -358,6 +358,15 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         """
         self._saves.fence(fresh, self._save_dropped)
 
+    def _end_saves(self, requests: frozenset[int]) -> None:
+        """Saves of requests TensorRT-LLM finished without ``request_finished`` (cancelled) end now,
+        before its next ``prepare_resources``: that one may copy into a block they read (partial
+        reuse, copy-on-partial-reuse: both on by default), before ``start_load_kv``'s fence. Queued
+        ones are dropped; the one being copied is waited for (its copy and its stream's end). The
+        scheduler that knows of the cancel shares this process with rank 0's worker only: under
+        tensor parallelism the other ranks' saves still rely on ``start_load_kv``'s fence."""
+        self._saves.fence_requests(requests, self._save_dropped)
+
     def _save_dropped(self, op: wire.TransferOp, event: Any) -> None:
         self._metrics.error("store", "blocks_reused")
         logger.debug("event=save_dropped request=%d reason=blocks_reused", op.request_id)
@@ -436,6 +445,9 @@ class KvoffloadConnectorWorker(ConnectorRole, KvCacheConnectorWorker):
         abandoned = self._copies.abandoned_load_blocks()
         if abandoned:
             self._land_abandoned_loads(abandoned)
+        ended = self._copies.ended_saving_requests()
+        if ended and self._saves.started:
+            self._end_saves(ended)
         with self._failures_lock:
             failures, self._load_failures = self._load_failures, []
         for op, error in failures:  # reported as loaded: the request's first forward then fails it

@@ -81,8 +81,35 @@ class ParkedLoads:
         )
 
 
+class SavingRequests:
+    """Rank 0's requests with saves planned, by id, and their ``LlmRequest``. TensorRT-LLM (1.2, main)
+    frees a request it cancels or fails at once, without ``request_finished``; its next
+    ``prepare_resources`` may copy into one of the freed blocks (partial reuse) before
+    ``start_load_kv``'s save fence runs, so the worker in this process ends such a request's saves in
+    ``get_finished`` (``ended``). A request that ended through ``request_finished`` is forgotten there
+    (its blocks stay held until its saves are done)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[int, Any] = {}
+
+    def note(self, request_id: int, llm_request: Any) -> None:
+        with self._lock:
+            self._requests[request_id] = llm_request
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def ended(self) -> frozenset[int]:
+        """Requests TensorRT-LLM has finished (cancelled, failed) that the scheduler still tracks."""
+        with self._lock:
+            requests = list(self._requests.items())
+        return frozenset(rid for rid, request in requests if getattr(request, "is_finished", False) is True)
+
+
 class EngineProcess:
-    """Rank 0's worker backend, parked requests' loads and the load costs per server URL, the COMMITs
+    """Rank 0's worker backend, parked requests' loads, saving requests and the load costs per server URL, the COMMITs
     pending in this process, the cache server the in-process backend hosts here, and the metrics."""
 
     def __init__(self) -> None:
@@ -94,6 +121,7 @@ class EngineProcess:
         """The metrics every role of this process records into, their endpoint and flusher."""
         self._workers: dict[str, LocalWorker] = {}
         self._parked: dict[str, ParkedLoads] = {}
+        self._saving: dict[str, SavingRequests] = {}
         self._costs: dict[str, LoadCosts] = {}
         self._lock = threading.Lock()
 
@@ -107,6 +135,11 @@ class EngineProcess:
         """The parked requests' loads of the engine using ``url`` in this process."""
         with self._lock:
             return self._parked.setdefault(url, ParkedLoads())
+
+    def saving_requests(self, url: str) -> SavingRequests:
+        """The requests with saves planned of the engine using ``url`` in this process."""
+        with self._lock:
+            return self._saving.setdefault(url, SavingRequests())
 
     def attach(self, url: str, worker: LocalWorker) -> None:
         """Rank 0's worker for ``url`` registered its pool in this process."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.connector.backends.base import BackendError, LoadResult
 from kvoffload.connector.backends.commits import PendingCommits
-from kvoffload.connector.backends.engine_process import ParkedLoads
+from kvoffload.connector.backends.engine_process import ParkedLoads, SavingRequests
 from kvoffload.connector.backends.store_reports import StoreReporter
 from kvoffload.connector.wire import TransferOp
 
@@ -24,9 +24,10 @@ class PoolCopies:
     """One worker's loads and stores between TensorRT-LLM's pool and the server's segment."""
 
     def __init__(self, transfers: Callable[[], PoolTransfers | None], *, parked: ParkedLoads,
-                 pending: PendingCommits, reports: StoreReporter | None) -> None:  # fmt: skip
+                 saving: SavingRequests, pending: PendingCommits, reports: StoreReporter | None) -> None:  # fmt: skip
         self._transfers = transfers
         self._parked = parked
+        self._saving = saving
         self._pending = pending
         self._reports = reports
 
@@ -73,6 +74,10 @@ class PoolCopies:
     def abandoned_load_blocks(self) -> frozenset[int]:
         """Blocks written by loads of parked requests TensorRT-LLM finished (cancelled) meanwhile."""
         return self._parked.abandoned_blocks()
+
+    def ended_saving_requests(self) -> frozenset[int]:
+        """Requests with saves planned that TensorRT-LLM finished without ``request_finished`` (cancelled)."""
+        return self._saving.ended()
 
     def release_loaded(self) -> None:
         """After an iteration: release the chunks of the loads copied in it (rank 0)."""

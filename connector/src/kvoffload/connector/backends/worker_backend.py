@@ -81,7 +81,8 @@ class WorkerBackend:
             keys=self._keys, committer=self.committer, metrics=metrics,
         )  # fmt: skip
         self.copies = PoolCopies(lambda: self.transfers, parked=process.parked_loads(settings.server_url),
-                                 pending=process.pending, reports=reports)  # fmt: skip
+                                 saving=process.saving_requests(settings.server_url), pending=process.pending,
+                                 reports=reports)  # fmt: skip
         """What the worker hooks load and store through."""
         # ``heartbeat_once`` looked up at each beat: the stand-in engine stalls a rank's by replacing it.
         self._link.start_heartbeat(
