@@ -98,18 +98,12 @@ def copy_batch_for(blocks: torch.Tensor) -> BatchedCopies | None:
 
 def _copy_runs(blocks: torch.Tensor, runs: list[Run], *, to_pool: bool) -> None:
     """Copy each run between the pool's ``blocks`` and its slot, on the current stream: in one batched
-    call where ``copy_batch_for`` gives one (and it is not refused), else one copy per run. The
-    batched call refuses CUDA's legacy default stream, so copies on it go run by run."""
+    call where ``copy_batch_for`` gives one (and it is not refused), else one copy per run."""
     batch = copy_batch_for(blocks)
-    stream = torch.cuda.current_stream(blocks.device).cuda_stream if blocks.is_cuda else None
-    on_default_stream = stream == 0
-    if (
-        batch is not None
-        and runs
-        and not on_default_stream
-        and batch.issue(run_addresses(blocks, runs, to_pool=to_pool), stream or 0)
-    ):
-        return
+    if batch is not None and runs:
+        stream = torch.cuda.current_stream(blocks.device).cuda_stream if blocks.is_cuda else 0
+        if batch.issue(run_addresses(blocks, runs, to_pool=to_pool), stream):
+            return
     for slot, first, at, n in runs:
         if to_pool:
             blocks[first : first + n].copy_(slot[at : at + n], non_blocking=True)
