@@ -8,8 +8,7 @@ for the same bytes and the same scattered destination blocks, host to device (an
 - ``views``: one ``Tensor.copy_`` per block between views (how ``blockcopy.scatter_chunks`` issues);
 - ``addresses``: one ``cudaMemcpyAsync`` per block from addresses (how ``layer_copies`` issues);
 - ``addresses_2_streams``: the same, blocks alternating between two streams;
-- ``batch``: one ``cudaMemcpyBatchAsync`` for every block (CUDA 12.8+), where the runtime has it, issued
-  by the connector's own ``cuda_runtime.BatchedCopies`` (what a load or a store uses on a GPU).
+- ``batch``: one ``cudaMemcpyBatchAsync`` for every block (CUDA 12.8+), where the runtime has it.
 
 Each from two sources: memory pinned by ``cudaHostAlloc`` (torch's ``pin_memory``) and a shared
 memory segment (``/dev/shm``) pinned by ``cudaHostRegister``, as LMCache's L1 pool is. Timed from the
@@ -36,11 +35,29 @@ from typing import Any
 import torch
 
 from benchmarks.common import scattered_block_ids
-from kvoffload.connector.backends.cuda_runtime import MEMCPY_DEFAULT, batched_copies, runtime
 
 BLOCK_BYTES = 4 << 20
 """A Llama-3-8B block (32 tokens x 32 layers x K and V x 8 heads x 128 x bf16)."""
 TOKENS_PER_BLOCK = 32
+_MEMCPY_DEFAULT = 4
+
+
+def _cudart() -> ctypes.CDLL:
+    for name in ("libcudart.so.13", "libcudart.so.12"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("no CUDA runtime library loaded")
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]  # fmt: skip
 
 
 class HostSource:
@@ -95,8 +112,8 @@ def _ways(lib: ctypes.CDLL, streams: list[torch.cuda.Stream]) -> dict[str, Calla
 
     def addresses(dst: torch.Tensor, src: torch.Tensor, ids: tuple[int, ...], up: bool, n: int = 1) -> None:
         for i, (d, s) in enumerate(_pairs(dst, src, ids)):
-            err = memcpy(d, s, BLOCK_BYTES, MEMCPY_DEFAULT, handles[i % n]) if up else \
-                memcpy(s, d, BLOCK_BYTES, MEMCPY_DEFAULT, handles[i % n])  # fmt: skip
+            err = memcpy(d, s, BLOCK_BYTES, _MEMCPY_DEFAULT, handles[i % n]) if up else \
+                memcpy(s, d, BLOCK_BYTES, _MEMCPY_DEFAULT, handles[i % n])  # fmt: skip
             if err:
                 raise RuntimeError(f"cudaMemcpyAsync: {err}")
 
@@ -106,13 +123,28 @@ def _ways(lib: ctypes.CDLL, streams: list[torch.cuda.Stream]) -> dict[str, Calla
         "addresses": addresses,
         "addresses_2_streams": lambda *a: addresses(*a, n=2),
     }
-    batch = batched_copies()
-    if batch.available:
+    batch = getattr(lib, "cudaMemcpyBatchAsync", None)
+    if batch is not None:
+        major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else 0
 
         def batched(dst: torch.Tensor, src: torch.Tensor, ids: tuple[int, ...], up: bool) -> None:
-            copies = [(d, s, BLOCK_BYTES) if up else (s, d, BLOCK_BYTES) for d, s in _pairs(dst, src, ids)]
-            if not batch.issue(copies, handles[0]):
-                raise RuntimeError("cudaMemcpyBatchAsync refused")
+            pairs = _pairs(dst, src, ids)
+            count = len(pairs)
+            dsts = (ctypes.c_void_p * count)(*[d if up else s for d, s in pairs])
+            srcs = (ctypes.c_void_p * count)(*[s if up else d for d, s in pairs])
+            sizes = (ctypes.c_size_t * count)(*([BLOCK_BYTES] * count))
+            attrs = _MemcpyAttributes(1, _MemLocation(0, 0), _MemLocation(0, 0), 0)  # source order: stream
+            index = (ctypes.c_size_t * 1)(0)
+            stream = ctypes.c_void_p(handles[0])
+            if major >= 13:
+                err = batch(dsts, srcs, sizes, ctypes.c_size_t(count), ctypes.byref(attrs), index,
+                            ctypes.c_size_t(1), stream)  # fmt: skip
+            else:
+                fail = ctypes.c_size_t(0)
+                err = batch(dsts, srcs, sizes, ctypes.c_size_t(count), ctypes.byref(attrs), index,
+                            ctypes.c_size_t(1), ctypes.byref(fail), stream)  # fmt: skip
+            if err:
+                raise RuntimeError(f"cudaMemcpyBatchAsync: {err}")
 
         ways["batch"] = batched
     return ways
@@ -155,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources", nargs="+", default=["host_alloc", "shm_registered"],
                         choices=["host_alloc", "shm_registered"])  # fmt: skip
     args = parser.parse_args(argv)
-    lib = runtime()
-    if lib is None:
-        raise RuntimeError("no CUDA runtime library loaded")
+    lib = _cudart()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     ways = _ways(lib, streams)
     most = max(args.tokens) // TOKENS_PER_BLOCK

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.connector.backends import blockcopy
 from kvoffload.connector.backends.blockcopy import (
     block_runs,
     gather_chunk,
@@ -141,49 +139,3 @@ def test_many_chunks_round_trip_with_a_skip_across_chunk_boundaries(chunks: int,
         assert torch.equal(pool[d].view(torch.int16), want.view(torch.int16)), (i, skip)
     untouched = [b for b in range(nb) if b not in dst[skip:]]
     assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
-
-
-class _HostBatch:
-    """``cudaMemcpyBatchAsync`` done in host memory, now: each ``(destination, source, bytes)`` moved."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.calls: list[int] = []
-        self.refuse = refuse
-
-    def issue(self, copies: list[tuple[int, int, int]], stream: int) -> bool:
-        self.calls.append(len(copies))
-        if self.refuse:
-            return False
-        for dst, src, nbytes in copies:
-            ctypes.memmove(dst, src, nbytes)
-        return True
-
-
-@pytest.mark.parametrize("padded", [False, True], ids=["blocks-back-to-back", "blocks-a-pitch-apart"])
-@pytest.mark.parametrize("refused", [False, True], ids=["batched", "refused-then-per-run"])
-def test_a_batched_call_writes_what_the_per_run_copies_write(
-    monkeypatch: pytest.MonkeyPatch, padded: bool, refused: bool
-) -> None:
-    """A load's and a store's copies handed to the runtime as addresses in one call land where the
-    per-run copies put them, for a pool whose blocks follow each other and one whose blocks sit a
-    wider pitch apart (one copy per block then); a refused call leaves the per-run copies to do it."""
-    nb, nl, nh, bs, hd, bpc = 12, 2, 1, 2, 2, 3
-    backing = torch.stack([_pool(nb, nl, nh, bs, hd), _pool(nb, nl, nh, bs, hd)], dim=1)
-    pool = backing[:, 0] if padded else backing[:, 0].contiguous()  # padded: blocks two blocks' bytes apart
-    src, dst = [7, 8, 1, 4, 5, 6], [2, 3, 9, 10, 11, 0]
-    reference_pool = pool.clone()
-    expected = [_slot(nl, bpc * bs, nh, hd) for _ in range(2)]
-    gather_chunks(reference_pool, src, expected, [0, 1], bpc)
-    scatter_chunks(reference_pool, dst, expected, 1, bpc)
-
-    batch = _HostBatch(refuse=refused)
-    monkeypatch.setattr(blockcopy, "copy_batch_for", lambda blocks: batch)
-    got = [_slot(nl, bpc * bs, nh, hd) for _ in range(2)]
-    gather_chunks(pool, src, got, [0, 1], bpc)
-    scatter_chunks(pool, dst, got, 1, bpc)
-
-    # runs [7, 8] [1] [4, 5, 6]; after the skipped block 2, [3] [9] [10, 11] [0]; padded: one per block
-    assert batch.calls == ([6, 5] if padded else [3, 4])
-    for g, e in zip(got, expected, strict=True):
-        assert torch.equal(g.view(torch.int16), e.view(torch.int16))
-    assert torch.equal(pool.contiguous().view(torch.int16), reference_pool.contiguous().view(torch.int16))

@@ -6,9 +6,7 @@ LMCache's engine-driven protocol the server only stores the bytes of the chunk s
 (PREPARE) and hands them back (RETRIEVE); it never reads them. So a chunk here is **block-native**:
 the raw bytes of its ``blocks_per_chunk`` blocks, in order. A store or a load is then one DMA per
 run of consecutive block ids (at most one per block) between the pool and the (pinned) slot, with
-no reordering kernel and no staging buffer; the copy runs at the host link's speed. On a GPU a
-store's or a load's runs go to the runtime in one ``cudaMemcpyBatchAsync`` where it has it
-(``cuda_runtime``), else one call per run.
+no reordering kernel and no staging buffer; the copy runs at the host link's speed.
 
 The chunk slot's declared shape is LMCache's (``[2, layers, tokens, heads * head_dim]``); only its
 byte size matters here and is checked. Chunks written this way are not LMCache's own layout, so the
@@ -29,8 +27,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-
-from kvoffload.connector.backends.cuda_runtime import BatchedCopies, batched_copies
 
 
 def block_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -68,49 +64,6 @@ def slot_blocks(slot: torch.Tensor, blocks_per_chunk: int, block_bytes: int) -> 
     return flat.view(blocks_per_chunk, block_bytes)
 
 
-Run = tuple[torch.Tensor, int, int, int]
-"""A run of consecutive pool blocks and the slot rows they pair with: ``(slot, first pool block,
-first slot row, blocks)``."""
-
-
-def run_addresses(blocks: torch.Tensor, runs: Sequence[Run], *, to_pool: bool) -> list[tuple[int, int, int]]:
-    """The copies of ``runs`` as ``(destination address, source address, bytes)``: one per run, or
-    one per block where the pool's blocks are not back to back (a pitch wider than a block)."""
-    pitch, width = int(blocks.stride(0)), int(blocks.shape[1])
-    pool, copies = blocks.data_ptr(), []
-    for slot, first, at, n in runs:
-        base = slot.data_ptr() + at * width
-        spans = [(first, 0, n)] if pitch == width else [(first + k, k, 1) for k in range(n)]
-        for block, row, count in spans:
-            pool_at, slot_at = pool + block * pitch, base + row * width
-            copies.append((pool_at, slot_at, count * width) if to_pool else (slot_at, pool_at, count * width))
-    return copies
-
-
-def copy_batch_for(blocks: torch.Tensor) -> BatchedCopies | None:
-    """Who issues a load's or a store's copies of ``blocks`` in one call: this process's
-    ``cudaMemcpyBatchAsync`` on a GPU where the runtime has it; None (one copy per run) otherwise."""
-    if not blocks.is_cuda:
-        return None
-    batch = batched_copies()
-    return batch if batch.available else None
-
-
-def _copy_runs(blocks: torch.Tensor, runs: list[Run], *, to_pool: bool) -> None:
-    """Copy each run between the pool's ``blocks`` and its slot, on the current stream: in one batched
-    call where ``copy_batch_for`` gives one (and it is not refused), else one copy per run."""
-    batch = copy_batch_for(blocks)
-    if batch is not None and runs:
-        stream = torch.cuda.current_stream(blocks.device).cuda_stream if blocks.is_cuda else 0
-        if batch.issue(run_addresses(blocks, runs, to_pool=to_pool), stream):
-            return
-    for slot, first, at, n in runs:
-        if to_pool:
-            blocks[first : first + n].copy_(slot[at : at + n], non_blocking=True)
-        else:
-            slot[at : at + n].copy_(blocks[first : first + n], non_blocking=True)
-
-
 def gather_chunks(
     pool: torch.Tensor,
     block_ids: Sequence[int],
@@ -120,12 +73,11 @@ def gather_chunks(
 ) -> None:
     """Copy chunk ``chunk_indices[i]`` of ``block_ids`` (its blocks, in order) into the slot ``outs[i]``."""
     blocks = pool_blocks(pool)
-    runs: list[Run] = []
     for out, c in zip(outs, chunk_indices, strict=True):
         slot = slot_blocks(out, blocks_per_chunk, blocks.shape[1])
         ids = block_ids[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]
-        runs.extend((slot, first, pos, n) for pos, first, n in block_runs(ids))
-    _copy_runs(blocks, runs, to_pool=False)
+        for pos, first, n in block_runs(ids):
+            slot[pos : pos + n].copy_(blocks[first : first + n], non_blocking=True)
 
 
 def scatter_chunks(
@@ -137,11 +89,11 @@ def scatter_chunks(
 ) -> None:
     """Write ``chunks`` (consecutive, from the first) into ``block_ids``, leaving the first ``skip_blocks`` untouched."""
     blocks = pool_blocks(pool)
-    runs: list[Run] = []
     for i, first_kept, start, end in kept_chunk_blocks(len(chunks), blocks_per_chunk, skip_blocks):
         slot = slot_blocks(chunks[i], blocks_per_chunk, blocks.shape[1])
-        runs.extend((slot, first, first_kept + pos, n) for pos, first, n in block_runs(block_ids[start:end]))
-    _copy_runs(blocks, runs, to_pool=True)
+        for pos, first, n in block_runs(block_ids[start:end]):
+            at = first_kept + pos
+            blocks[first : first + n].copy_(slot[at : at + n], non_blocking=True)
 
 
 def gather_chunk(pool: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor) -> None:

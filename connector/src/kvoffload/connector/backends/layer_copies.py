@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -27,7 +28,6 @@ import torch
 
 from kvoffload.connector.backends.base import LoadResult
 from kvoffload.connector.backends.blockcopy import CopyMark, block_runs, kept_chunk_blocks, pool_blocks, slot_blocks
-from kvoffload.connector.backends.cuda_runtime import MEMCPY_DEFAULT, runtime
 
 MAX_COPY_CALLS = 4096
 """Copy calls one layer-wise load may issue at most (spans x runs of blocks): about 45 ms of host time."""
@@ -35,6 +35,8 @@ COPY_CALL_SECONDS = 11e-6
 """Host time of one copy call as issued here (an H100 host, 2026-12-07: 44 ms for 4,096 calls)."""
 COPY_BYTES_PER_S = 45e9
 """A pinned host-to-device copy (PCIe 5 on an H100 or H200: 45-55 GB/s), for the span count only."""
+
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 
 
 def layer_spans(num_layers: int, runs: int, max_calls: int | None = None, load_bytes: int | None = None
@@ -54,10 +56,28 @@ def layer_spans(num_layers: int, runs: int, max_calls: int | None = None, load_b
     return [(bounds[i], bounds[i + 1]) for i in range(spans)]
 
 
+@functools.cache
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime torch runs on (its soname is already loaded), or None without one."""
+    for name in ("libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        fn = lib.cudaMemcpy2DAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
+        fn.restype = ctypes.c_int
+        return lib
+    return None
+
+
 def rows_copy_available(device: torch.device) -> bool:
     """Whether layer-wise copies can be issued into a pool on ``device`` (always on CPU; on a GPU,
     with the CUDA runtime's 2-D copy)."""
-    return device.type == "cpu" or (device.type == "cuda" and runtime() is not None)
+    return device.type == "cpu" or (device.type == "cuda" and _cudart() is not None)
 
 
 def _copy_rows_on_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int) -> None:
@@ -140,12 +160,12 @@ class RowRuns:
             for dst, src, rows in self.runs:
                 _copy_rows_on_host(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows)
             return
-        lib = runtime()
+        lib = _cudart()
         if lib is None:
             raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
         memcpy_2d = lib.cudaMemcpy2DAsync
         for dst, src, rows in self.runs:
-            status = memcpy_2d(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows, MEMCPY_DEFAULT,
+            status = memcpy_2d(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows, _CUDA_MEMCPY_DEFAULT,
                                stream)  # fmt: skip
             if status:
                 raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {status}")
