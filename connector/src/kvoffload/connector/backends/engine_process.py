@@ -53,59 +53,51 @@ class LocalWorker(Protocol):
     ) -> SecuredHit | None: ...  # fmt: skip
 
 
-class ParkedLoads:
-    """The asynchronous loads rank 0's scheduler issued for parked requests, by request: the blocks
-    each writes and the request's ``LlmRequest``. TensorRT-LLM (1.2, main) frees a parked request it
-    cancels at once and stores its blocks for reuse; its next ``prepare_resources`` may copy one
-    (partial reuse) or hand it out before any hook of the connector runs, so the worker in this
-    process lands such loads in ``get_finished`` (``abandoned_blocks``)."""
+class FinishedWatch:
+    """Requests rank 0's scheduler tracks by id, each with its ``LlmRequest`` and what the worker must
+    settle should TensorRT-LLM finish the request unannounced. TensorRT-LLM (1.2, main) frees a request
+    it cancels or fails at once, without ``request_finished``, and its next ``prepare_resources`` may
+    copy into one of the freed blocks (partial reuse) or hand it out before any hook of the connector
+    runs; so the worker in this process settles such requests in ``get_finished`` (``finished``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._loads: dict[int, tuple[Any, frozenset[int]]] = {}
+        self._tracked: dict[int, tuple[Any, frozenset[int]]] = {}
 
-    def park(self, request_id: int, llm_request: Any, blocks: frozenset[int]) -> None:
+    def track(self, request_id: int, llm_request: Any, blocks: frozenset[int] = frozenset()) -> None:
         with self._lock:
-            self._loads[request_id] = (llm_request, blocks)
+            self._tracked[request_id] = (llm_request, blocks)
 
-    def unpark(self, request_id: int) -> None:
+    def untrack(self, request_id: int) -> None:
         with self._lock:
-            self._loads.pop(request_id, None)
+            self._tracked.pop(request_id, None)
+
+    def finished(self) -> dict[int, frozenset[int]]:
+        """The tracked requests TensorRT-LLM has finished, each with the blocks it was tracked with."""
+        with self._lock:
+            tracked = list(self._tracked.items())
+        return {rid: blocks for rid, (request, blocks) in tracked if getattr(request, "is_finished", False) is True}
+
+
+class ParkedLoads(FinishedWatch):
+    """The asynchronous loads rank 0's scheduler issued for parked requests: the blocks each writes.
+    A parked request cancelled while its load runs has that load landed in ``get_finished``
+    (``abandoned_blocks``) before a copy or another request may touch the blocks."""
 
     def abandoned_blocks(self) -> frozenset[int]:
         """Blocks written by loads of parked requests that TensorRT-LLM has finished (cancelled)."""
-        with self._lock:
-            loads = list(self._loads.values())
-        return frozenset(
-            block for request, blocks in loads if getattr(request, "is_finished", False) is True for block in blocks
-        )
+        return frozenset(block for blocks in self.finished().values() for block in blocks)
 
 
-class SavingRequests:
-    """Rank 0's requests with saves planned, by id, and their ``LlmRequest``. TensorRT-LLM (1.2, main)
-    frees a request it cancels or fails at once, without ``request_finished``; its next
-    ``prepare_resources`` may copy into one of the freed blocks (partial reuse) before
-    ``start_load_kv``'s save fence runs, so the worker in this process ends such a request's saves in
-    ``get_finished`` (``ended``). A request that ended through ``request_finished`` is forgotten there
-    (its blocks stay held until its saves are done)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: dict[int, Any] = {}
-
-    def note(self, request_id: int, llm_request: Any) -> None:
-        with self._lock:
-            self._requests[request_id] = llm_request
-
-    def forget(self, request_id: int) -> None:
-        with self._lock:
-            self._requests.pop(request_id, None)
+class SavingRequests(FinishedWatch):
+    """Rank 0's requests with saves planned. One cancelled or failed has its saves ended in
+    ``get_finished`` (``ended``): a save still running would read a block the next
+    ``prepare_resources`` copies into. A request that ended through ``request_finished`` is no longer
+    tracked (its blocks stay held until its saves are done)."""
 
     def ended(self) -> frozenset[int]:
         """Requests TensorRT-LLM has finished (cancelled, failed) that the scheduler still tracks."""
-        with self._lock:
-            requests = list(self._requests.items())
-        return frozenset(rid for rid, request in requests if getattr(request, "is_finished", False) is True)
+        return frozenset(self.finished())
 
 
 class EngineProcess:

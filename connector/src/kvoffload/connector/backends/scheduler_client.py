@@ -240,16 +240,16 @@ class SchedulerClient:
 
     def park_load(self, request_id: int, llm_request: object, blocks: frozenset[int]) -> None:
         """A parked request's asynchronous load writes ``blocks`` (the worker lands it if TensorRT-LLM cancels the request)."""
-        self._process.parked_loads(self._url).park(request_id, llm_request, blocks)
+        self._process.parked_loads(self._url).track(request_id, llm_request, blocks)
 
     def unpark_load(self, request_id: int) -> None:
         """The request is back from its load, or gone."""
-        self._process.parked_loads(self._url).unpark(request_id)
+        self._process.parked_loads(self._url).untrack(request_id)
 
     def note_saving(self, request_id: int, llm_request: object) -> None:
         """The request has saves planned (the worker ends them if TensorRT-LLM cancels the request)."""
-        self._process.saving_requests(self._url).note(request_id, llm_request)
+        self._process.saving_requests(self._url).track(request_id, llm_request)
 
     def forget_saving(self, request_id: int) -> None:
         """The request ended through ``request_finished``, or its state went."""
-        self._process.saving_requests(self._url).forget(request_id)
+        self._process.saving_requests(self._url).untrack(request_id)
