@@ -35,20 +35,12 @@ from typing import Any
 import torch
 
 from benchmarks.common import scattered_block_ids
+from kvoffload.connector.backends.layer_copies import cuda_runtime
 
 BLOCK_BYTES = 4 << 20
 """A Llama-3-8B block (32 tokens x 32 layers x K and V x 8 heads x 128 x bf16)."""
 TOKENS_PER_BLOCK = 32
 _MEMCPY_DEFAULT = 4
-
-
-def _cudart() -> ctypes.CDLL:
-    for name in ("libcudart.so.13", "libcudart.so.12"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise RuntimeError("no CUDA runtime library loaded")
 
 
 class _MemLocation(ctypes.Structure):
@@ -187,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources", nargs="+", default=["host_alloc", "shm_registered"],
                         choices=["host_alloc", "shm_registered"])  # fmt: skip
     args = parser.parse_args(argv)
-    lib = _cudart()
+    lib = cuda_runtime()
+    if lib is None:
+        raise RuntimeError("no CUDA runtime library loaded")
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     ways = _ways(lib, streams)
     most = max(args.tokens) // TOKENS_PER_BLOCK

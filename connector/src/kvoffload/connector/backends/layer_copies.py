@@ -57,7 +57,7 @@ def layer_spans(num_layers: int, runs: int, max_calls: int | None = None, load_b
 
 
 @functools.cache
-def _cudart() -> ctypes.CDLL | None:
+def cuda_runtime() -> ctypes.CDLL | None:
     """The CUDA runtime torch runs on (its soname is already loaded), or None without one."""
     for name in ("libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")):
         if not name:
@@ -77,7 +77,7 @@ def _cudart() -> ctypes.CDLL | None:
 def rows_copy_available(device: torch.device) -> bool:
     """Whether layer-wise copies can be issued into a pool on ``device`` (always on CPU; on a GPU,
     with the CUDA runtime's 2-D copy)."""
-    return device.type == "cpu" or (device.type == "cuda" and _cudart() is not None)
+    return device.type == "cpu" or (device.type == "cuda" and cuda_runtime() is not None)
 
 
 def _copy_rows_on_host(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, rows: int) -> None:
@@ -160,7 +160,7 @@ class RowRuns:
             for dst, src, rows in self.runs:
                 _copy_rows_on_host(dst + offset, pool_pitch, src + offset, slot_pitch, width, rows)
             return
-        lib = _cudart()
+        lib = cuda_runtime()
         if lib is None:
             raise RuntimeError("the CUDA runtime's cudaMemcpy2DAsync is not available")
         memcpy_2d = lib.cudaMemcpy2DAsync
