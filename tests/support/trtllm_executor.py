@@ -449,6 +449,10 @@ KV_CACHE_MANAGER_V2_VERSIONS = tuple(
     v for v, b in TRTLLM_VERSIONS.items() if b.kv_cache_manager_v2_with_connector == "served"
 )
 """The versions on which a connector runs on KVCacheManagerV2: every V2 test runs on each."""
+V2_WITHOUT_RESERVATIONS = next(v for v in KV_CACHE_MANAGER_V2_VERSIONS if not TRTLLM_VERSIONS[v].prefix_reservations)
+"""The newest version whose KVCacheManagerV2 frees a cancelled request at once (main's prefix
+reservations keep a parked request's pages until its load finished on every rank:
+test_connector_prefix_reservations)."""
 
 
 def returned_by_every_rank(votes: dict[int, int], per_rank: list[list[int]], ranks: int) -> list[int]:

@@ -16,8 +16,8 @@ from tests.support.lmcache_server import LMCacheServer
 from tests.support.trtllm_executor import (
     BLOCK,
     CHUNK,
-    KV_CACHE_MANAGER_V2_VERSIONS,
     TRTLLM_VERSIONS,
+    V2_WITHOUT_RESERVATIONS,
     PromptRequest,
     make_prompt,
 )
@@ -25,9 +25,6 @@ from tests.support.trtllm_executor import (
 pytestmark = pytest.mark.connector
 
 PAIRS_PER_ROUND = 20
-LEGACY_V2 = next(v for v in KV_CACHE_MANAGER_V2_VERSIONS if not TRTLLM_VERSIONS[v].prefix_reservations)
-"""The newest version whose KVCacheManagerV2 frees a cancelled parked request at once (main's prefix
-reservations keep its pages until its load finished on every rank: test_connector_prefix_reservations)."""
 LOADED = 2 * CHUNK
 """Tokens each parked request loads: its prompt is ``LOADED`` + 5 tokens, so the blocks TensorRT-LLM
 stores for reuse at its cancel are exactly the ones its load writes."""
@@ -74,7 +71,7 @@ def cancel_and_retry_rounds(ex: Any, rounds: int, first_id: int) -> list[int]:
 @pytest.mark.parametrize(
     ("version", "manager_v2", "overlap", "rounds"),
     [("main", False, overlap, 10) for overlap in (False, True)]
-    + [(LEGACY_V2, True, overlap, 10) for overlap in (False, True)]
+    + [(V2_WITHOUT_RESERVATIONS, True, overlap, 10) for overlap in (False, True)]
     + [(v, False, False, 2) for v in sorted(TRTLLM_VERSIONS) if v != "main"],
 )
 def test_a_retry_never_reads_kv_a_cancelled_parked_request_is_still_loading(
@@ -151,7 +148,7 @@ def test_a_partial_reuse_copy_never_reads_a_block_a_cancelled_parked_request_is_
     slow_async_loads(monkeypatch, 0.05)
     ex = executor_factory(f"partial-copy-{manager_v2}-{overlap}-model", lmcache_server.url,
                           num_blocks=2 * PAIRS_PER_ROUND * 12, overlap_scheduler=overlap, enable_partial_reuse=True,
-                          version=LEGACY_V2 if manager_v2 else "main",
+                          version=V2_WITHOUT_RESERVATIONS if manager_v2 else "main",
                           llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
     rid = 50_000
     prompts = [make_prompt(rid + i, LOADED + 5) for i in range(PAIRS_PER_ROUND)]

@@ -13,7 +13,13 @@ import pytest
 
 from kvoffload.connector.backends.pool_copies import PoolCopies
 from tests.support.lmcache_server import LMCacheServer
-from tests.support.trtllm_executor import BLOCK, CHUNK, PromptRequest, make_prompt
+from tests.support.trtllm_executor import (
+    BLOCK,
+    CHUNK,
+    V2_WITHOUT_RESERVATIONS,
+    PromptRequest,
+    make_prompt,
+)
 
 pytestmark = pytest.mark.connector
 
@@ -37,9 +43,17 @@ def slow_saves(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(PoolCopies, "store", slow)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain-loop", "overlap-loop"])
+@pytest.mark.parametrize(
+    ("manager_v2", "overlap"),
+    [(False, False), (False, True), (True, False)],
+    ids=["v1", "v1-overlap", "kv-cache-manager-v2"],
+)
 def test_a_partial_reuse_copy_into_a_cancelled_requests_block_never_reaches_its_saved_kv(
-    lmcache_server: LMCacheServer, executor_factory: Any, monkeypatch: pytest.MonkeyPatch, overlap: bool
+    lmcache_server: LMCacheServer,
+    executor_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    manager_v2: bool,
+    overlap: bool,
 ) -> None:
     """P computes its prompt, its save is queued on the saver thread (slowed to 50 ms) and P is
     cancelled in that iteration. The pool is sized so that the next iteration's allocation hands P's
@@ -54,8 +68,10 @@ def test_a_partial_reuse_copy_into_a_cancelled_requests_block_never_reaches_its_
         p_tokens = make_prompt(2000 + round_, SAVED + 5)
         # Q's whole blocks (reusable once it ends) and P's (8 whole, 1 partial) fill the pool exactly.
         num_blocks = SOURCE_BLOCKS + SAVED // BLOCK + 1
-        ex = executor_factory(f"cancel-save-{overlap}-{round_}-model", lmcache_server.url, num_blocks=num_blocks,
-                              overlap_scheduler=overlap, enable_partial_reuse=True)  # fmt: skip
+        ex = executor_factory(f"cancel-save-{manager_v2}-{overlap}-{round_}-model", lmcache_server.url,
+                              num_blocks=num_blocks, overlap_scheduler=overlap, enable_partial_reuse=True,
+                              version=V2_WITHOUT_RESERVATIONS if manager_v2 else "main",
+                              llm_args={"kv_cache_manager_v2": manager_v2})  # fmt: skip
         assert not ex.run([PromptRequest(1, q_tokens, 1)])[0].failed
         shared = (SOURCE_BLOCKS - 1) * BLOCK + BLOCK // 2  # Q's first two blocks, half of its third
         p, x, r = ex.run([
